@@ -1,0 +1,3 @@
+from mergepipe.cli import main
+
+raise SystemExit(main())

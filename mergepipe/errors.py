@@ -1,0 +1,42 @@
+"""Error types. Only `cli.main` catches these; each maps to an exit code and
+prints as one line that says what went wrong, where, and how to fix it."""
+
+
+class MergepipeError(Exception):
+    exit_code = 1
+
+
+class ConfigError(MergepipeError):
+    """Bad params.yaml / CLI arguments / mergekit config."""
+
+    exit_code = 2
+
+
+class CheckpointError(MergepipeError):
+    """Malformed, hostile or mismatched checkpoint (file and tensor named)."""
+
+    exit_code = 3
+
+
+class BudgetError(MergepipeError):
+    """The budget cannot be honoured or parsed."""
+
+    exit_code = 4
+
+
+class MethodError(MergepipeError):
+    """A merge method cannot run with these parameters or inputs."""
+
+    exit_code = 5
+
+
+class IntegrityError(MergepipeError):
+    """Bytes on disk do not match their recorded hash (tampering, corruption, stale index)."""
+
+    exit_code = 6
+
+
+class OutputError(MergepipeError):
+    """The output location is unusable (is an input, is a file, is locked, disk full)."""
+
+    exit_code = 7

@@ -1,0 +1,64 @@
+"""What a merge method sees: one block of the base and of each expert's delta,
+plus what the whole tensor contributes (exact top-k cuts from the index).
+Pure data; no I/O."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from blake3 import blake3
+
+
+@dataclass(frozen=True, slots=True)
+class RankCut:
+    """Where the `rank` largest |delta| of a whole tensor end, seen from one block.
+
+    Order is (|delta| descending, flat index ascending), so "the rank largest" is
+    exact even with ties: keep every element with |delta| > value, then the first
+    `eq_keep` elements of this block whose |delta| == value (flat order).
+    rank == 0 keeps nothing (value = inf).
+    """
+
+    rank: int
+    value: float
+    eq_keep: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlock:
+    name: str
+    content_hash: str
+    weight: float
+    # fp32 delta (expert - base) for this block; None when the plan did not read it
+    # or the block is byte-identical to the base: it contributes nothing.
+    delta: torch.Tensor | None
+    density: float = 1.0
+    gamma: float = 0.01
+    # rank -> RankCut for this block; backed by the index, so a budgeted merge
+    # never rereads a tensor to find its magnitude thresholds.
+    cut: Callable[[int], RankCut] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInputs:
+    tensor: str
+    row_start: int
+    row_end: int
+    tensor_shape: tuple[int, ...]
+    base: torch.Tensor  # fp32, this block's rows of the base
+    experts: tuple[ExpertBlock, ...]  # canonical order: sorted by content hash
+    seed: int = 0
+
+    @property
+    def tensor_numel(self) -> int:
+        n = 1
+        for d in self.tensor_shape:
+            n *= d
+        return n
+
+
+def block_rng(seed: int, expert_hash: str, tensor: str, row_start: int) -> torch.Generator:
+    """Generator for one (expert, block): independent of order, threads and budget."""
+    digest = blake3(f"{seed}:{expert_hash}:{tensor}:{row_start}".encode()).digest(8)
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
