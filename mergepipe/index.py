@@ -1,0 +1,349 @@
+"""Content index of checkpoints, built once and cached by content.
+
+ModelIndex (one checkpoint): per-block blake3 of whole-row blocks, and a content
+hash over (name, dtype, shape, block hashes) in name order, so it does not depend
+on sharding. DeltaIndex (an expert against a base): per block ||delta||_2, max
+|delta|, nonzeros and an identical-to-base flag; per tensor ||delta||_1,
+||delta||_2 and exact |delta| rank cuts on the 0.00..1.00 density grid, so TIES
+and Breadcrumbs thresholds are known without rereading the expert.
+
+Exact rank cuts without holding a tensor: pass 1 histograms |delta| over the upper
+16 bits of its fp32 pattern (monotone for non-negative floats), which locates the
+bin of every target rank; pass 2 histograms the lower 16 bits of just the elements
+in those bins, which gives exact values; pass 3 (only when a cut splits a run of
+equal values) counts, per block, the elements equal to that value. Tensors up to
+`cache_bytes` of fp32 keep |delta| in memory between passes; larger ones are
+reread (counted as index reads).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+from mergepipe.blocks import block_ranges
+from mergepipe.errors import CheckpointError
+from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo, as_tensor
+
+GRID = [i / 100 for i in range(101)]  # i/100 is the same float as the literal, as mergekit parses it
+HI_BINS = 1 << 15  # sign bit is 0 for |x|
+
+
+def grid_ranks(n: int) -> list[int]:
+    """Ranks whose cuts the index stores: int(p*n) and int(p*n)-1 for p on the grid.
+
+    int(p*n) is TIES's k (mergekit: int(density * numel)); the -1 variant covers
+    Breadcrumbs' lower rank int(gamma*n) + int(rho*n).
+    """
+    ranks = set()
+    for p in GRID:
+        k = int(p * n)
+        ranks.update((k, max(0, k - 1)))
+    return sorted(ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIndex:
+    content_hash: str
+    block_bytes: int
+    tensors: dict[str, TensorEntry]  # checkpoint order
+
+    def to_json(self) -> dict:
+        return {"content_hash": self.content_hash, "block_bytes": self.block_bytes,
+                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "ranges": [list(r) for r in t.ranges], "hashes": list(t.hashes)}
+                            for t in self.tensors.values()]}
+
+    @staticmethod
+    def from_json(d: dict) -> ModelIndex:
+        tensors = {t["name"]: TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
+                                          tuple(tuple(r) for r in t["ranges"]), tuple(t["hashes"]))
+                   for t in d["tensors"]}
+        return ModelIndex(d["content_hash"], d["block_bytes"], tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDelta:
+    name: str
+    numel: int
+    l1: float
+    l2: float
+    nonfinite: int
+    block_l2: tuple[float, ...]
+    block_max: tuple[float, ...]
+    block_nnz: tuple[int, ...]
+    identical: tuple[bool, ...]
+    ranks: tuple[int, ...]
+    values: tuple[float, ...]  # |delta| at each rank (inf for rank 0)
+    count_gt: tuple[int, ...]  # elements with |delta| > value
+    count_eq: tuple[int, ...]  # elements with |delta| == value
+    # rank position -> per-block count of elements == value; only where a cut
+    # splits a run of equal values (0 < rank - count_gt < count_eq)
+    block_eq: dict[int, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaIndex:
+    expert_hash: str
+    base_hash: str
+    block_bytes: int
+    tensors: dict[str, TensorDelta]
+
+    def to_json(self) -> dict:
+        out = []
+        for t in self.tensors.values():
+            d = {f: getattr(t, f) for f in TensorDelta.__slots__}
+            d["block_eq"] = {str(k): list(v) for k, v in sorted(t.block_eq.items())}
+            d["values"] = [_enc_float(v) for v in t.values]
+            out.append({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
+        return {"expert_hash": self.expert_hash, "base_hash": self.base_hash,
+                "block_bytes": self.block_bytes, "tensors": out}
+
+    @staticmethod
+    def from_json(d: dict) -> DeltaIndex:
+        tensors = {}
+        for t in d["tensors"]:
+            kw = {k: tuple(v) if isinstance(v, list) else v for k, v in t.items()}
+            kw["values"] = tuple(_dec_float(v) for v in t["values"])
+            kw["identical"] = tuple(bool(x) for x in t["identical"])
+            kw["block_eq"] = {int(k): tuple(v) for k, v in t["block_eq"].items()}
+            tensors[t["name"]] = TensorDelta(**kw)
+        return DeltaIndex(d["expert_hash"], d["base_hash"], d["block_bytes"], tensors)
+
+
+def _enc_float(v: float) -> float | str:
+    return v if math.isfinite(v) else repr(v)
+
+
+def _dec_float(v: float | str) -> float:
+    return float(v)
+
+
+def content_hash(tensors: dict[str, TensorEntry]) -> str:
+    """blake3 over (name, dtype, shape, block hashes) in name order: sharding-independent."""
+    h = blake3()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, t.dtype, list(t.shape), list(t.hashes)]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _blocks(t: TensorInfo, block_bytes: int) -> list[tuple[int, int]]:
+    return block_ranges(t.shape, t.itemsize, block_bytes)
+
+
+def _block_shape(t: TensorInfo, r: tuple[int, int]) -> tuple[int, ...]:
+    return (r[1] - r[0], *t.shape[1:]) if t.shape else ()
+
+
+def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int) -> TensorEntry:
+    ranges = _blocks(t, block_bytes)
+    hashes = [blake3(reader.read_rows(t.name, a, b)).hexdigest() for a, b in ranges]
+    return TensorEntry(t.name, t.dtype, t.shape, tuple(ranges), tuple(hashes))
+
+
+def build_model_index(ckpt: Checkpoint, *, block_bytes: int, threads: int = 2,
+                      counter: ReadCounter | None = None) -> ModelIndex:
+    """Hash every block of a checkpoint (one read of every byte)."""
+    with CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            entries = list(pool.map(lambda t: _hash_tensor(reader, t, block_bytes), ckpt.tensors.values()))
+    tensors = {e.name: e for e in entries}
+    return ModelIndex(content_hash(tensors), block_bytes, tensors)
+
+
+def check_compatible(base: Checkpoint, expert: Checkpoint) -> None:
+    """Same names, shapes and dtypes, else a CheckpointError listing the first mismatches."""
+    problems = []
+    for name in base.tensors.keys() - expert.tensors.keys():
+        problems.append(f"missing tensor {name!r}")
+    for name in expert.tensors.keys() - base.tensors.keys():
+        problems.append(f"extra tensor {name!r} not in base")
+    for name in base.tensors.keys() & expert.tensors.keys():
+        b, e = base.tensors[name], expert.tensors[name]
+        if (b.shape, b.dtype) != (e.shape, e.dtype):
+            problems.append(f"tensor {name!r} is {e.dtype}{list(e.shape)}, base has {b.dtype}{list(b.shape)}")
+    if problems:
+        problems.sort()
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{expert.root}: does not match base {base.root}: {'; '.join(problems[:3])}{more}")
+
+
+class _DeltaTensorScan:
+    """All three passes for one (expert, base, tensor)."""
+
+    def __init__(self, base_r: CheckpointReader, exp_r: CheckpointReader, t: TensorInfo,
+                 ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...], cache_bytes: int) -> None:
+        self.base_r, self.exp_r, self.t, self.ranges = base_r, exp_r, t, ranges
+        self.exp_hashes = exp_hashes
+        self.keep = t.numel * 4 <= cache_bytes
+        self.cache: list[np.ndarray | None] = []
+
+    def _abs_bits(self, i: int, base_buf: bytearray, exp_buf: bytearray) -> np.ndarray:
+        shape = _block_shape(self.t, self.ranges[i])
+        delta = as_tensor(exp_buf, self.t.dtype, shape).float() - as_tensor(base_buf, self.t.dtype, shape).float()
+        return delta.abs_().reshape(-1).view(torch.int32).numpy()
+
+    def _read(self, i: int) -> tuple[bytearray, bytearray]:
+        a, b = self.ranges[i]
+        return self.base_r.read_rows(self.t.name, a, b), self.exp_r.read_rows(self.t.name, a, b)
+
+    def _bits(self, i: int) -> np.ndarray:
+        if self.keep:
+            return self.cache[i]
+        base_buf, exp_buf = self._read(i)
+        return self._abs_bits(i, base_buf, exp_buf)
+
+    def _nonidentical(self) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(len(self.ranges)):
+            if not self.identical[i]:
+                yield i, self._bits(i)
+
+    def run(self) -> TensorDelta:
+        t = self.t
+        n_blocks = len(self.ranges)
+        block_l2, block_max, block_nnz, identical = [0.0] * n_blocks, [0.0] * n_blocks, [0] * n_blocks, [False] * n_blocks
+        block_n = [(b - a) * (t.numel // max(1, t.shape[0])) if t.shape else 1 for a, b in self.ranges]
+        hist = np.zeros(HI_BINS, dtype=np.int64)
+        l1 = l2sq = 0.0
+        nonfinite = 0
+        for i in range(n_blocks):
+            base_buf, exp_buf = self._read(i)
+            if blake3(exp_buf).hexdigest() != self.exp_hashes[i]:
+                raise CheckpointError(f"{t.file}: tensor {t.name!r} rows {self.ranges[i]} changed while indexing")
+            if base_buf == exp_buf:
+                identical[i] = True
+                hist[0] += block_n[i]
+                self.cache.append(None)
+                continue
+            bits = self._abs_bits(i, base_buf, exp_buf)
+            values = bits.view(np.float32)
+            finite = np.isfinite(values)
+            if not finite.all():
+                nonfinite += int((~finite).sum())
+            block_l2[i] = float(np.sqrt(np.dot(values, values, out=None))) if finite.all() else math.inf
+            block_max[i] = float(values.max()) if values.size else 0.0
+            block_nnz[i] = int(np.count_nonzero(bits))
+            l1 += float(values.sum(dtype=np.float64))
+            l2sq += block_l2[i] ** 2
+            hist += np.bincount(bits >> 16, minlength=HI_BINS)
+            self.cache.append(bits if self.keep else None)
+        self.identical = identical
+
+        ranks = grid_ranks(t.numel)
+        cum_desc = np.cumsum(hist[::-1])
+        targets = {}  # rank -> (bin, count above bin)
+        for r in ranks:
+            if r == 0:
+                continue
+            j = int(np.searchsorted(cum_desc, r))
+            b = HI_BINS - 1 - j
+            targets[r] = (b, int(cum_desc[j] - hist[b]))
+        exact = self._exact_values(sorted({b for b, _ in targets.values()}), identical, block_n)
+        values, count_gt, count_eq = [], [], []
+        for r in ranks:
+            if r == 0:
+                values.append(math.inf), count_gt.append(0), count_eq.append(0)
+                continue
+            b, above = targets[r]
+            lows, counts = exact[b]  # ascending low-16 values within bin b and their counts
+            desc = np.cumsum(counts[::-1])
+            k = int(np.searchsorted(desc, r - above))
+            pos = len(lows) - 1 - k
+            v_bits = (b << 16) | int(lows[pos])
+            eq = int(counts[pos])
+            values.append(float(np.array([v_bits], dtype=np.int32).view(np.float32)[0]))
+            count_gt.append(above + int(desc[k]) - eq)
+            count_eq.append(eq)
+        split = {j: np.array([values[j]], dtype=np.float32).view(np.int32)[0]
+                 for j, r in enumerate(ranks) if r > 0 and 0 < r - count_gt[j] < count_eq[j]}
+        block_eq = self._block_eq(split, identical, block_n) if split else {}
+        return TensorDelta(t.name, t.numel, l1, math.sqrt(l2sq), nonfinite, tuple(block_l2), tuple(block_max),
+                           tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values), tuple(count_gt),
+                           tuple(count_eq), block_eq)
+
+    def _exact_values(self, bins: list[int], identical: list[bool], block_n: list[int]) -> dict:
+        """For each target bin, the distinct low-16 patterns present and their counts."""
+        bins_arr = np.array(bins, dtype=np.int32)
+        partial: list[np.ndarray] = []
+        for _, bits in self._nonidentical():
+            hi = bits >> 16
+            sel = bits[np.isin(hi, bins_arr)]
+            if sel.size:
+                partial.append(np.unique(sel, return_counts=True))
+        zeros_from_identical = sum(n for n, same in zip(block_n, identical) if same)
+        out = {}
+        if partial:
+            vals = np.concatenate([p[0] for p in partial])
+            cnts = np.concatenate([p[1] for p in partial])
+            order = np.argsort(vals, kind="stable")
+            vals, cnts = vals[order], cnts[order]
+            uniq, starts = np.unique(vals, return_index=True)
+            sums = np.add.reduceat(cnts, starts) if len(vals) else cnts
+        else:
+            uniq, sums = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        for b in bins:
+            m = (uniq >> 16) == b
+            lows, counts = (uniq[m] & 0xFFFF).astype(np.int64), sums[m].astype(np.int64)
+            if b == 0 and zeros_from_identical:
+                if len(lows) and lows[0] == 0:
+                    counts = counts.copy()
+                    counts[0] += zeros_from_identical
+                else:
+                    lows = np.concatenate([[0], lows])
+                    counts = np.concatenate([[zeros_from_identical], counts])
+            out[b] = (lows, counts)
+        return out
+
+    def _block_eq(self, split: dict[int, np.int32], identical: list[bool], block_n: list[int]) -> dict:
+        positions = list(split)
+        wanted = np.array([split[j] for j in positions], dtype=np.int32)
+        rows = {j: [0] * len(self.ranges) for j in positions}
+        for i in range(len(self.ranges)):
+            if identical[i]:
+                for j, v in zip(positions, wanted):
+                    if v == 0:
+                        rows[j][i] = block_n[i]
+                continue
+            bits = self._bits(i)
+            for j, v in zip(positions, wanted):
+                rows[j][i] = int(np.count_nonzero(bits == v))
+        return {j: tuple(r) for j, r in rows.items()}
+
+
+def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, expert_index: ModelIndex,
+                      *, threads: int = 2, cache_bytes: int = 256 << 20,
+                      counter: ReadCounter | None = None) -> DeltaIndex:
+    """Delta statistics of `expert` against `base` (reads both once, big tensors more)."""
+    check_compatible(base, expert)
+    bb = expert_index.block_bytes
+    with CheckpointReader(base, counter=counter, random_access=False) as base_r, \
+            CheckpointReader(expert, counter=counter, random_access=False) as exp_r:
+        def scan(name: str) -> TensorDelta:
+            t = expert.tensors[name]
+            entry = expert_index.tensors[name]
+            if t.dtype not in FLOAT_DTYPES:
+                # integer buffers (position ids) are copied from the base, never merged
+                n = len(entry.ranges)
+                same = base_index.tensors[name].hashes == entry.hashes
+                return TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
+                                   (True,) * n if same else (False,) * n, (), (), (), (), {})
+            return _DeltaTensorScan(base_r, exp_r, t, list(entry.ranges), entry.hashes, cache_bytes).run()
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            results = list(pool.map(scan, base.tensors))
+    return DeltaIndex(expert_index.content_hash, base_index.content_hash, bb, {r.name: r for r in results})

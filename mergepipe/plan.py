@@ -1,0 +1,178 @@
+"""Budgeted access plan: which (expert, block) pairs a merge reads.
+
+A pure function of the inputs' indexes, the method and the budget; it fails on
+shape and budget problems before any weight is read. Greedy by score per byte,
+score = |lambda * w_k| * ||delta_kb||_2, ties broken by (tensor, row_start,
+expert content hash) so the plan depends neither on the order experts are listed
+in nor on thread count. Blocks identical to the base cost nothing and are never
+read. For additive methods the omitted score mass is a certified bound on
+||M_S - M||_F; for the others it is reported as a heuristic.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+from mergepipe import __version__
+from mergepipe.errors import BudgetError, CheckpointError
+from mergepipe.index import DeltaIndex, ModelIndex
+from mergepipe.methods import get_method
+from mergepipe.safetensors_io import DTYPES, FLOAT_DTYPES
+
+PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInput:
+    name: str
+    path: str
+    content_hash: str
+    weight: float
+    density: float | None = None
+    gamma: float | None = None
+
+
+def canonical_json(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def hash_json(obj: object) -> str:
+    return blake3(canonical_json(obj)).hexdigest()
+
+
+def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> dict[str, float]:
+    """|lambda * w_k| as it scales delta_k in the output (normalized linear divides by sum w)."""
+    lam = float(params.get("lambda", 1.0))
+    weights = {e.name: e.weight for e in experts}
+    if method == "linear" and params.get("normalize", True):
+        total = sum(weights.values()) + float(params.get("base_weight", 0.0))
+        lam = 1.0 / total if total else 0.0
+    if method == "slerp":
+        return {e.name: abs(float(params.get("t", e.weight))) for e in experts}
+    return {name: abs(lam * w) for name, w in weights.items()}
+
+
+def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],
+              expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
+              method: str, params: dict, seed: int, budget: str, budget_bytes: int,
+              block_bytes: int, output: dict, nonfinite: str = "error") -> dict:
+    """Build the plan (a canonical, JSON-able dict with its own hash).
+
+    Raises:
+        BudgetError: budget_bytes < 0.
+        CheckpointError: an expert delta has NaN/Inf and nonfinite == "error".
+    """
+    m = get_method(method)
+    if budget_bytes < 0:
+        raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
+    experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
+    eff = effective_weights(method, params, experts)
+    items = []  # (-score/cost, tensor, row_start, expert hash, expert name, block idx, cost, score)
+    skipped_identical: dict[str, int] = {}
+    total_expert_bytes = 0
+    mass_sq = 0.0
+    for e in experts:
+        idx, delta = expert_indexes[e.name], deltas[e.name]
+        skipped_identical[e.name] = 0
+        for name, entry in idx.tensors.items():
+            td = delta.tensors[name]
+            if td.nonfinite and nonfinite == "error":
+                raise CheckpointError(f"{e.path}: tensor {name!r} has {td.nonfinite} NaN/Inf values "
+                                      "(set nonfinite: allow to merge anyway)")
+            row_bytes = _row_bytes(entry.shape, entry.dtype)
+            for b, (r0, r1) in enumerate(entry.ranges):
+                cost = (r1 - r0) * row_bytes
+                total_expert_bytes += cost
+                if td.identical[b]:
+                    skipped_identical[e.name] += cost
+                    continue
+                if entry.dtype not in FLOAT_DTYPES:
+                    continue  # integer buffers are copied from the base, never merged
+                score = eff[e.name] * td.block_l2[b]
+                mass_sq += score * score
+                ratio = score / cost if cost else math.inf
+                items.append((-ratio, name, r0, e.content_hash, e.name, b, cost, score))
+    items.sort(key=lambda it: it[:4])
+    reads: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
+    planned = {e.name: 0 for e in experts}
+    used = 0
+    omitted = 0.0
+    for _, tensor, _, _, ename, b, cost, score in items:
+        if used + cost <= budget_bytes:
+            used += cost
+            planned[ename] += cost
+            reads[ename].setdefault(tensor, []).append(b)
+        else:
+            omitted += score
+    for per_tensor in reads.values():
+        for blocks in per_tensor.values():
+            blocks.sort()
+    full_norm = math.sqrt(mass_sq)
+    plan = {
+        "schema": PLAN_SCHEMA,
+        "mergepipe_version": __version__,
+        "method": method,
+        "parameters": params,
+        "seed": seed,
+        "budget": budget,
+        "budget_bytes": budget_bytes,
+        "block_bytes": block_bytes,
+        "output": output,
+        "nonfinite": nonfinite,
+        "base": _input_json(base),
+        "experts": [_input_json(e) for e in experts],
+        "reads": {name: dict(sorted(r.items())) for name, r in sorted(reads.items())},
+        "bytes": {
+            "total_expert_bytes": total_expert_bytes,
+            "planned_expert_bytes": used,
+            "planned_by_expert": dict(sorted(planned.items())),
+            "skipped_identical_by_expert": dict(sorted(skipped_identical.items())),
+            "candidate_pairs": len(items),
+            "planned_pairs": sum(len(v) for r in reads.values() for v in r.values()),
+        },
+        "bound": {
+            "kind": "certified" if m.additive else "heuristic",
+            "omitted_mass": omitted,
+            "full_update_norm_estimate": full_norm,
+            "relative": omitted / full_norm if full_norm else 0.0,
+        },
+    }
+    plan["plan_hash"] = plan_hash(plan)
+    return plan
+
+
+def plan_hash(plan: dict) -> str:
+    """Covers inputs' content hashes, method, parameters, budget, block size, version
+    and the access set itself (everything but the hash field)."""
+    return hash_json({k: v for k, v in plan.items() if k != "plan_hash"})
+
+
+def _input_json(e: PlanInput) -> dict:
+    d = {"name": e.name, "path": e.path, "content_hash": e.content_hash, "weight": e.weight}
+    if e.density is not None:
+        d["density"] = e.density
+    if e.gamma is not None:
+        d["gamma"] = e.gamma
+    return d
+
+
+def _row_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n * DTYPES[dtype][0]
+
+
+def check_plan_inputs(plan: dict, base_index: ModelIndex, expert_indexes: dict[str, ModelIndex]) -> None:
+    """The inputs on disk must be the ones the plan was made for."""
+    if base_index.content_hash != plan["base"]["content_hash"]:
+        raise CheckpointError(f"{plan['base']['path']}: content changed since the plan was made "
+                              f"(plan {plan['base']['content_hash'][:12]}, now {base_index.content_hash[:12]}); re-plan")
+    for e in plan["experts"]:
+        now = expert_indexes[e["name"]].content_hash
+        if now != e["content_hash"]:
+            raise CheckpointError(f"{e['path']}: content changed since the plan was made "
+                                  f"(plan {e['content_hash'][:12]}, now {now[:12]}); re-plan")

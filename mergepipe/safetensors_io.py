@@ -1,0 +1,431 @@
+"""Checkpoint layer: safetensors headers parsed by hand, exact byte-range reads,
+and a streaming writer. The only module that opens weight files.
+
+Format: 8-byte little-endian header length N, N bytes of JSON
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}},
+then the data; offsets are relative to the end of the header. Everything is
+validated before a byte of tensor data is read; reads are `os.pread`s of exactly
+the requested ranges, counted per file, so a budget can be checked against them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+import torch
+
+from mergepipe.errors import CheckpointError, OutputError
+
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+INDEX_JSON = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+# safetensors dtype -> (itemsize, torch dtype)
+DTYPES: dict[str, tuple[int, torch.dtype]] = {
+    "F64": (8, torch.float64), "F32": (4, torch.float32), "F16": (2, torch.float16),
+    "BF16": (2, torch.bfloat16), "I64": (8, torch.int64), "I32": (4, torch.int32),
+    "I16": (2, torch.int16), "I8": (1, torch.int8), "U8": (1, torch.uint8),
+    "BOOL": (1, torch.bool), "U16": (2, torch.uint16), "U32": (4, torch.uint32),
+    "U64": (8, torch.uint64), "F8_E4M3": (1, torch.float8_e4m3fn),
+    "F8_E5M2": (1, torch.float8_e5m2),
+}
+TORCH_TO_ST = {t: name for name, (_, t) in DTYPES.items()}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    begin: int  # absolute byte offset in `file`
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    def row_bytes(self) -> int:
+        return prod(self.shape[1:]) * self.itemsize if self.shape else self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class FileHeader:
+    path: Path
+    header_bytes: bytes  # the raw 8 + N bytes, hashed into the file fingerprint
+    data_start: int
+    size: int
+    tensors: tuple[TensorInfo, ...]  # in data-offset order
+    metadata: dict[str, str]
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise CheckpointError(f"{path}: truncated: wanted {n} bytes at offset {offset}, file ends early")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(path: str | Path) -> FileHeader:
+    """Parse and validate one .safetensors file's header; reads no tensor data.
+
+    Raises:
+        CheckpointError: naming the file (and tensor) for any malformed field.
+    """
+    path = Path(path)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: pickle checkpoints are refused (never unpickled); convert to .safetensors")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: header length {n} runs past the end of the {size}-byte file")
+        raw = _pread_exact(fd, n, 8, path)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: header is not valid UTF-8") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_start = 8 + n
+    data_len = size - data_start
+    tensors = []
+    for name, entry in header.items():
+        tensors.append(_parse_entry(path, name, entry, data_start, data_len))
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    # Like safetensors itself: tensors tile the data region exactly, no gaps or overlaps,
+    # so that every byte of the file is covered by the header hash or a block hash.
+    pos = data_start
+    for t in tensors:
+        if t.begin != pos:
+            what = "overlaps the previous tensor" if t.begin < pos else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {t.name!r}: data_offsets {what}")
+        pos = t.end
+    if pos != size:
+        raise CheckpointError(f"{path}: {size - pos} bytes after the last tensor are not described by the header")
+    return FileHeader(path, n.to_bytes(8, "little") + raw,
+                      data_start, size, tuple(tensors), dict(metadata))
+
+
+def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**53 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets must be two integers, got {offsets!r}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_len:
+        raise CheckpointError(f"{where}: data_offsets {offsets} out of range for {data_len} data bytes")
+    expected = prod(shape) * DTYPES[dtype][0]
+    if end - begin != expected:
+        raise CheckpointError(f"{where}: {end - begin} bytes but shape {shape} x {dtype} needs {expected}")
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A model folder or single file: every tensor's location, from headers only."""
+
+    root: Path
+    files: tuple[FileHeader, ...]  # in weight_map / name order
+    tensors: dict[str, TensorInfo] = field(repr=False)  # in file order, then offset order
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """Resolve a weight_map file name, refusing anything that leaves `root`."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\\" in rel:
+        raise CheckpointError(f"{root / INDEX_JSON}: weight_map names an invalid file {rel!r}")
+    candidate = (root / rel)
+    real_root = root.resolve()
+    real = candidate.resolve()
+    if real_root not in real.parents:
+        raise CheckpointError(f"{root / INDEX_JSON}: weight_map file {rel!r} leaves the model folder")
+    if not candidate.is_file():
+        raise CheckpointError(f"{root / INDEX_JSON}: weight_map names missing file {rel!r}")
+    return candidate
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a model folder (single file or sharded with an index json) or one file.
+
+    Raises:
+        CheckpointError: missing/empty folder, pickle-only folder, bad index json,
+        malformed headers, duplicate tensors across shards, index/header disagreement.
+    """
+    path = Path(path)
+    if path.is_file():
+        return _build(path.parent, [path], None)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model folder or file")
+    index_path = path / INDEX_JSON
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{index_path}: not valid JSON: {e}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: missing or empty 'weight_map'")
+        files = sorted({_inside(path, f) for f in weight_map.values()})
+        return _build(path, files, weight_map)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(f"{path}: only pickle checkpoints ({pickles[0]}); they are refused, convert to safetensors")
+        raise CheckpointError(f"{path}: no .safetensors files in model folder")
+    if len(files) > 1:
+        raise CheckpointError(f"{path}: {len(files)} .safetensors files but no {INDEX_JSON}")
+    return _build(path, files, None)
+
+
+def _build(root: Path, files: list[Path], weight_map: dict | None) -> Checkpoint:
+    headers = [parse_header(f) for f in files]
+    tensors: dict[str, TensorInfo] = {}
+    for h in headers:
+        for t in h.tensors:
+            if t.name in tensors:
+                raise CheckpointError(f"{t.file}: tensor {t.name!r} also stored in {tensors[t.name].file}")
+            tensors[t.name] = t
+    if weight_map is not None:
+        index_path = root / INDEX_JSON
+        for name, fname in weight_map.items():
+            t = tensors.get(name)
+            if t is None:
+                raise CheckpointError(f"{index_path}: tensor {name!r} listed in weight_map but not in {fname}")
+            if t.file.resolve() != (root / fname).resolve():
+                raise CheckpointError(f"{index_path}: tensor {name!r} mapped to {fname} but stored in {t.file.name}")
+        extra = [n for n in tensors if n not in weight_map]
+        if extra:
+            raise CheckpointError(f"{index_path}: tensor {extra[0]!r} in {tensors[extra[0]].file.name} is missing from weight_map")
+    return Checkpoint(root, tuple(headers), tensors)
+
+
+class ReadCounter:
+    """Bytes requested per file; what budgets are checked against. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_file: dict[str, int] = {}
+
+    def add(self, path: Path, n: int) -> None:
+        with self._lock:
+            key = str(path)
+            self.by_file[key] = self.by_file.get(key, 0) + n
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.by_file.values())
+
+
+class CheckpointReader:
+    """Exact byte-range reads of one checkpoint, counted per file.
+
+    `random_access` sets POSIX_FADV_RANDOM so the kernel does not read ahead
+    into regions the plan skips (experts); the base is read sequentially.
+    """
+
+    def __init__(self, ckpt: Checkpoint, *, counter: ReadCounter | None = None,
+                 random_access: bool = True) -> None:
+        self.ckpt = ckpt
+        self.counter = counter or ReadCounter()
+        self._fds: dict[Path, int] = {}
+        for h in ckpt.files:
+            fd = os.open(h.path, os.O_RDONLY)
+            self._fds[h.path] = fd
+            if hasattr(os, "posix_fadvise"):
+                advice = os.POSIX_FADV_RANDOM if random_access else os.POSIX_FADV_SEQUENTIAL
+                os.posix_fadvise(fd, 0, 0, advice)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_range(self, t: TensorInfo, begin: int, end: int) -> bytearray:
+        """Read absolute bytes [begin, end) of tensor t's file into a fresh buffer."""
+        buf = bytearray(end - begin)
+        view = memoryview(buf)
+        fd, got = self._fds[t.file], 0
+        while got < len(buf):
+            n = os.preadv(fd, [view[got:]], begin + got)
+            if n == 0:
+                raise CheckpointError(f"{t.file}: tensor {t.name!r}: file truncated at byte {begin + got}")
+            got += n
+        self.counter.add(t.file, len(buf))
+        return buf
+
+    def read_rows(self, name: str, row_start: int, row_end: int) -> bytearray:
+        t = self.ckpt.tensors[name]
+        rb = t.row_bytes()
+        return self.read_range(t, t.begin + row_start * rb, t.begin + row_end * rb)
+
+    def read_blocks(self, name: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        """Read several row ranges of one tensor, one pread per run of adjacent ranges."""
+        t = self.ckpt.tensors[name]
+        rb = t.row_bytes()
+        out: list[memoryview] = []
+        i = 0
+        while i < len(ranges):
+            j = i
+            while j + 1 < len(ranges) and ranges[j + 1][0] == ranges[j][1]:
+                j += 1
+            buf = memoryview(self.read_range(t, t.begin + ranges[i][0] * rb, t.begin + ranges[j][1] * rb))
+            pos = 0
+            for start, end in ranges[i:j + 1]:
+                n = (end - start) * rb
+                out.append(buf[pos:pos + n])
+                pos += n
+            i = j + 1
+        return out
+
+
+def as_tensor(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """View raw little-endian bytes as a tensor (no copy when the buffer is writable)."""
+    tdtype = DTYPES[dtype][1]
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=tdtype)
+    if isinstance(buf, bytes):
+        buf = bytearray(buf)
+    return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor (bf16 included) without a copy."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SafetensorsWriter:
+    """Writes a .safetensors file whose header is known up front; blocks arrive in
+    any order and are `pwrite`n at their offsets, so memory stays O(block)."""
+
+    def __init__(self, path: str | Path, tensors: list[OutTensor], *,
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(sorted(metadata.items()))
+        offset = 0
+        self._layout: dict[str, tuple[OutTensor, int]] = {}
+        for t in tensors:
+            size = prod(t.shape) * DTYPES[t.dtype][0]
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+            self._layout[t.name] = (t, offset)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
+        self.data_start = 8 + len(raw)
+        self.size = self.data_start + offset
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(self._fd, self.size)
+            self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot write: {e.strerror}") from None
+        self.bytes_written = self.data_start
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+
+    def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
+        t, offset = self._layout[name]
+        row_bytes = prod(t.shape[1:]) * DTYPES[t.dtype][0] if t.shape else DTYPES[t.dtype][0]
+        try:
+            self._pwrite(data, self.data_start + offset + row_start * row_bytes)
+        except OSError as e:
+            raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
+        self.bytes_written += len(memoryview(data).cast("B"))
+
+    def close(self) -> None:
+        """fsync and close; the caller publishes the folder."""
+        if self._fd >= 0:
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                raise OutputError(f"{self.path}: fsync failed: {e.strerror}") from None
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,115 @@
+"""The cache folder: stat cache, model indexes, delta indexes, plans, merged outputs.
+
+Layout under `cache_dir` (default `.mergepipe/`):
+  stat/<key>.json        (path, size, mtime_ns, inode, block_bytes) -> file fingerprint
+  models/<key>.json.gz   ModelIndex, keyed by the files' fingerprints and block size
+  deltas/<expert>-<base>-<block_bytes>.json.gz   DeltaIndex
+Everything is keyed by content, so an unchanged model is never reread and a
+changed one (same path, new bytes) never meets a stale index.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import uuid
+from pathlib import Path
+
+from blake3 import blake3
+
+from mergepipe.index import DeltaIndex, ModelIndex, build_delta_index, build_model_index
+from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_gz_json(path: Path) -> dict | None:
+    try:
+        return json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, ValueError, EOFError):
+        return None  # missing or damaged cache entry: rebuild it
+
+
+def _write_gz_json(path: Path, obj: dict) -> None:
+    # mtime=0 keeps the bytes a pure function of the content
+    _atomic_write(path, gzip.compress(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode(), mtime=0))
+
+
+def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
+    """Per file: blake3 over its header bytes and its blocks' hashes in offset order."""
+    out = {}
+    for h in ckpt.files:
+        fp = blake3(h.header_bytes)
+        for t in h.tensors:
+            for digest in index.tensors[t.name].hashes:
+                fp.update(bytes.fromhex(digest))
+        out[h.path.name] = fp.hexdigest()
+    return out
+
+
+class Store:
+    def __init__(self, cache_dir: str | Path) -> None:
+        self.root = Path(cache_dir)
+        self.index_reads = ReadCounter()
+        self.hits = 0
+        self.builds = 0
+
+    def _stat_path(self, path: Path, block_bytes: int) -> Path:
+        key = blake3(f"{path.resolve()}:{block_bytes}".encode()).hexdigest()[:32]
+        return self.root / "stat" / f"{key}.json"
+
+    @staticmethod
+    def _stat(path: Path) -> dict:
+        st = path.stat()
+        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+    def _model_key(self, fingerprints: dict[str, str], block_bytes: int) -> Path:
+        key = blake3(json.dumps([sorted(fingerprints.items()), block_bytes]).encode()).hexdigest()[:40]
+        return self.root / "models" / f"{key}.json.gz"
+
+    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2) -> tuple[Checkpoint, ModelIndex]:
+        """Open a checkpoint and return its index, from the cache when every file is unchanged."""
+        ckpt = open_checkpoint(path)
+        fingerprints = {}
+        for h in ckpt.files:
+            try:
+                cached = json.loads(self._stat_path(h.path, block_bytes).read_text())
+            except (OSError, ValueError):
+                break
+            if cached.get("stat") != self._stat(h.path):
+                break
+            fingerprints[h.path.name] = cached["fingerprint"]
+        else:
+            d = _read_gz_json(self._model_key(fingerprints, block_bytes))
+            if d is not None:
+                self.hits += 1
+                return ckpt, ModelIndex.from_json(d)
+        index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads)
+        self.builds += 1
+        fingerprints = file_fingerprints(ckpt, index)
+        _write_gz_json(self._model_key(fingerprints, block_bytes), index.to_json())
+        for h in ckpt.files:
+            entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
+            _atomic_write(self._stat_path(h.path, block_bytes), json.dumps(entry, sort_keys=True).encode())
+        return ckpt, index
+
+    def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
+                    *, threads: int = 2) -> DeltaIndex:
+        name = f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}.json.gz"
+        path = self.root / "deltas" / name
+        d = _read_gz_json(path)
+        if d is not None:
+            self.hits += 1
+            return DeltaIndex.from_json(d)
+        delta = build_delta_index(base, expert, base_index, expert_index, threads=threads, counter=self.index_reads)
+        self.builds += 1
+        _write_gz_json(path, delta.to_json())
+        return delta
