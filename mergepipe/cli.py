@@ -1,0 +1,255 @@
+"""Command line: `mergepipe index|plan|merge|run|verify|explain|import-mergekit|demo`.
+
+The only place that catches MergepipeError: it prints one line and exits with the
+error's code. Any other exception is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mergepipe import __version__
+from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
+
+
+def _log(args: argparse.Namespace, msg: str) -> None:
+    if not args.quiet:
+        print(msg, file=sys.stderr)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from mergepipe.store import Store
+    from mergepipe.units import parse_bytes
+    store = Store(args.cache_dir)
+    bb = parse_bytes(args.block_bytes, what="--block-bytes")
+    t0 = time.monotonic()
+    ckpt, index = store.model_index(args.model, block_bytes=bb, threads=args.threads)
+    out = {"model": str(args.model), "content_hash": index.content_hash, "block_bytes": bb,
+           "tensors": len(index.tensors), "bytes": ckpt.total_bytes}
+    if args.base:
+        base, base_index = store.model_index(args.base, block_bytes=bb, threads=args.threads)
+        delta = store.delta_index(base, base_index, ckpt, index, threads=args.threads)
+        identical = sum((r[1] - r[0]) * ckpt.tensors[n].row_bytes()
+                        for n, e in index.tensors.items() for r, same in zip(e.ranges, delta.tensors[n].identical)
+                        if same)
+        out.update(base=str(args.base), base_hash=base_index.content_hash, identical_bytes=identical,
+                   delta_l2=sum(t.l2 ** 2 for t in delta.tensors.values()) ** 0.5)
+    seconds = time.monotonic() - t0
+    read = store.index_reads.total
+    out.update(index_bytes_read=read, seconds=round(seconds, 3), cached=store.builds == 0)
+    if args.json:
+        print(json.dumps(out, indent=1, sort_keys=True))
+    else:
+        rate = f", {read / 2**20 / max(seconds, 1e-9):,.0f} MiB/s" if read else ""
+        print(f"{args.model}: content {index.content_hash[:16]}, {len(index.tensors)} tensors, "
+              f"{_mib(ckpt.total_bytes)}; read {_mib(read)} in {seconds:.2f} s{rate}"
+              + (" (cached)" if store.builds == 0 else ""))
+        if args.base:
+            print(f"  vs base {args.base}: {_mib(out['identical_bytes'])} identical to base, "
+                  f"||delta||_2 = {out['delta_l2']:.6g}")
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from mergepipe.config import load_config
+    overrides = {}
+    if getattr(args, "budget", None) is not None:
+        overrides["budget"] = args.budget
+    if getattr(args, "output", None) is not None:
+        overrides["output"] = {"dir": str(Path(args.output).absolute())}
+    return load_config(args.config, overrides=overrides or None)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mergepipe.pipeline import plan_config
+    from mergepipe.plan import canonical_json
+    from mergepipe.store import Store
+    cfg = _load(args)
+    plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads)
+    data = canonical_json(plan) + b"\n"
+    if args.o:
+        out = Path(args.o)
+        if not (out.is_file() and out.read_bytes() == data):  # unchanged content: keep the mtime
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(out)
+    else:
+        sys.stdout.write(data.decode())
+    b = plan["bytes"]
+    _log(args, f"plan {plan['plan_hash'][:16]}: read {_mib(b['planned_expert_bytes'])} of "
+               f"{_mib(b['total_expert_bytes'])} expert bytes (budget {plan['budget']}); "
+               f"{plan['bound']['kind']} bound {plan['bound']['omitted_mass']:.4g} "
+               f"(relative {plan['bound']['relative']:.3%})")
+    return 0
+
+
+def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) -> None:
+    b = man["bytes"]
+    _log(args, f"merged -> {out_dir} ({man['plan']['method']}, plan {man['plan_hash'][:16]}) in {seconds:.2f} s\n"
+               f"  expert bytes read {_mib(b['expert_bytes_read'])} of {_mib(b['total_expert_bytes'])} "
+               f"(budget {man['budget']['spec']} = {_mib(man['budget']['bytes'])}); "
+               f"base read {_mib(b['base_bytes_read'])}; written {_mib(b['bytes_written'])}\n"
+               f"  {man['bound']['kind']} bound: omitted mass {man['bound']['omitted_mass']:.4g} "
+               f"(relative {man['bound']['relative']:.3%})\n"
+               f"  manifest {out_dir / 'manifest.json'}")
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from mergepipe.pipeline import merge_plan, open_inputs
+    from mergepipe.store import Store
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{args.plan}: cannot read plan: {e}") from None
+    store = Store(args.cache_dir)
+    t0 = time.monotonic()
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+    man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet)
+    _report(args, Path(args.o), man, time.monotonic() - t0)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mergepipe.manifest import verify_outputs
+    from mergepipe.pipeline import merge_plan, plan_config, up_to_date
+    from mergepipe.store import Store
+    t0 = time.monotonic()
+    cfg = _load(args)
+    store = Store(cfg.cache_dir)
+    plan, inputs = plan_config(cfg, store, threads=args.threads)
+    out_dir = Path(cfg.output.dir)
+    if up_to_date(out_dir, plan):
+        _log(args, f"{out_dir}: up to date (plan {plan['plan_hash'][:16]}); nothing to do "
+                   f"({time.monotonic() - t0:.2f} s)")
+        return 0
+    man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet)
+    verify_outputs(out_dir)
+    _report(args, out_dir, man, time.monotonic() - t0)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from mergepipe.manifest import verify_outputs
+    out_dir = Path(args.outdir)
+    man = verify_outputs(out_dir)
+    checked = [f"{len(man['outputs']['files'])} files"]
+    if args.inputs or args.replay:
+        from mergepipe.pipeline import open_inputs
+        from mergepipe.store import Store
+        plan = man["plan"]
+        with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
+            store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
+            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+            checked.append(f"{1 + len(plan['experts'])} inputs")
+            if args.replay:
+                from mergepipe.pipeline import merge_plan
+                replay_dir = Path(tmp) / "replay"
+                again = merge_plan(plan, inputs, replay_dir, store, threads=args.threads, progress=False)
+                if again["outputs"] != man["outputs"]:
+                    bad = sorted(n for n, h in man["outputs"]["tensors"].items()
+                                 if again["outputs"]["tensors"].get(n) != h)
+                    raise IntegrityError(f"{out_dir}: replay produced different outputs"
+                                         + (f" (first tensor {bad[0]!r})" if bad else ""))
+                checked.append("replay identical")
+    print(f"{out_dir}: OK ({', '.join(checked)}; manifest {man['manifest_hash'][:16]})")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from mergepipe.explain import explain
+    print(explain(Path(args.target)))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from mergepipe.mergekit_import import import_mergekit, write_params
+    params = import_mergekit(args.config)
+    write_params(params, args.o)
+    _log(args, f"wrote {args.o}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mergepipe.demo import main as demo_main
+    return demo_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mergepipe", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"mergepipe {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quiet", "-q", action="store_true", help="no progress or summaries on stderr")
+    common.add_argument("--debug", action="store_true", help="show tracebacks for mergepipe errors")
+    common.add_argument("--threads", type=int, default=2, help="reader threads (default 2)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("index", parents=[common], help="index a checkpoint (cached by content)")
+    s.add_argument("model")
+    s.add_argument("--base", help="also compute delta statistics against this base")
+    s.add_argument("--block-bytes", default="1MiB")
+    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_index)
+
+    s = sub.add_parser("plan", parents=[common], help="plan which expert blocks to read")
+    s.add_argument("config")
+    s.add_argument("--budget")
+    s.add_argument("-o", help="write the plan here (default: stdout)")
+    s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("merge", parents=[common], help="execute a plan")
+    s.add_argument("plan")
+    s.add_argument("-o", required=True, help="output folder")
+    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    s.set_defaults(fn=cmd_merge)
+
+    s = sub.add_parser("run", parents=[common], help="index + plan + merge + verify, cached")
+    s.add_argument("config")
+    s.add_argument("--budget")
+    s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("verify", parents=[common], help="rehash an output against its manifest")
+    s.add_argument("outdir")
+    s.add_argument("--inputs", action="store_true", help="also rehash the inputs")
+    s.add_argument("--replay", action="store_true", help="also rebuild and compare output hashes")
+    s.add_argument("--root", default=".")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("explain", parents=[common], help="readable table of a plan or output")
+    s.add_argument("target", help="plan.json or an output folder")
+    s.set_defaults(fn=cmd_explain)
+
+    s = sub.add_parser("import-mergekit", parents=[common], help="convert a mergekit YAML to params.yaml")
+    s.add_argument("config")
+    s.add_argument("-o", required=True)
+    s.set_defaults(fn=cmd_import)
+
+    s = sub.add_parser("demo", help="generate a demo family (see `mergepipe demo -- --help`)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_demo, quiet=False, debug=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MergepipeError as e:
+        if args.debug:
+            raise
+        print(f"mergepipe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("mergepipe: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,291 @@
+"""The merge engine: a plain loop that streams the plan.
+
+For each tensor in the base's order, for each block: read the base rows and only
+the planned expert rows (coalesced preads, blake3-checked against the index),
+merge in fp32, cast, and pwrite at the block's offset in the output. Reader
+threads prefetch a bounded window of blocks while the main thread merges, so
+memory is O(window x (K+1) x block_bytes), never O(model).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from blake3 import blake3
+
+from mergepipe.errors import IntegrityError, MethodError
+from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
+from mergepipe.methods import get_method
+from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
+from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointReader, OutTensor,
+                                      ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
+
+OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+UNIT_BYTES = 4 << 20  # base bytes per prefetch unit: adjacent blocks read with one pread
+
+
+@dataclass
+class Inputs:
+    """Opened checkpoints with their indexes, keyed by plan expert name."""
+
+    base: Checkpoint
+    base_index: ModelIndex
+    experts: dict[str, Checkpoint]
+    expert_indexes: dict[str, ModelIndex]
+    deltas: dict[str, DeltaIndex]
+
+
+@dataclass
+class Realized:
+    base_bytes_read: int = 0
+    expert_bytes_read: dict[str, int] = field(default_factory=dict)
+    bytes_written: int = 0
+    files: dict[str, dict] = field(default_factory=dict)  # name -> {blake3, size}
+    tensors: dict[str, str] = field(default_factory=dict)  # name -> blake3 of output bytes
+    seconds: float = 0.0
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled and sys.stderr.isatty()
+        self.t0 = self.last = time.monotonic()
+
+    def step(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self.last > 0.2 or self.done >= self.total):
+            self.last = now
+            mb = self.done / 2**20
+            pct = 100 * self.done / max(1, self.total)
+            sys.stderr.write(f"\rmerging {pct:5.1f}%  {mb:,.0f} MiB  {mb / max(1e-9, now - self.t0):,.0f} MiB/s")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
+    """Output file name -> tensors, mirroring the base's sharding unless shard_bytes is set."""
+    def out(t: TensorInfo) -> OutTensor:
+        d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
+        return OutTensor(t.name, d, t.shape)
+
+    tensors = list(base.tensors.values())
+    if shard_bytes is None:
+        if len(base.files) == 1:
+            return {"model.safetensors": [out(t) for t in tensors]}
+        return {h.path.name: [out(t) for t in h.tensors] for h in base.files}
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        o = out(t)
+        nbytes = DTYPES[o.dtype][0] * t.numel
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(o)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+class _Cuts:
+    """RankCut lookups for one (expert, tensor), from the delta index."""
+
+    def __init__(self, td: TensorDelta, expert: str) -> None:
+        self.td, self.expert = td, expert
+        self.pos = {r: j for j, r in enumerate(td.ranks)}
+        self.prefix: dict[int, list[int]] = {}
+
+    def for_block(self, i: int, block_numel: int):
+        def cut(rank: int) -> RankCut:
+            j = self.pos.get(rank)
+            if j is None:
+                raise MethodError(f"expert {self.expert!r}, tensor {self.td.name!r}: no exact threshold for rank "
+                                  f"{rank} of {self.td.numel}; densities and gammas must have at most 2 decimals")
+            if rank == 0:
+                return RankCut(0, float("inf"), 0)
+            keep_eq = rank - self.td.count_gt[j]
+            if j in self.td.block_eq:
+                if j not in self.prefix:
+                    acc, pre = 0, []
+                    for c in self.td.block_eq[j]:
+                        pre.append(acc)
+                        acc += c
+                    self.prefix[j] = pre
+                eq_keep = max(0, min(keep_eq - self.prefix[j][i], self.td.block_eq[j][i]))
+            else:
+                eq_keep = block_numel if keep_eq >= self.td.count_eq[j] and keep_eq > 0 else 0
+            return RankCut(rank, self.td.values[j], eq_keep)
+        return cut
+
+
+def _units(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> list[list[int]]:
+    """Group a tensor's blocks into prefetch units of about UNIT_BYTES."""
+    units, cur, size = [], [], 0
+    row_bytes = t.row_bytes()
+    for b, (r0, r1) in enumerate(ranges):
+        nbytes = (r1 - r0) * row_bytes
+        if cur and size + nbytes > UNIT_BYTES:
+            units.append(cur)
+            cur, size = [], 0
+        cur.append(b)
+        size += nbytes
+    if cur:
+        units.append(cur)
+    return units
+
+
+def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False) -> Realized:
+    """Execute `plan` into `out_dir` (an empty folder, normally a publisher's temp)."""
+    t_start = time.monotonic()
+    method = get_method(plan["method"])
+    params = method.params.model_validate(plan["parameters"])
+    experts = plan["experts"]  # canonical order (content hash)
+    reads = {e["name"]: {t: set(bs) for t, bs in plan["reads"][e["name"]].items()} for e in experts}
+    method_params = plan["parameters"]
+    default_density = float(method_params.get("density", 1.0))
+    default_gamma = float(method_params.get("gamma", 0.01))
+    base = inputs.base
+    base_counter = ReadCounter()
+    exp_counters = {e["name"]: ReadCounter() for e in experts}
+    layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
+    out_of = {t.name: (fname, t) for fname, ts in layout.items() for t in ts}
+    realized = Realized()
+    writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}) for fname, ts in layout.items()}
+    base_r = CheckpointReader(base, counter=base_counter, random_access=False)
+    exp_rs = {e["name"]: CheckpointReader(inputs.experts[e["name"]], counter=exp_counters[e["name"]])
+              for e in experts}
+    prog = _Progress(base.total_bytes, progress)
+
+    def load(name: str, unit: list[int]) -> tuple[memoryview, dict[str, dict[int, memoryview]]]:
+        t = base.tensors[name]
+        ranges = inputs.base_index.tensors[name].ranges
+        r0, r1 = ranges[unit[0]][0], ranges[unit[-1]][1]
+        base_buf = memoryview(base_r.read_rows(name, r0, r1))
+        _check(base_buf, t, ranges, unit, inputs.base_index.tensors[name].hashes, str(base.root))
+        got: dict[str, dict[int, memoryview]] = {}
+        for e in experts:
+            wanted = [b for b in unit if b in reads[e["name"]].get(name, ())]
+            if not wanted:
+                continue
+            bufs = exp_rs[e["name"]].read_blocks(name, [ranges[b] for b in wanted])
+            hashes = inputs.expert_indexes[e["name"]].tensors[name].hashes
+            for b, buf in zip(wanted, bufs):
+                if blake3(buf).hexdigest() != hashes[b]:
+                    raise IntegrityError(f"{inputs.experts[e['name']].tensors[name].file}: tensor {name!r} rows "
+                                         f"{ranges[b][0]}:{ranges[b][1]} do not match the index (corrupted or "
+                                         "modified since indexing); re-index with `mergepipe index`")
+            got[e["name"]] = dict(zip(wanted, bufs))
+        return base_buf, got
+
+    work = [(name, unit) for name in base.tensors for unit in _units(base.tensors[name],
+                                                                     inputs.base_index.tensors[name].ranges)]
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            window: deque[Future] = deque()
+            ahead = iter(work)
+            for _ in range(2 * max(1, threads)):
+                nxt = next(ahead, None)
+                if nxt is not None:
+                    window.append(pool.submit(load, *nxt))
+            hasher: dict[str, blake3] = {}
+            cuts: dict[tuple[str, str], _Cuts] = {}
+            for name, unit in work:
+                base_buf, got = window.popleft().result()
+                nxt = next(ahead, None)
+                if nxt is not None:
+                    window.append(pool.submit(load, *nxt))
+                fname, out_t = out_of[name]
+                t = base.tensors[name]
+                h = hasher.setdefault(name, blake3())
+                _merge_unit(t, out_t, unit, base_buf, got, inputs, experts, method, params, plan["seed"],
+                            default_density, default_gamma, writers[fname], h, cuts)
+                prog.step(len(base_buf))
+                if unit[-1] == len(inputs.base_index.tensors[name].ranges) - 1:
+                    realized.tensors[name] = hasher.pop(name).hexdigest()
+                    for e in experts:
+                        cuts.pop((e["name"], name), None)
+            for name in base.tensors:  # zero-row tensors have no blocks
+                if name not in realized.tensors:
+                    realized.tensors[name] = blake3().hexdigest()
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        base_r.close()
+        for r in exp_rs.values():
+            r.close()
+    for fname, w in writers.items():
+        realized.bytes_written += w.size
+        realized.files[fname] = {"blake3": hash_file(out_dir / fname), "size": w.size}
+    realized.base_bytes_read = base_counter.total
+    realized.expert_bytes_read = {name: c.total for name, c in sorted(exp_counters.items())}
+    realized.seconds = time.monotonic() - t_start
+    return realized
+
+
+def _check(buf: memoryview, t: TensorInfo, ranges, unit: list[int], hashes, where: str) -> None:
+    row_bytes = t.row_bytes()
+    pos = 0
+    for b in unit:
+        n = (ranges[b][1] - ranges[b][0]) * row_bytes
+        if blake3(buf[pos:pos + n]).hexdigest() != hashes[b]:
+            raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {ranges[b][0]}:{ranges[b][1]} do not match "
+                                 f"the index of {where} (corrupted or modified since indexing)")
+        pos += n
+
+
+def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memoryview,
+                got: dict[str, dict[int, memoryview]], inputs: Inputs, experts: list[dict], method, params,
+                seed: int, default_density: float, default_gamma: float, writer: SafetensorsWriter,
+                hasher: blake3, cuts: dict) -> None:
+    ranges = inputs.base_index.tensors[t.name].ranges
+    row_bytes = t.row_bytes()
+    same_dtype = out_t.dtype == t.dtype
+    pos = 0
+    for b in unit:
+        r0, r1 = ranges[b]
+        n = (r1 - r0) * row_bytes
+        raw = base_buf[pos:pos + n]
+        pos += n
+        shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
+        if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e["name"], {}) for e in experts):
+            # nothing to merge here: the base rows, cast if the output dtype differs
+            out = raw if same_dtype else tensor_bytes(as_tensor(raw, t.dtype, shape).to(DTYPES[out_t.dtype][1]))
+        else:
+            base_block = as_tensor(raw, t.dtype, shape).float()
+            blocks = []
+            for e in experts:
+                buf = got.get(e["name"], {}).get(b)
+                delta = None
+                if buf is not None:
+                    delta = as_tensor(buf, t.dtype, shape).float() - base_block
+                cut = None
+                if method.magnitude:
+                    key = (e["name"], t.name)
+                    if key not in cuts:
+                        cuts[key] = _Cuts(inputs.deltas[e["name"]].tensors[t.name], e["name"])
+                    cut = cuts[key].for_block(b, base_block.numel())
+                blocks.append(ExpertBlock(e["name"], e["content_hash"], float(e["weight"]), delta,
+                                          density=float(e.get("density", default_density)),
+                                          gamma=float(e.get("gamma", default_gamma)), cut=cut))
+            merged = method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), seed), params)
+            out = tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
+        writer.write_rows(t.name, r0, out)
+        hasher.update(out)
+
+
+def hash_file(path: Path) -> str:
+    h = blake3(max_threads=blake3.AUTO)
+    h.update_mmap(path)
+    return h.hexdigest()

@@ -1,0 +1,118 @@
+"""Manifest: what a merge read, computed and wrote, with hashes; and its checks.
+
+Canonical JSON (sorted keys, no timestamps, no host), so the same inputs, config
+and version give a byte-identical manifest; `manifest_hash` is blake3 of the
+canonical JSON without that field. Timings, host and cache statistics go to
+run.json, outside the hash. The manifest is written last: its presence means the
+merge finished.
+"""
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+from blake3 import blake3
+
+from mergepipe import __version__
+from mergepipe.engine import hash_file
+from mergepipe.errors import IntegrityError
+from mergepipe.plan import canonical_json
+
+MANIFEST_SCHEMA = 1
+MANIFEST = "manifest.json"
+RUN_INFO = "run.json"
+
+
+def versions() -> dict[str, str]:
+    return {"mergepipe": __version__, "torch": version("torch"), "safetensors": version("safetensors")}
+
+
+def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
+    """Args: plan dict; engine.Realized; aux file name -> blake3 (config.json, README.md, ...)."""
+    planned = plan["bytes"]
+    man = {
+        "schema": MANIFEST_SCHEMA,
+        "versions": versions(),
+        "plan_hash": plan["plan_hash"],
+        "plan": plan,
+        "inputs": {"base": plan["base"], "experts": plan["experts"]},
+        "budget": {"spec": plan["budget"], "bytes": plan["budget_bytes"]},
+        "bytes": {
+            "planned_expert_bytes": planned["planned_expert_bytes"],
+            "planned_by_expert": planned["planned_by_expert"],
+            "skipped_identical_by_expert": planned["skipped_identical_by_expert"],
+            "total_expert_bytes": planned["total_expert_bytes"],
+            "expert_bytes_read": sum(realized.expert_bytes_read.values()),
+            "expert_bytes_read_by_expert": realized.expert_bytes_read,
+            "base_bytes_read": realized.base_bytes_read,
+            "bytes_written": realized.bytes_written,
+        },
+        "bound": plan["bound"],
+        "outputs": {
+            "files": {**realized.files, **{n: {"blake3": h} for n, h in aux_files.items()}},
+            "tensors": realized.tensors,
+        },
+    }
+    man["manifest_hash"] = manifest_hash(man)
+    return man
+
+
+def manifest_hash(man: dict) -> str:
+    return blake3(canonical_json({k: v for k, v in man.items() if k != "manifest_hash"})).hexdigest()
+
+
+def dumps(man: dict) -> bytes:
+    return json.dumps(man, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+
+
+def load_manifest(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / MANIFEST
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: no manifest; this folder is not a finished mergepipe output") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise IntegrityError(f"{path}: manifest is not valid JSON: {e}") from None
+    if not isinstance(man, dict) or man.get("manifest_hash") != manifest_hash(man):
+        raise IntegrityError(f"{path}: manifest_hash does not match its content (edited after the merge?)")
+    return man
+
+
+def verify_outputs(out_dir: str | Path) -> dict:
+    """Rehash every output file against the manifest; name the first bad tensor.
+
+    Raises:
+        IntegrityError: manifest edited, file missing/extra/changed.
+    """
+    out_dir = Path(out_dir)
+    man = load_manifest(out_dir)
+    files = man["outputs"]["files"]
+    present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST, RUN_INFO}
+    extra = sorted(present - set(files))
+    if extra:
+        raise IntegrityError(f"{out_dir / extra[0]}: file not recorded in the manifest")
+    for name, rec in sorted(files.items()):
+        path = out_dir / name
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing (recorded in the manifest)")
+        if hash_file(path) != rec["blake3"]:
+            raise IntegrityError(f"{path}: {_first_bad_tensor(path, man)} does not match the manifest")
+    return man
+
+
+def _first_bad_tensor(path: Path, man: dict) -> str:
+    # Imported here: naming the tensor is the rare path, and manifest otherwise needs no weights layer.
+    from mergepipe.safetensors_io import CheckpointError, CheckpointReader, open_checkpoint
+    try:
+        ckpt = open_checkpoint(path)
+    except CheckpointError as e:
+        return f"header ({e})"
+    with CheckpointReader(ckpt, random_access=False) as r:
+        for name, t in ckpt.tensors.items():
+            want = man["outputs"]["tensors"].get(name)
+            if want is None:
+                return f"tensor {name!r} (not in manifest)"
+            if blake3(r.read_range(t, t.begin, t.end)).hexdigest() != want:
+                return f"tensor {name!r}"
+    return "header or padding"

@@ -1,0 +1,179 @@
+"""The steps a user runs, composed: index -> plan -> merge -> publish -> verify.
+
+Everything is keyed by content: indexes by the inputs' bytes, merges by the plan
+hash. `run` on an unchanged config and unchanged inputs finds the published
+output's manifest already matching the plan and returns without reading weights;
+a plan seen before is restored from the store instead of being recomputed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mergepipe.engine import Inputs, hash_file, run_merge
+from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.manifest import MANIFEST, RUN_INFO, build_manifest, dumps, load_manifest, verify_outputs
+from mergepipe.plan import PlanInput, check_plan_inputs, make_plan
+from mergepipe.publish import Publisher
+from mergepipe.store import Store
+
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def resolve(path: str, root: Path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else root / p
+
+
+def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2) -> Inputs:
+    """Open and index (cached) every input of a plan; check they are the planned bytes."""
+    bb = plan["block_bytes"]
+    base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads)
+    experts, expert_indexes, deltas = {}, {}, {}
+    for e in plan["experts"]:
+        experts[e["name"]], expert_indexes[e["name"]] = store.model_index(
+            resolve(e["path"], root), block_bytes=bb, threads=threads)
+    check_plan_inputs(plan, base_index, expert_indexes)
+    for e in plan["experts"]:
+        deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
+                                              threads=threads)
+    return Inputs(base, base_index, experts, expert_indexes, deltas)
+
+
+def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[dict, Inputs]:
+    """Index every input (cached) and make the plan for `cfg` (budget overridable)."""
+    norm = cfg.normalized()
+    bb = cfg.block_bytes
+    base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
+    experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
+    for e, e_norm in zip(cfg.experts, norm["experts"]):
+        experts[e.name], expert_indexes[e.name] = store.model_index(e.path, block_bytes=bb, threads=threads)
+        deltas[e.name] = store.delta_index(base, base_index, experts[e.name], expert_indexes[e.name], threads=threads)
+        plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash, float(e.weight),
+                                     e_norm.get("density"), e_norm.get("gamma")))
+    budget = budget if budget is not None else cfg.budget
+    total = sum(t.nbytes for ck in experts.values() for t in ck.tensors.values())
+    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
+                     experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
+                     params=norm["parameters"], seed=norm["seed"], budget=str(budget),
+                     budget_bytes=budget.resolve(total), block_bytes=bb,
+                     output={"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]},
+                     nonfinite=norm.get("nonfinite", "error"))
+    return plan, Inputs(base, base_index, experts, expert_indexes, deltas)
+
+
+def _model_card(plan: dict) -> str:
+    lines = ["---", "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
+             f"# Merged with mergepipe ({plan['method']})", "",
+             f"- plan hash: `{plan['plan_hash']}`",
+             f"- base: `{plan['base']['path']}` (content `{plan['base']['content_hash'][:16]}`)",
+             f"- budget: {plan['budget']} ({plan['budget_bytes']} bytes); "
+             f"read {plan['bytes']['planned_expert_bytes']} of {plan['bytes']['total_expert_bytes']} expert bytes",
+             f"- bound ({plan['bound']['kind']}): omitted mass {plan['bound']['omitted_mass']:.6g}, "
+             f"relative {plan['bound']['relative']:.6g}", "",
+             "| expert | weight | content |", "|---|---|---|"]
+    for e in plan["experts"]:
+        lines.append(f"| {e['name']} | {e['weight']} | `{e['content_hash'][:16]}` |")
+    params = json.dumps(plan["parameters"], sort_keys=True)
+    lines += ["", f"parameters: `{params}`", ""]
+    return "\n".join(lines)
+
+
+def _check_output_target(out_dir: Path, inputs: Inputs) -> None:
+    out = out_dir.resolve()
+    for ck in [inputs.base, *inputs.experts.values()]:
+        root = ck.root.resolve()
+        if out == root or out in root.parents or root in out.parents:
+            raise OutputError(f"{out_dir}: output folder overlaps input model {ck.root}; choose another output dir")
+
+
+def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
+               progress: bool = False) -> dict:
+    """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish."""
+    _check_output_target(out_dir, inputs)
+    cached = store.root / "merges" / plan["plan_hash"]
+    publisher = Publisher(out_dir)
+    with publisher as tmp:
+        if _restore(cached, tmp, plan):
+            man = json.loads((tmp / MANIFEST).read_text())
+            run_info = {"restored_from": str(cached)}
+        else:
+            realized = run_merge(plan, inputs, tmp, threads=threads, progress=progress)
+            aux = {}
+            for name in AUX_FILES:
+                src = inputs.base.root / name
+                if src.is_file():
+                    shutil.copyfile(src, tmp / name)
+                    aux[name] = hash_file(tmp / name)
+            (tmp / "README.md").write_text(_model_card(plan))
+            aux["README.md"] = hash_file(tmp / "README.md")
+            man = build_manifest(plan, realized, aux)
+            (tmp / MANIFEST).write_bytes(dumps(man))
+            run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
+                        "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
+            _save_to_store(tmp, cached)
+        (tmp / RUN_INFO).write_text(json.dumps(run_info, sort_keys=True, indent=1) + "\n")
+        publisher.commit()
+    return man
+
+
+def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
+    """Hard-link a previously built merge of this exact plan into tmp, if intact."""
+    try:
+        man = load_manifest(cached)
+    except IntegrityError:
+        return False
+    if man.get("plan_hash") != plan["plan_hash"]:
+        return False
+    for name in [*man["outputs"]["files"], MANIFEST]:
+        _link_or_copy(cached / name, tmp / name)
+    try:
+        verify_outputs(tmp)
+    except IntegrityError:
+        for p in tmp.iterdir():
+            p.unlink()
+        return False
+    return True
+
+
+def _save_to_store(tmp: Path, cached: Path) -> None:
+    if cached.exists():
+        shutil.rmtree(cached)
+    staging = cached.with_name(cached.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for p in tmp.iterdir():
+        if p.is_file() and p.name != RUN_INFO:
+            _link_or_copy(p, staging / p.name)
+    os.replace(staging, cached)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def up_to_date(out_dir: Path, plan: dict) -> bool:
+    """The published output is this plan's, and its files are the recorded ones."""
+    try:
+        man = load_manifest(out_dir)
+    except IntegrityError:
+        return False
+    if man.get("plan_hash") != plan["plan_hash"]:
+        return False
+    for name, rec in man["outputs"]["files"].items():
+        p = out_dir / name
+        if not p.is_file() or ("size" in rec and p.stat().st_size != rec["size"]):
+            return False
+    return True
+
+
+def log(msg: str, *, quiet: bool = False) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr)
