@@ -1,0 +1,34 @@
+# Two commands on a fresh clone: `make demo` (venv + the demo merge) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-fast venv clean-demo
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,workflow,bench]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# mergekit lives in its own venv (its dependency set is large); tests compare against it.
+.venv-mergekit/.installed:
+	$(PYTHON) -m venv .venv-mergekit
+	.venv-mergekit/bin/pip install -q torch==2.13.0 mergekit==0.1.5
+	touch $@
+
+demo: venv
+	$(BIN)/mergepipe demo models/demo --preset small --experts 3 --quiet
+	$(BIN)/mergepipe run params.yaml
+	$(BIN)/mergepipe verify merged
+
+test: venv .venv-mergekit/.installed
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean-demo:
+	rm -rf models/demo merged .mergepipe
