@@ -1,0 +1,86 @@
+"""Planner properties, on synthetic indexes (no files) and on real merges."""
+import json
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mergepipe.cli import main
+from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
+from mergepipe.plan import PlanInput, make_plan
+from tests.conftest import write_config
+from tests.test_pipeline import _load_model
+
+
+def _synthetic(tensor_blocks: list[list[float]], n_experts: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, blocks in enumerate(tensor_blocks):
+        rows = len(blocks) * 4
+        tensors[f"t{i}"] = TensorEntry(f"t{i}", "BF16", (rows, 8), tuple((4 * b, 4 * b + 4) for b in range(len(blocks))),
+                                       tuple("0" * 64 for _ in blocks))
+    base_index = ModelIndex("b" * 64, 64, tensors)
+    experts, idx, deltas = [], {}, {}
+    for k in range(n_experts):
+        name = f"e{k}"
+        h = f"{k:064x}"
+        experts.append(PlanInput(name, f"/m/{name}", h, float(torch.rand(1, generator=g)) + 0.1))
+        idx[name] = ModelIndex(h, 64, tensors)
+        per = {}
+        for tname, blocks in zip(tensors, tensor_blocks):
+            l2 = tuple(0.0 if float(torch.rand(1, generator=g)) < 0.2 else v * (k + 1) for v in blocks)
+            n = len(blocks)
+            per[tname] = TensorDelta(tname, n * 32, sum(l2), sum(x * x for x in l2) ** 0.5, 0, l2, l2, (1,) * n,
+                                     tuple(x == 0.0 for x in l2), (), (), (), (), {})
+        deltas[name] = DeltaIndex(h, "b" * 64, 64, per)
+    return base_index, experts, idx, deltas
+
+
+def _plan(base_index, experts, idx, deltas, budget_bytes, method="task_arithmetic"):
+    return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
+                     expert_indexes=idx, deltas=deltas, method=method, params={"lambda": 1.0}, seed=0,
+                     budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=64,
+                     output={"dtype": None, "shard_bytes": None})
+
+
+@given(st.lists(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), min_size=1, max_size=4),
+       st.integers(1, 4), st.integers(0, 2000), st.integers(0, 10))
+def test_plan_is_budget_sound_and_order_independent(tensor_blocks, k, budget, seed):
+    base_index, experts, idx, deltas = _synthetic(tensor_blocks, k, seed)
+    plan = _plan(base_index, experts, idx, deltas, budget)
+    assert plan["bytes"]["planned_expert_bytes"] <= budget
+    for e in experts:
+        for tname, blocks in plan["reads"][e.name].items():
+            for b in blocks:
+                assert not deltas[e.name].tensors[tname].identical[b]  # identical blocks are free, never read
+    again = _plan(base_index, list(reversed(experts)), idx, deltas, budget)
+    assert again["reads"] == plan["reads"] and again["plan_hash"] == plan["plan_hash"]
+    full = _plan(base_index, experts, idx, deltas, 10**9)
+    nonzero = sum(1 for e in experts for t in deltas[e.name].tensors.values() for x in t.block_l2 if x > 0)
+    assert full["bytes"]["planned_pairs"] == nonzero and full["bound"]["omitted_mass"] == 0.0
+
+
+def test_plan_hash_covers_budget_and_method():
+    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0, 3.0]], 2, 0)
+    a = _plan(base_index, experts, idx, deltas, 100)
+    b = _plan(base_index, experts, idx, deltas, 101)
+    c = _plan(base_index, experts, idx, deltas, 100, method="linear")
+    assert len({a["plan_hash"], b["plan_hash"], c["plan_hash"]}) == 3
+
+
+def test_certified_bound_holds_on_real_merges(tmp_path, tiny_family):
+    """||M_S - M_full||_F <= the plan's bound, for task_arithmetic at several budgets."""
+    full_cfg = write_config(tmp_path, tiny_family, budget="full", output={"dir": str(tmp_path / "full")})
+    assert main(["run", str(full_cfg), "-q"]) == 0
+    full = _load_model(tmp_path / "full")
+    for budget in ["5%", "20%", "50%"]:
+        cfg = write_config(tmp_path, tiny_family, budget=budget, output={"dir": str(tmp_path / budget)})
+        assert main(["run", str(cfg), "-q"]) == 0
+        part = _load_model(tmp_path / budget)
+        dev = sum(float(((part[n].float() - full[n].float()) ** 2).sum()) for n in full) ** 0.5
+        bound = json.loads((tmp_path / budget / "manifest.json").read_text())["bound"]
+        # bf16 rounding of the two outputs adds up to half an ulp per element on top of the exact bound
+        slack = sum(float(((full[n].float().abs() * 2 ** -8) ** 2).sum()) for n in full) ** 0.5
+        assert bound["kind"] == "certified"
+        assert dev <= bound["omitted_mass"] + slack, (budget, dev, bound)
+        assert bound["omitted_mass"] > 0
