@@ -1,0 +1,329 @@
+"""mergekit YAML -> params.yaml: supported configs map exactly, the rest is refused."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergepipe.config import load_config
+from mergepipe.errors import ConfigError
+from mergepipe.mergekit_import import dump_params, import_mergekit, mergekit_to_params, write_params
+from mergepipe.methods import METHODS
+
+
+def _write(tmp_path: Path, text: str, name: str = "mergekit.yml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _convert(text: str) -> dict:
+    return mergekit_to_params(yaml.safe_load(text), source="mk.yml")
+
+
+def _refused(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        _convert(text)
+    message = str(info.value)
+    assert message.startswith("mk.yml: ") and "\n" not in message, message
+    return message
+
+
+def _needs(method: str):
+    return pytest.mark.skipif(method not in METHODS, reason=f"method {method!r} not registered yet")
+
+
+TIES = """\
+models:
+  - model: models/base
+  - model: models/math-7b
+    parameters: {density: 0.5, weight: 0.5}
+  - model: /abs/code-7b/
+    parameters:
+      density: 0.3
+      weight: [0.4]
+merge_method: ties
+base_model: models/base
+parameters:
+  normalize: true
+  int8_mask: true
+  lambda: 0.9
+dtype: float32
+out_dtype: bfloat16
+tokenizer_source: base
+"""
+
+
+def test_ties():
+    params = _convert(TIES)
+    assert params == {
+        "base": "models/base",
+        "experts": [
+            {"name": "math-7b", "path": "models/math-7b", "weight": 0.5, "density": 0.5},
+            {"name": "code-7b", "path": "/abs/code-7b/", "weight": 0.4, "density": 0.3},
+        ],
+        "method": "ties",
+        "parameters": {"normalize": True, "int8_mask": True, "lambda": 0.9},
+        "seed": 0,
+        "budget": "full",
+        "output": {"dir": "merged", "dtype": "bfloat16"},
+    }
+
+
+@_needs("ties")
+def test_ties_validates(tmp_path):
+    params = import_mergekit(_write(tmp_path, TIES))
+    assert params["method"] == "ties"
+
+
+def test_task_arithmetic_with_global_weight_and_dtype(tmp_path):
+    text = """\
+merge_method: task_arithmetic
+base_model: base
+models:
+  - model: a/expert
+    parameters: {weight: 1.0}
+  - model: b/expert
+  - model: c/Expert
+parameters: {weight: 0.25, lambda: 1.5}
+dtype: bfloat16
+"""
+    params = import_mergekit(_write(tmp_path, text))
+    assert params["experts"] == [
+        {"name": "expert", "path": "a/expert", "weight": 1.0},
+        {"name": "expert-2", "path": "b/expert", "weight": 0.25},
+        {"name": "Expert-3", "path": "c/Expert", "weight": 0.25},  # dedup ignores case
+    ]
+    assert params["parameters"] == {"lambda": 1.5}
+    assert params["output"]["dtype"] == "bfloat16"  # mergekit writes `dtype` without out_dtype
+    cfg = load_config(_write(tmp_path, dump_params(params), "params.yaml"))
+    assert cfg.method_params.lambda_ == 1.5
+
+
+def test_linear_with_base_listed():
+    params = _convert("""\
+merge_method: linear
+base_model: m/base
+models:
+  - {model: m/base, parameters: {weight: 0.2}}
+  - {model: m/one, parameters: {weight: 0.3}}
+  - {model: m/two, parameters: {weight: 0.5}}
+""")
+    assert params["base"] == "m/base"
+    assert [e["name"] for e in params["experts"]] == ["one", "two"]
+    assert params["parameters"] == {"base_weight": 0.2}
+
+
+def test_linear_without_base_uses_first_model():
+    params = _convert("""\
+merge_method: linear
+models:
+  - {model: m/one, parameters: {weight: 1}}
+  - {model: m/two, parameters: {weight: 3}}
+parameters: {normalize: true}
+""")
+    assert params["base"] == "m/one"
+    assert params["experts"] == [{"name": "two", "path": "m/two", "weight": 3}]
+    assert params["parameters"] == {"base_weight": 1, "normalize": True}
+
+
+def test_linear_unlisted_base_takes_global_weight():
+    params = _convert("""\
+merge_method: linear
+base_model: m/base
+models: [{model: m/one}]
+parameters: {weight: 0.5}
+""")
+    assert params["parameters"] == {"base_weight": 0.5}
+    assert params["experts"][0]["weight"] == 0.5
+
+
+def test_linear_unlisted_base_without_weight_is_refused():
+    assert "base_model" in _refused("""\
+merge_method: linear
+base_model: m/base
+models: [{model: m/one, parameters: {weight: 1}}]
+""")
+
+
+@_needs("linear")
+def test_linear_validates(tmp_path):
+    import_mergekit(_write(tmp_path, """\
+merge_method: linear
+base_model: m/base
+models:
+  - {model: m/base, parameters: {weight: 0.2}}
+  - {model: m/one, parameters: {weight: 0.8}}
+"""))
+
+
+SLERP = """\
+slices: null
+merge_method: slerp
+base_model: models/base
+models:
+  - model: models/base
+  - model: models/chat
+parameters:
+  t: 0.3
+dtype: bfloat16
+"""
+
+
+def test_slerp():
+    params = _convert(SLERP)  # an empty `slices` is no slice
+    assert params["base"] == "models/base"
+    assert params["experts"] == [{"name": "chat", "path": "models/chat", "weight": 1.0}]
+    assert params["parameters"] == {"t": 0.3}
+    assert params["output"]["dtype"] == "bfloat16"
+
+
+def test_slerp_needs_exactly_one_other_model():
+    assert "exactly one other model, got 2" in _refused("""\
+merge_method: slerp
+base_model: b
+models: [{model: x}, {model: y}]
+parameters: {t: 0.5}
+""")
+
+
+@_needs("slerp")
+def test_slerp_validates(tmp_path):
+    import_mergekit(_write(tmp_path, SLERP))
+
+
+def test_dare_ties_and_breadcrumbs():
+    params = _convert("""\
+merge_method: dare_ties
+base_model: b
+models:
+  - {model: e1, parameters: {weight: 0.5, density: 0.6}}
+  - {model: e2, parameters: {weight: 0.5}}
+parameters: {density: 0.4, rescale: true}
+""")
+    assert params["method"] == "dare_ties"
+    assert params["experts"][0]["density"] == 0.6 and "density" not in params["experts"][1]
+    assert params["parameters"] == {"density": 0.4, "rescale": True}
+    params = _convert("""\
+merge_method: model_breadcrumbs_ties
+base_model: b
+models: [{model: e1, parameters: {weight: 1, density: 0.8, gamma: 0.05}}]
+""")
+    assert params["method"] == "breadcrumbs_ties"
+    assert params["experts"][0]["gamma"] == 0.05
+
+
+@_needs("dare_linear")
+def test_dare_linear_validates(tmp_path):
+    import_mergekit(_write(tmp_path, """\
+merge_method: dare_linear
+base_model: b
+models: [{model: e1, parameters: {weight: 1.0, density: 0.5}}]
+"""))
+
+
+def test_unconditional_filters_are_scalars():
+    params = _convert("""\
+merge_method: task_arithmetic
+base_model: b
+models:
+  - model: e1
+    parameters:
+      weight: [{value: 0.7}]
+  - model: e2
+    parameters:
+      weight: {filter: "*", value: 0.3}
+""")
+    assert [e["weight"] for e in params["experts"]] == [0.7, 0.3]
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [0, 32]}]\n",
+     "mk.yml: slices: layer slices"),
+    ("merge_method: ties\nbase_model: b\nmodules: {text: {models: [{model: e}]}}\n", "mk.yml: modules:"),
+    ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\nparameters: {t: [0, 0.5, 1]}\n",
+     "mk.yml: parameters.t: gradient [0, 0.5, 1]"),
+    ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\n"
+     "parameters:\n  t:\n    - {filter: self_attn, value: [0, 0.5]}\n    - {value: 0.5}\n",
+     "mk.yml: parameters.t: per-tensor filter 'self_attn'"),
+    ("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters:\n"
+     "      weight: {filter: mlp, value: 0.5}\n",
+     "mk.yml: models[0].parameters.weight: per-tensor filter 'mlp'"),
+    ("merge_method: ties\nbase_model: b\nmodels:\n  - {model: e, parameters: {density: [0.2, 0.8]}}\n",
+     "mk.yml: models[0].parameters.density: gradient"),
+    ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\n", "mk.yml: parameters.t: required"),
+    ("merge_method: della\nbase_model: b\nmodels: [{model: e}]\n", "mk.yml: merge_method: 'della'"),
+    ("merge_method: passthrough\nmodels: [{model: e}]\n", "merge_method: 'passthrough'"),
+    ("base_model: b\nmodels: [{model: e}]\n", "merge_method: None"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: e+lora/adapter, parameters: {weight: 1}}]\n",
+     "mk.yml: models[0].model: LoRA reference"),
+    ("merge_method: ties\nbase_model: b+lora\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: base_model: LoRA reference"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: org/e@main, parameters: {weight: 1}}]\n",
+     "mk.yml: models[0].model: revision reference"),
+    ("merge_method: ties\nbase_model: b\ntokenizer_source: union\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: tokenizer_source: 'union'"),
+    ("merge_method: ties\nbase_model: b\ntokenizer: {source: union}\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: tokenizer.source"),
+    ("merge_method: ties\nbase_model: b\nchat_template: chatml\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: chat_template"),
+    ("merge_method: ties\nbase_model: b\nfoo: 1\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: foo: unknown mergekit key"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: e}]\n",
+     "mk.yml: models[0].parameters.weight: required"),
+    ("merge_method: ties\nmodels: [{model: e, parameters: {weight: 1}}]\n", "mk.yml: base_model: required"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: e, parameters: {weight: 1, epsilon: 0.1}}]\n",
+     "mk.yml: models[0].parameters.epsilon: per-model 'epsilon'"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: e, layer_range: [0, 4], parameters: {weight: 1}}]\n",
+     "mk.yml: models[0].layer_range: unknown key"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: b, parameters: {weight: 1}}]\n",
+     "mk.yml: models: lists only the base model"),
+    ("merge_method: ties\nbase_model: b\nmodels: []\n", "mk.yml: models: must be a non-empty list"),
+    ("merge_method: ties\nbase_model: b\ndtype: float64\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: dtype: dtype 'float64'"),
+    ("merge_method: ties\nbase_model: b\nmodels: [{model: {path: e}, parameters: {weight: 1}}]\n",
+     "mk.yml: models[0].model: must be a model path string"),
+])
+def test_refused(text, fragment):
+    assert fragment in _refused(text)
+
+
+def test_out_dtype_aliases():
+    base = "merge_method: task_arithmetic\nbase_model: b\nmodels: [{model: e, parameters: {weight: 1}}]\n"
+    assert _convert(base)["output"]["dtype"] is None
+    assert _convert(base + "out_dtype: torch.float16\n")["output"]["dtype"] == "float16"
+    assert _convert(base + "dtype: bf16\n")["output"]["dtype"] == "bfloat16"
+
+
+def test_validation_errors_name_the_converted_file(tmp_path):
+    path = _write(tmp_path, "merge_method: task_arithmetic\nbase_model: b\n"
+                            "models: [{model: e, parameters: {weight: 1, density: 0.5}}]\n")
+    with pytest.raises(ConfigError) as info:
+        import_mergekit(path)
+    assert str(info.value).startswith(f"{path} (converted to mergepipe params): experts[0].density")
+    assert mergekit_to_params(yaml.safe_load(path.read_text()))  # the mapping itself is fine
+
+
+def test_missing_mergekit_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        import_mergekit(tmp_path / "nope.yml")
+
+
+def test_write_params_is_deterministic_and_loadable(tmp_path):
+    params = {"output": {"dtype": None, "dir": "out"}, "method": "task_arithmetic",
+              "parameters": {"lambda": 0.5}, "experts": [{"weight": 1.0, "path": "e", "name": "e"}],
+              "base": "b", "budget": "25%"}
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    write_params(params, first, comment="imported from mk.yml")
+    write_params(dict(reversed(list(params.items()))), second, comment="imported from mk.yml")
+    assert first.read_bytes() == second.read_bytes()
+    text = first.read_text()
+    assert text.startswith("# imported from mk.yml\nbase: b\nexperts:\n- name: e\n  path: e\n")
+    assert list(yaml.safe_load(text)) == ["base", "experts", "method", "parameters", "budget", "output"]
+    assert (first.stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml", "b.yaml"]  # no temp files
+    cfg = load_config(first)
+    assert str(cfg.budget) == "25%" and cfg.output.dir == tmp_path / "out"
+    write_params(params, first)  # overwrite in place
+    assert load_config(first).method_params.lambda_ == 0.5
