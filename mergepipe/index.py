@@ -33,6 +33,7 @@ from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader,
 
 GRID = [i / 100 for i in range(101)]  # i/100 is the same float as the literal, as mergekit parses it
 HI_BINS = 1 << 15  # sign bit is 0 for |x|
+NONFINITE_BIN = 0x7F80  # upper 16 bits of +inf; NaNs sort above it
 
 
 def grid_ranks(n: int) -> list[int]:
@@ -196,8 +197,9 @@ class _DeltaTensorScan:
 
     def _abs_bits(self, i: int, base_buf: bytearray, exp_buf: bytearray) -> np.ndarray:
         shape = _block_shape(self.t, self.ranges[i])
-        delta = as_tensor(exp_buf, self.t.dtype, shape).float() - as_tensor(base_buf, self.t.dtype, shape).float()
-        return delta.abs_().reshape(-1).view(torch.int32).numpy()
+        delta = as_tensor(exp_buf, self.t.dtype, shape).float()
+        delta.sub_(as_tensor(base_buf, self.t.dtype, shape).float()).abs_()
+        return delta.reshape(-1).view(torch.int32).numpy()
 
     def _read(self, i: int) -> tuple[bytearray, bytearray]:
         a, b = self.ranges[i]
@@ -233,15 +235,15 @@ class _DeltaTensorScan:
                 continue
             bits = self._abs_bits(i, base_buf, exp_buf)
             values = bits.view(np.float32)
-            finite = np.isfinite(values)
-            if not finite.all():
-                nonfinite += int((~finite).sum())
-            block_l2[i] = float(np.sqrt(np.dot(values, values, out=None))) if finite.all() else math.inf
+            block_hist = np.bincount(bits >> 16, minlength=HI_BINS)
+            bad = int(block_hist[NONFINITE_BIN:].sum())  # |x| >= inf in the bit order: Inf and NaN
+            nonfinite += bad
+            block_l2[i] = math.sqrt(float(np.dot(values, values))) if not bad else math.inf
             block_max[i] = float(values.max()) if values.size else 0.0
             block_nnz[i] = int(np.count_nonzero(bits))
-            l1 += float(values.sum(dtype=np.float64))
+            l1 += float(values.sum())
             l2sq += block_l2[i] ** 2
-            hist += np.bincount(bits >> 16, minlength=HI_BINS)
+            hist += block_hist
             self.cache.append(bits if self.keep else None)
         self.identical = identical
 
@@ -277,53 +279,57 @@ class _DeltaTensorScan:
                            tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values), tuple(count_gt),
                            tuple(count_eq), block_eq)
 
+    def _keys(self, bits: np.ndarray, slot_of_bin: np.ndarray) -> np.ndarray:
+        """slot * 65536 + low 16 bits, for the elements whose upper 16 bits are in a slotted bin."""
+        slot = slot_of_bin[bits >> 16]
+        keep = slot >= 0
+        return slot[keep] * 65536 + (bits[keep] & 0xFFFF)
+
     def _exact_values(self, bins: list[int], identical: list[bool], block_n: list[int]) -> dict:
-        """For each target bin, the distinct low-16 patterns present and their counts."""
-        bins_arr = np.array(bins, dtype=np.int32)
-        partial: list[np.ndarray] = []
+        """For each target bin, the low-16 patterns present (ascending) and their counts."""
+        slot_of_bin = np.full(HI_BINS, -1, dtype=np.int32)
+        slot_of_bin[bins] = np.arange(len(bins), dtype=np.int32)
+        size = len(bins) * 65536
+        acc = np.zeros(size, dtype=np.int64)
+        pending: list[np.ndarray] = []
+        n_pending = 0
         for _, bits in self._nonidentical():
-            hi = bits >> 16
-            sel = bits[np.isin(hi, bins_arr)]
-            if sel.size:
-                partial.append(np.unique(sel, return_counts=True))
+            pending.append(self._keys(bits, slot_of_bin))
+            n_pending += len(pending[-1])
+            if n_pending > (16 << 20):  # bound memory on huge tensors
+                acc += np.bincount(np.concatenate(pending), minlength=size)
+                pending, n_pending = [], 0
+        if pending:
+            acc += np.bincount(np.concatenate(pending), minlength=size)
         zeros_from_identical = sum(n for n, same in zip(block_n, identical) if same)
+        if zeros_from_identical and bins and bins[0] == 0:
+            acc[0] += zeros_from_identical  # identical blocks hold exact zeros: bin 0, low 0
+        acc = acc.reshape(len(bins), 65536)
         out = {}
-        if partial:
-            vals = np.concatenate([p[0] for p in partial])
-            cnts = np.concatenate([p[1] for p in partial])
-            order = np.argsort(vals, kind="stable")
-            vals, cnts = vals[order], cnts[order]
-            uniq, starts = np.unique(vals, return_index=True)
-            sums = np.add.reduceat(cnts, starts) if len(vals) else cnts
-        else:
-            uniq, sums = np.zeros(0, np.int32), np.zeros(0, np.int64)
-        for b in bins:
-            m = (uniq >> 16) == b
-            lows, counts = (uniq[m] & 0xFFFF).astype(np.int64), sums[m].astype(np.int64)
-            if b == 0 and zeros_from_identical:
-                if len(lows) and lows[0] == 0:
-                    counts = counts.copy()
-                    counts[0] += zeros_from_identical
-                else:
-                    lows = np.concatenate([[0], lows])
-                    counts = np.concatenate([[zeros_from_identical], counts])
-            out[b] = (lows, counts)
+        for k, b in enumerate(bins):
+            lows = np.flatnonzero(acc[k])
+            out[b] = (lows, acc[k, lows])
         return out
 
     def _block_eq(self, split: dict[int, np.int32], identical: list[bool], block_n: list[int]) -> dict:
+        """Per block, how many elements equal each split value (a table lookup per element)."""
         positions = list(split)
-        wanted = np.array([split[j] for j in positions], dtype=np.int32)
-        rows = {j: [0] * len(self.ranges) for j in positions}
+        wanted = np.unique(np.array([split[j] for j in positions], dtype=np.int32))
+        bins = np.unique(wanted >> 16)
+        slot_of_bin = np.full(HI_BINS, -1, dtype=np.int32)
+        slot_of_bin[bins] = np.arange(len(bins), dtype=np.int32)
+        lut = np.full(len(bins) * 65536, -1, dtype=np.int32)
+        lut[self._keys(wanted, slot_of_bin)] = np.arange(len(wanted), dtype=np.int32)
+        counts = np.zeros((len(self.ranges), len(wanted)), dtype=np.int64)
         for i in range(len(self.ranges)):
             if identical[i]:
-                for j, v in zip(positions, wanted):
-                    if v == 0:
-                        rows[j][i] = block_n[i]
+                if wanted[0] == 0:
+                    counts[i, 0] = block_n[i]
                 continue
-            bits = self._bits(i)
-            for j, v in zip(positions, wanted):
-                rows[j][i] = int(np.count_nonzero(bits == v))
-        return {j: tuple(r) for j, r in rows.items()}
+            which = lut[self._keys(self._bits(i), slot_of_bin)]
+            counts[i] = np.bincount(which[which >= 0], minlength=len(wanted))
+        slot = {int(v): k for k, v in enumerate(wanted)}
+        return {j: tuple(int(c) for c in counts[:, slot[int(split[j])]]) for j in positions}
 
 
 def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, expert_index: ModelIndex,
