@@ -105,11 +105,16 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe.pipeline import merge_plan, open_inputs
+    from mergepipe.plan import plan_hash
     from mergepipe.store import Store
     try:
         plan = json.loads(Path(args.plan).read_text())
-    except (OSError, ValueError) as e:
+        intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{args.plan}: cannot read plan: {e}") from None
+    if not intact:  # hand-edited or truncated: its fields cannot be trusted
+        raise ConfigError(f"{args.plan}: plan_hash does not match the plan's content (edited, or not made by "
+                          "`mergepipe plan`); make it again with `mergepipe plan`")
     store = Store(args.cache_dir)
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)

@@ -70,9 +70,11 @@ def load_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / MANIFEST
     try:
         man = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise IntegrityError(f"{path}: no manifest; this folder is not a finished mergepipe output") from None
-    except (UnicodeDecodeError, ValueError) as e:
+    except OSError as e:
+        raise IntegrityError(f"{path}: cannot read the manifest: {e.strerror}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{path}: manifest is not valid JSON: {e}") from None
     if not isinstance(man, dict) or man.get("manifest_hash") != manifest_hash(man):
         raise IntegrityError(f"{path}: manifest_hash does not match its content (edited after the merge?)")

@@ -88,7 +88,10 @@ class Publisher:
     def __enter__(self) -> Path:
         if self.target.exists() and not self.target.is_dir():
             raise OutputError(f"{self.target}: output path exists and is not a folder")
-        self.target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in the way, permissions
+            raise OutputError(f"{self.target}: cannot create its parent folder: {e.strerror}") from None
         me = f"{socket.gethostname()}:{os.getpid()}"
         for attempt in range(2):
             try:
@@ -102,6 +105,8 @@ class Publisher:
                 raise OutputError(f"{self.target}: locked by another mergepipe writer "
                                   f"({owner[0]}:{owner[1]}, lock {self.lock}); wait for it, or remove the "
                                   "lock if that process is gone") from None
+            except OSError as e:  # read-only folder, ...
+                raise OutputError(f"{self.target}: cannot create the lock {self.lock}: {e.strerror}") from None
         with os.fdopen(fd, "w") as f:
             f.write(me)
         self.stale_removed = _remove_leftovers(self.target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from math import prod
@@ -92,6 +93,15 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
     return b"".join(chunks)
 
 
+def _is_text(s: str) -> bool:
+    """Valid Unicode (JSON can escape lone surrogates, which safetensors and UTF-8 refuse)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -106,11 +116,14 @@ def parse_header(path: str | Path) -> FileHeader:
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: pickle checkpoints are refused (never unpickled); convert to .safetensors")
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not hang the open
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a directory, pipe or device); expected a .safetensors file")
+        size = st.st_size
         if size < 8:
             raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
         n = int.from_bytes(os.pread(fd, 8, 0), "little")
@@ -125,12 +138,14 @@ def parse_header(path: str | Path) -> FileHeader:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: header is not valid UTF-8") from None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) and _is_text(k) and _is_text(v)
+                                                  for k, v in metadata.items()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
     data_start = 8 + n
     data_len = size - data_start
@@ -154,10 +169,12 @@ def parse_header(path: str | Path) -> FileHeader:
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
+    if not _is_text(name):
+        raise CheckpointError(f"{where}: tensor name is not valid Unicode (lone surrogate escape)")
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**53 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
@@ -219,7 +236,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if index_path.exists():
         try:
             index = json.loads(index_path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointError(f"{index_path}: not valid JSON: {e}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:

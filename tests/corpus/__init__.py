@@ -1,0 +1,761 @@
+"""Hostile inputs, built by code in a temp folder (no binary files in the repo).
+
+Each case is a generator `build(ctx, work) -> Setup`: it writes one malformed or
+hostile input (a checkpoint file, a model folder, a params.yaml, an output path)
+under `work`, and returns the `mergepipe` command line that must fail on it, the
+output path that must stay absent (or untouched), and the names (file, tensor,
+key) that the one error line must contain. `tests/test_corpus.py` runs them all.
+
+Inputs are copies of a seeded demo family (`mergepipe.demo.make_family`, preset
+"tiny"): the hostile expert is `ctx.experts[1]` (one file) or `ctx.experts[0]`
+(sharded, with an index json), copied into `work/bad` and then damaged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+INDEX_JSON = "model.safetensors.index.json"
+VICTIM = "model.layers.1.self_attn.q_proj.weight"  # changed in every demo expert, 128 x 128 bf16
+WIDE = "model.layers.1.mlp.gate_proj.weight"  # 384 x 128
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """A read-only demo family and a cache folder shared by all cases."""
+
+    base: Path
+    experts: tuple[Path, ...]
+    cache: Path
+
+
+@dataclass(frozen=True)
+class Setup:
+    argv: list[str]  # mergepipe command line (without the program name)
+    out: Path  # the output path: must stay absent, or untouched if it existed
+    expect: tuple[str, ...]  # substrings of the error line: file, tensor or key names
+    exit_code: int  # the error class's exit code (errors.py)
+    marker: Path | None = None  # a file that a pickle payload would create; must never appear
+    existing_ok: bool = True  # whether a previous complete output may be placed at `out` first
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[Ctx, Path], Setup]
+    doc: str = field(default="")
+
+
+CASES: dict[str, Case] = {}
+
+CONFIG, CHECKPOINT, BUDGET, METHOD, INTEGRITY, OUTPUT = 2, 3, 4, 5, 6, 7
+
+
+def case(fn: Callable[[Ctx, Path], Setup]) -> Callable[[Ctx, Path], Setup]:
+    name = fn.__name__.removeprefix("c_")
+    CASES[name] = Case(name, fn, (fn.__doc__ or "").strip())
+    return fn
+
+
+# ------------------------------------------------------------------ helpers
+
+def write_params(work: Path, ctx: Ctx, bad: Path | None = None, **overrides) -> Path:
+    """params.yaml: base + a good expert (+ the hostile one as `bad`), task_arithmetic, full budget."""
+    experts = [{"name": "good", "path": str(ctx.experts[2]), "weight": 0.5}]
+    if bad is not None:
+        experts.append({"name": "bad", "path": str(bad), "weight": 1.0})
+    cfg = {"base": str(ctx.base), "experts": experts, "method": "task_arithmetic",
+           "parameters": {"lambda": 1.0}, "seed": 0, "budget": "full", "block_bytes": "16KiB",
+           "output": {"dir": str(work / "out")}, "cache_dir": str(ctx.cache)}
+    for key, value in overrides.items():
+        cfg[key] = value
+    path = work / "params.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run(work: Path, ctx: Ctx, bad: Path | None, expect: tuple[str, ...], exit_code: int, *,
+        marker: Path | None = None, extra: tuple[str, ...] = (), **overrides) -> Setup:
+    params = write_params(work, ctx, bad, **overrides)
+    out = Path(overrides.get("output", {}).get("dir", work / "out"))
+    return Setup(["run", str(params), "-q", *extra], out, expect, exit_code, marker)
+
+
+def copy_expert(ctx: Ctx, work: Path, k: int = 1, name: str = "bad") -> Path:
+    dst = work / name
+    shutil.copytree(ctx.experts[k], dst)
+    return dst
+
+
+def read_st(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_st(path: Path, header: dict | bytes, data: bytes, *, length: int | None = None) -> None:
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(blob) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + blob + data)
+
+
+def damage_header(ctx: Ctx, work: Path, edit: Callable[[dict], dict | bytes | None],
+                  expect_tensor: str | None = None, exit_code: int = CHECKPOINT) -> Setup:
+    """Copy expert_1 (one file), rewrite its header with `edit`, keep the data."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    header, data = read_st(f)
+    new = edit(header)
+    write_st(f, header if new is None else new, data)
+    return run(work, ctx, bad, (str(f),) + ((expect_tensor,) if expect_tensor else ()), exit_code)
+
+
+def rewrite_tensors(ctx: Ctx, work: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """Copy expert_1 and rewrite its tensors with safetensors itself (a valid file, wrong content)."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    tensors = load_file(f)
+    edit(tensors)
+    f.unlink()
+    save_file(tensors, f, metadata={"format": "pt"})
+    return bad
+
+
+def last_tensor(header: dict) -> str:
+    return max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+
+
+def first_tensor(header: dict) -> str:
+    return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+class _Payload:
+    """Unpickling this creates `marker`: proof that a pickle was (wrongly) loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def evil_pickle(marker: Path) -> bytes:
+    return pickle.dumps({"model.embed_tokens.weight": _Payload(marker)}, protocol=4)
+
+
+def sharded(ctx: Ctx, work: Path, edit: Callable[[Path, dict], None], expect: tuple[str, ...],
+            exit_code: int = CHECKPOINT) -> Setup:
+    """Copy expert_0 (sharded) and edit its index json (the weight_map) with `edit(folder, index)`."""
+    bad = copy_expert(ctx, work, k=0)
+    index = json.loads((bad / INDEX_JSON).read_text())
+    edit(bad, index)
+    if index is not None:
+        (bad / INDEX_JSON).write_text(json.dumps(index))
+    return run(work, ctx, bad, tuple(str(bad / e) if e == INDEX_JSON else e for e in expect), exit_code)
+
+
+def shard_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("model-*.safetensors"))
+
+
+# ------------------------------------------------------------- file level
+
+@case
+def c_empty_file(ctx, work):
+    """model.safetensors of 0 bytes."""
+    bad = copy_expert(ctx, work)
+    (bad / "model.safetensors").write_bytes(b"")
+    return run(work, ctx, bad, (str(bad / "model.safetensors"),), CHECKPOINT)
+
+
+@case
+def c_shorter_than_length_field(ctx, work):
+    """3 bytes: not even the 8-byte header length."""
+    bad = copy_expert(ctx, work)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00")
+    return run(work, ctx, bad, (str(bad / "model.safetensors"),), CHECKPOINT)
+
+
+@case
+def c_truncated_in_header(ctx, work):
+    """File cut in the middle of the JSON header."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    f.write_bytes(raw[:8 + n // 2])
+    return run(work, ctx, bad, (str(f),), CHECKPOINT)
+
+
+@case
+def c_truncated_in_data(ctx, work):
+    """File cut inside the last tensor's data: that tensor is named."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    header, _ = read_st(f)
+    f.write_bytes(f.read_bytes()[:-1000])
+    return run(work, ctx, bad, (str(f), "tensor '", "out of range"), CHECKPOINT)
+
+
+@case
+def c_header_length_past_eof(ctx, work):
+    """Header length field larger than the file."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[:8] = struct.pack("<Q", len(raw) + 4096)
+    f.write_bytes(bytes(raw))
+    return run(work, ctx, bad, (str(f),), CHECKPOINT)
+
+
+@case
+def c_header_length_over_limit(ctx, work):
+    """Header length claims 1 TB (> the 100 MB limit): refused before any allocation."""
+    bad = copy_expert(ctx, work)
+    f = bad / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[:8] = struct.pack("<Q", 10**12)
+    f.write_bytes(bytes(raw))
+    return run(work, ctx, bad, (str(f), "limit"), CHECKPOINT)
+
+
+@case
+def c_header_not_utf8(ctx, work):
+    """A tensor name with a byte that is not UTF-8."""
+    return damage_header(ctx, work, lambda h: json.dumps(h).encode().replace(VICTIM.encode(), b"bad\xff\xfename"))
+
+
+@case
+def c_header_invalid_json(ctx, work):
+    """Header JSON cut short (closing brace replaced)."""
+    return damage_header(ctx, work, lambda h: json.dumps(h).encode()[:-1] + b",")
+
+
+@case
+def c_header_not_object(ctx, work):
+    """Header is a JSON array."""
+    return damage_header(ctx, work, lambda h: b"[" + b",".join(json.dumps(k).encode() for k in h) + b"]")
+
+
+@case
+def c_header_deeply_nested(ctx, work):
+    """100,000 nested arrays: JSON parsers that recurse blow the stack."""
+    return damage_header(ctx, work, lambda h: b"[" * 100_000 + b"]" * 100_000)
+
+
+@case
+def c_unknown_dtype(ctx, work):
+    """dtype 'F128'."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(dtype="F128"), VICTIM)
+
+
+@case
+def c_dtype_not_a_string(ctx, work):
+    """dtype given as a list (unhashable)."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(dtype=["BF16"]), VICTIM)
+
+
+@case
+def c_negative_shape(ctx, work):
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape=[-128, -128]), VICTIM)
+
+
+@case
+def c_float_shape(ctx, work):
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape=[128.0, 128]), VICTIM)
+
+
+@case
+def c_huge_shape(ctx, work):
+    """Shape entries of 2**62: no overflow, no allocation, just an error."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape=[2**62, 2**62]), VICTIM)
+
+
+@case
+def c_shape_product_overflows_int64(ctx, work):
+    """Each entry < 2**53, product far beyond int64."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape=[2**40, 2**40, 2**40]), VICTIM)
+
+
+@case
+def c_shape_not_a_list(ctx, work):
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape="128x128"), VICTIM)
+
+
+@case
+def c_offsets_out_of_range(ctx, work):
+    """The last tensor ends 100 bytes past the end of the file."""
+    def edit(h):
+        last = last_tensor(h)
+        b, e = h[last]["data_offsets"]
+        h[last]["data_offsets"] = [b + 100, e + 100]
+    bad = copy_expert(ctx, work)
+    header, _ = read_st(bad / "model.safetensors")
+    shutil.rmtree(bad)
+    return damage_header(ctx, work, edit, last_tensor(header))
+
+
+@case
+def c_offsets_overlapping(ctx, work):
+    """One tensor shifted 2 bytes back into its predecessor."""
+    def edit(h):
+        b, e = h[VICTIM]["data_offsets"]
+        h[VICTIM]["data_offsets"] = [b - 2, e - 2]
+    return damage_header(ctx, work, edit, VICTIM)
+
+
+@case
+def c_offsets_reversed(ctx, work):
+    """data_offsets [end, begin]."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(data_offsets=h[VICTIM]["data_offsets"][::-1]),
+                         VICTIM)
+
+
+@case
+def c_offsets_not_integers(ctx, work):
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(
+        data_offsets=[str(o) for o in h[VICTIM]["data_offsets"]]), VICTIM)
+
+
+@case
+def c_offsets_leave_gap(ctx, work):
+    """The first tensor starts 2 bytes into the data region (an undescribed gap)."""
+    def edit(h):
+        first = first_tensor(h)
+        b, e = h[first]["data_offsets"]
+        h[first]["data_offsets"] = [b + 2, e + 2]
+    bad = copy_expert(ctx, work)
+    header, _ = read_st(bad / "model.safetensors")
+    shutil.rmtree(bad)
+    return damage_header(ctx, work, edit, first_tensor(header))
+
+
+@case
+def c_nbytes_not_shape_times_itemsize(ctx, work):
+    """shape [128, 127] for 128 x 128 x 2 bytes."""
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(shape=[128, 127]), VICTIM)
+
+
+@case
+def c_duplicate_tensor_name(ctx, work):
+    """The same key twice in the header JSON (a plain dict parser keeps the last one silently)."""
+    def edit(h):
+        text = json.dumps(h)
+        dup = json.dumps({VICTIM: h[VICTIM]})[1:-1]
+        return (text[:-1] + ", " + dup + "}").encode()
+    return damage_header(ctx, work, edit, VICTIM)
+
+
+@case
+def c_metadata_non_string_value(ctx, work):
+    return damage_header(ctx, work, lambda h: h.update(__metadata__={"format": "pt", "step": 1000}), "__metadata__")
+
+
+@case
+def c_metadata_not_an_object(ctx, work):
+    """__metadata__ is an (empty) list."""
+    return damage_header(ctx, work, lambda h: h.update(__metadata__=[]), "__metadata__")
+
+
+@case
+def c_entry_with_extra_field(ctx, work):
+    return damage_header(ctx, work, lambda h: h[VICTIM].update(quantized=True), VICTIM)
+
+
+@case
+def c_tensor_name_lone_surrogate(ctx, work):
+    """A tensor name that is not valid Unicode (JSON escape of a lone surrogate)."""
+    def edit(h):
+        h["\ud800" + VICTIM] = h.pop(VICTIM)
+    return damage_header(ctx, work, edit)
+
+
+@case
+def c_directory_named_safetensors(ctx, work):
+    """model.safetensors is a directory."""
+    bad = copy_expert(ctx, work)
+    (bad / "model.safetensors").unlink()
+    (bad / "model.safetensors").mkdir()
+    return run(work, ctx, bad, (str(bad / "model.safetensors"),), CHECKPOINT)
+
+
+@case
+def c_fifo_named_safetensors(ctx, work):
+    """model.safetensors is a named pipe: opening it must not block forever."""
+    bad = copy_expert(ctx, work)
+    (bad / "model.safetensors").unlink()
+    os.mkfifo(bad / "model.safetensors")
+    return run(work, ctx, bad, (str(bad / "model.safetensors"),), CHECKPOINT)
+
+
+# ------------------------------------------------------------- pickles
+
+@case
+def c_pickle_only_folder(ctx, work):
+    """pytorch_model.bin whose unpickling would create a marker file: refused, never loaded."""
+    bad = work / "bad"
+    bad.mkdir()
+    shutil.copyfile(ctx.experts[1] / "config.json", bad / "config.json")
+    marker = work / "UNPICKLED"
+    (bad / "pytorch_model.bin").write_bytes(evil_pickle(marker))
+    return run(work, ctx, bad, (str(bad), "pytorch_model.bin"), CHECKPOINT, marker=marker)
+
+
+@case
+def c_pt_file_as_model_path(ctx, work):
+    """The expert path is a .pt pickle file."""
+    marker = work / "UNPICKLED"
+    pt = work / "expert.pt"
+    pt.write_bytes(evil_pickle(marker))
+    return run(work, ctx, pt, (str(pt), "pickle"), CHECKPOINT, marker=marker)
+
+
+@case
+def c_pickle_disguised_as_safetensors(ctx, work):
+    """A pickle renamed to model.safetensors."""
+    bad = copy_expert(ctx, work)
+    marker = work / "UNPICKLED"
+    (bad / "model.safetensors").write_bytes(evil_pickle(marker))
+    return run(work, ctx, bad, (str(bad / "model.safetensors"),), CHECKPOINT, marker=marker)
+
+
+@case
+def c_pickle_beside_sharded_index(ctx, work):
+    """weight_map points at a .bin pickle inside the folder."""
+    marker = work / "UNPICKLED"
+
+    def edit(folder, index):
+        (folder / "pytorch_model-00001.bin").write_bytes(evil_pickle(marker))
+        first = shard_names(folder)[0]
+        (folder / first).unlink()
+        for k, v in index["weight_map"].items():
+            if v == first:
+                index["weight_map"][k] = "pytorch_model-00001.bin"
+    s = sharded(ctx, work, edit, ("pytorch_model-00001.bin",))
+    return Setup(s.argv, s.out, s.expect, s.exit_code, marker)
+
+
+# ------------------------------------------------------------- folders and index json
+
+@case
+def c_empty_model_folder(ctx, work):
+    bad = work / "bad"
+    bad.mkdir()
+    return run(work, ctx, bad, (str(bad),), CHECKPOINT)
+
+
+@case
+def c_missing_model_folder(ctx, work):
+    return run(work, ctx, work / "no-such-model", (str(work / "no-such-model"),), CHECKPOINT)
+
+
+@case
+def c_two_files_without_index(ctx, work):
+    """Shards but no model.safetensors.index.json."""
+    bad = copy_expert(ctx, work, k=0)
+    (bad / INDEX_JSON).unlink()
+    return run(work, ctx, bad, (str(bad), INDEX_JSON), CHECKPOINT)
+
+
+@case
+def c_weight_map_parent_dir(ctx, work):
+    """weight_map names '../outside.safetensors' (a valid file outside the folder)."""
+    def edit(folder, index):
+        first = shard_names(folder)[0]
+        shutil.copyfile(folder / first, work / "outside.safetensors")
+        for k, v in index["weight_map"].items():
+            if v == first:
+                index["weight_map"][k] = "../outside.safetensors"
+    return sharded(ctx, work, edit, (INDEX_JSON, "../outside.safetensors"))
+
+
+@case
+def c_weight_map_absolute_path(ctx, work):
+    def edit(folder, index):
+        first = shard_names(folder)[0]
+        shutil.copyfile(folder / first, work / "outside.safetensors")
+        for k, v in index["weight_map"].items():
+            if v == first:
+                index["weight_map"][k] = str(work / "outside.safetensors")
+    return sharded(ctx, work, edit, (INDEX_JSON, str(work / "outside.safetensors")))
+
+
+@case
+def c_weight_map_symlink_out(ctx, work):
+    """weight_map names a file in the folder that is a symlink to a file outside it."""
+    def edit(folder, index):
+        first = shard_names(folder)[0]
+        shutil.move(folder / first, work / "outside.safetensors")
+        os.symlink(work / "outside.safetensors", folder / first)
+    bad_first = shard_names(ctx.experts[0])[0]
+    return sharded(ctx, work, edit, (INDEX_JSON, bad_first))
+
+
+@case
+def c_weight_map_missing_file(ctx, work):
+    def edit(folder, index):
+        index["weight_map"][VICTIM] = "model-00009-of-00009.safetensors"
+    return sharded(ctx, work, edit, (INDEX_JSON, "model-00009-of-00009.safetensors"))
+
+
+@case
+def c_weight_map_not_a_string(ctx, work):
+    def edit(folder, index):
+        index["weight_map"][VICTIM] = 7
+    return sharded(ctx, work, edit, (INDEX_JSON, "7"))
+
+
+@case
+def c_index_disagrees_with_shards(ctx, work):
+    """weight_map puts a tensor in the wrong shard."""
+    def edit(folder, index):
+        names = shard_names(folder)
+        now = index["weight_map"][VICTIM]
+        index["weight_map"][VICTIM] = names[0] if now != names[0] else names[1]
+    return sharded(ctx, work, edit, (INDEX_JSON, VICTIM))
+
+
+@case
+def c_index_lists_unknown_tensor(ctx, work):
+    def edit(folder, index):
+        index["weight_map"]["model.layers.99.ghost.weight"] = shard_names(folder)[0]
+    return sharded(ctx, work, edit, (INDEX_JSON, "model.layers.99.ghost.weight"))
+
+
+@case
+def c_index_omits_a_tensor(ctx, work):
+    def edit(folder, index):
+        del index["weight_map"][VICTIM]
+    return sharded(ctx, work, edit, (INDEX_JSON, VICTIM))
+
+
+@case
+def c_index_invalid_json(ctx, work):
+    bad = copy_expert(ctx, work, k=0)
+    (bad / INDEX_JSON).write_text('{"weight_map": {')
+    return run(work, ctx, bad, (str(bad / INDEX_JSON),), CHECKPOINT)
+
+
+@case
+def c_index_deeply_nested(ctx, work):
+    bad = copy_expert(ctx, work, k=0)
+    (bad / INDEX_JSON).write_text("[" * 100_000 + "]" * 100_000)
+    return run(work, ctx, bad, (str(bad / INDEX_JSON),), CHECKPOINT)
+
+
+# ------------------------------------------------------------- expert vs base
+
+@case
+def c_expert_missing_tensor(ctx, work):
+    bad = rewrite_tensors(ctx, work, lambda t: t.pop(VICTIM))
+    return run(work, ctx, bad, (str(bad), VICTIM, "missing"), CHECKPOINT)
+
+
+@case
+def c_expert_extra_tensor(ctx, work):
+    bad = rewrite_tensors(ctx, work, lambda t: t.update({"model.extra.weight": torch.zeros(4, dtype=torch.bfloat16)}))
+    return run(work, ctx, bad, (str(bad), "model.extra.weight"), CHECKPOINT)
+
+
+@case
+def c_expert_shape_mismatch(ctx, work):
+    bad = rewrite_tensors(ctx, work, lambda t: t.update({WIDE: t[WIDE][:-1].clone()}))
+    return run(work, ctx, bad, (str(bad), WIDE), CHECKPOINT)
+
+
+@case
+def c_expert_dtype_mismatch(ctx, work):
+    bad = rewrite_tensors(ctx, work, lambda t: t.update({VICTIM: t[VICTIM].to(torch.float16)}))
+    return run(work, ctx, bad, (str(bad), VICTIM, "F16"), CHECKPOINT)
+
+
+def _poison(value: float):
+    def edit(t):
+        x = t[VICTIM].clone()
+        x[3, 5] = value
+        t[VICTIM] = x
+    return edit
+
+
+@case
+def c_expert_nan(ctx, work):
+    """One NaN in an expert tensor: error by default (nonfinite: error), tensor named."""
+    bad = rewrite_tensors(ctx, work, _poison(float("nan")))
+    return run(work, ctx, bad, (str(bad), VICTIM, "NaN"), CHECKPOINT)
+
+
+@case
+def c_expert_inf(ctx, work):
+    bad = rewrite_tensors(ctx, work, _poison(float("-inf")))
+    return run(work, ctx, bad, (str(bad), VICTIM, "nonfinite"), CHECKPOINT)
+
+
+@case
+def c_base_header_damaged(ctx, work):
+    """The base (not an expert) has an unknown dtype."""
+    base = work / "base"
+    shutil.copytree(ctx.base, base)
+    f = base / "model.safetensors"
+    header, data = read_st(f)
+    header[VICTIM]["dtype"] = "Q4_K"
+    write_st(f, header, data)
+    return run(work, ctx, None, (str(f), VICTIM), CHECKPOINT, base=str(base))
+
+
+# ------------------------------------------------------------- config
+
+@case
+def c_unknown_method(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "method", "frankenmerge"), CONFIG, method="frankenmerge")
+
+
+@case
+def c_zero_budget(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "budget"), CONFIG, budget=0)
+
+
+@case
+def c_negative_budget(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "budget", "-5%"), CONFIG, budget="-5%")
+
+
+@case
+def c_zero_budget_on_command_line(ctx, work):
+    return run(work, ctx, None, ("budget", "0"), CONFIG, extra=("--budget", "0"))
+
+
+@case
+def c_expert_density_zero(ctx, work):
+    params = write_params(work, ctx)
+    cfg = yaml.safe_load(params.read_text())
+    cfg["method"], cfg["parameters"] = "ties", {"density": 0.5}
+    cfg["experts"][0]["density"] = 0.0
+    params.write_text(yaml.safe_dump(cfg))
+    return Setup(["run", str(params), "-q"], work / "out", ("params.yaml", "experts[0].density"), CONFIG)
+
+
+@case
+def c_density_above_one(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "density", "1.5"), CONFIG, method="ties",
+               parameters={"density": 1.5})
+
+
+@case
+def c_negative_density(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "density"), CONFIG, method="ties",
+               parameters={"density": -0.1})
+
+
+@case
+def c_weights_sum_to_zero_under_normalize(ctx, work):
+    params = write_params(work, ctx, copy_expert(ctx, work, k=1, name="e1"), method="linear", parameters={})
+    cfg = yaml.safe_load(params.read_text())
+    cfg["experts"][0]["weight"], cfg["experts"][1]["weight"] = 0.5, -0.5
+    params.write_text(yaml.safe_dump(cfg))
+    return Setup(["run", str(params), "-q"], work / "out", ("params.yaml", "weights", "normalize"), CONFIG)
+
+
+@case
+def c_config_not_a_mapping(ctx, work):
+    params = work / "params.yaml"
+    params.write_text("- base\n- experts\n")
+    return Setup(["run", str(params), "-q"], work / "out", (str(params),), CONFIG)
+
+
+@case
+def c_config_invalid_yaml(ctx, work):
+    params = work / "params.yaml"
+    params.write_text("base: [unclosed\nexperts: {\n")
+    return Setup(["run", str(params), "-q"], work / "out", (str(params),), CONFIG)
+
+
+@case
+def c_config_unknown_key(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "budgett"), CONFIG, budgett="10%")
+
+
+@case
+def c_nonfinite_mode_unknown(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "nonfinite"), CONFIG, nonfinite="ignore")
+
+
+# ------------------------------------------------------------- output path
+
+@case
+def c_output_is_an_input_dir(ctx, work):
+    """output.dir is the (copied) expert folder: the input must stay untouched."""
+    bad = copy_expert(ctx, work, name="e1")
+    s = run(work, ctx, bad, ("params.yaml", "output.dir", "experts[1].path"), CONFIG, output={"dir": str(bad)})
+    return Setup(s.argv, s.out, s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_output_inside_an_input_dir(ctx, work):
+    bad = copy_expert(ctx, work, name="e1")
+    s = run(work, ctx, bad, ("params.yaml", "output.dir"), CONFIG, output={"dir": str(bad / "merged")})
+    return s
+
+
+@case
+def c_output_is_the_base_via_cli(ctx, work):
+    base = work / "base"
+    shutil.copytree(ctx.base, base)
+    s = run(work, ctx, None, ("output.dir", "base"), CONFIG, base=str(base), extra=("-o", str(base)))
+    return Setup(s.argv, base, s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_output_is_a_file(ctx, work):
+    out = work / "out"
+    out.write_text("not a folder\n")
+    s = run(work, ctx, None, (str(out), "not a folder"), OUTPUT)
+    return Setup(s.argv, s.out, s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_output_parent_is_a_file(ctx, work):
+    (work / "blocker").write_text("x")
+    s = run(work, ctx, None, (str(work / "blocker"),), OUTPUT, output={"dir": str(work / "blocker" / "out")})
+    return Setup(s.argv, s.out, s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_cache_dir_is_output_dir(ctx, work):
+    return run(work, ctx, None, ("params.yaml", "cache_dir"), CONFIG, cache_dir=str(work / "out"))
+
+
+# ------------------------------------------------------------- plan files (`mergepipe merge`)
+
+@case
+def c_plan_file_not_json(ctx, work):
+    plan = work / "plan.json"
+    plan.write_text("{not json")
+    return Setup(["merge", str(plan), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
+                 work / "out", (str(plan),), CONFIG)
+
+
+@case
+def c_plan_file_edited(ctx, work):
+    """A plan whose fields were edited by hand (here: a key removed)."""
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"schema": 1, "plan_hash": "0" * 64, "experts": []}))
+    return Setup(["merge", str(plan), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
+                 work / "out", (str(plan), "plan_hash"), CONFIG)
+
+
+@case
+def c_plan_file_deeply_nested(ctx, work):
+    plan = work / "plan.json"
+    plan.write_text("[" * 100_000 + "]" * 100_000)
+    return Setup(["merge", str(plan), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
+                 work / "out", (str(plan),), CONFIG)
