@@ -92,8 +92,12 @@ def _check_output_target(out_dir: Path, inputs: Inputs) -> None:
 
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
-               progress: bool = False) -> dict:
-    """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish."""
+               progress: bool = False, realize=None) -> dict:
+    """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
+
+    `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
+    split merge, mergepipe.parts); everything else is the same, so the bytes are too.
+    """
     _check_output_target(out_dir, inputs)
     cached = store.root / "merges" / plan["plan_hash"]
     publisher = Publisher(out_dir)
@@ -102,7 +106,8 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             man = json.loads((tmp / MANIFEST).read_text())
             run_info = {"restored_from": str(cached)}
         else:
-            realized = run_merge(plan, inputs, tmp, threads=threads, progress=progress)
+            realized = (realize(tmp) if realize is not None
+                        else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
             aux = {}
             for name in AUX_FILES:
                 src = inputs.base.root / name
