@@ -238,10 +238,17 @@ class _DeltaTensorScan:
             block_hist = np.bincount(bits >> 16, minlength=HI_BINS)
             bad = int(block_hist[NONFINITE_BIN:].sum())  # |x| >= inf in the bit order: Inf and NaN
             nonfinite += bad
-            block_l2[i] = math.sqrt(float(np.dot(values, values))) if not bad else math.inf
+            # norms of the finite part (NaN/Inf are counted in `nonfinite`), so that a plan made
+            # with `nonfinite: allow` stays finite JSON; fp64 where fp32 squares overflow
+            fin = values if not bad else np.where(np.isfinite(values), values, np.float32(0))
+            with np.errstate(over="ignore"):
+                sq = float(np.dot(fin, fin))
+            if not math.isfinite(sq):
+                sq = float(np.dot(fin.astype(np.float64), fin.astype(np.float64)))
+            block_l2[i] = math.sqrt(sq)
             block_max[i] = float(values.max()) if values.size else 0.0
             block_nnz[i] = int(np.count_nonzero(bits))
-            l1 += float(values.sum())
+            l1 += float(fin.sum())
             l2sq += block_l2[i] ** 2
             hist += block_hist
             self.cache.append(bits if self.keep else None)

@@ -141,3 +141,12 @@ def test_nonfinite_allow_merges_anyway(ctx, tmp_path, capsys):
     params.write_text(params.read_text() + "nonfinite: allow\n")
     assert main(setup.argv) == 0
     assert main(["verify", str(setup.out)]) == 0
+
+
+def test_huge_finite_delta_merges(ctx, tmp_path):
+    """|delta| = 1e30 is finite: its square overflows fp32, the plan must still be valid JSON."""
+    from tests.corpus import _poison, rewrite_tensors, run
+    bad = rewrite_tensors(ctx, tmp_path, _poison(1e30))
+    setup = run(tmp_path, ctx, bad, (), 0)
+    assert main(setup.argv) == 0
+    assert main(["verify", str(setup.out)]) == 0
