@@ -42,6 +42,8 @@ def cmd_index(args: argparse.Namespace) -> int:
                         if same)
         out.update(base=str(args.base), base_hash=base_index.content_hash, identical_bytes=identical,
                    delta_l2=sum(t.l2 ** 2 for t in delta.tensors.values()) ** 0.5)
+    if args.o:
+        _write_record(Path(args.o), out)
     seconds = time.monotonic() - t0
     read = store.index_reads.total
     out.update(index_bytes_read=read, seconds=round(seconds, 3), cached=store.builds == 0)
@@ -56,6 +58,22 @@ def cmd_index(args: argparse.Namespace) -> int:
             print(f"  vs base {args.base}: {_mib(out['identical_bytes'])} identical to base, "
                   f"||delta||_2 = {out['delta_l2']:.6g}")
     return 0
+
+
+def _write_record(path: Path, obj: dict) -> None:
+    """Write canonical JSON; identical content is only touched, never rewritten.
+
+    The touch tells a build tool that reran this step (the model's mtime changed) that it is
+    done; the unchanged bytes tell it, by checksum, that nothing downstream needs to rerun.
+    """
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    if path.is_file() and path.read_bytes() == data:
+        path.touch()
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def _load(args: argparse.Namespace):
@@ -103,23 +121,74 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
                f"  manifest {out_dir / 'manifest.json'}")
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
-    from mergepipe.pipeline import merge_plan, open_inputs
+def _load_plan(path: str) -> dict:
     from mergepipe.plan import plan_hash
-    from mergepipe.store import Store
     try:
-        plan = json.loads(Path(args.plan).read_text())
+        plan = json.loads(Path(path).read_text())
         intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
     except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{args.plan}: cannot read plan: {e}") from None
+        raise ConfigError(f"{path}: cannot read plan: {e}") from None
     if not intact:  # hand-edited or truncated: its fields cannot be trusted
-        raise ConfigError(f"{args.plan}: plan_hash does not match the plan's content (edited, or not made by "
+        raise ConfigError(f"{path}: plan_hash does not match the plan's content (edited, or not made by "
                           "`mergepipe plan`); make it again with `mergepipe plan`")
+    return plan
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from mergepipe.pipeline import merge_plan, open_inputs
+    from mergepipe.store import Store
+    plan = _load_plan(args.plan)
+    if args.part:
+        return _merge_part(args, plan)
     store = Store(args.cache_dir)
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
     man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet)
     _report(args, Path(args.o), man, time.monotonic() - t0)
+    return 0
+
+
+def _merge_part(args: argparse.Namespace, plan: dict) -> int:
+    from mergepipe.parts import merge_part, parse_part, part_paths
+    from mergepipe.pipeline import open_inputs
+    from mergepipe.store import Store
+    i, n = parse_part(args.part)
+    store = Store(args.cache_dir)
+    t0 = time.monotonic()
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+    info = merge_part(plan, inputs, Path(args.o), i, n, store, threads=args.threads, progress=not args.quiet)
+    what = ("plan is in the store; nothing to merge" if info["from_store"] else
+            f"{len(info['tensors'])} tensors, expert bytes read {_mib(sum(info['expert_bytes_read'].values()))}")
+    _log(args, f"part {i}/{n} of plan {plan['plan_hash'][:16]} -> {part_paths(args.o, i, n)[0]} "
+               f"({what}) in {time.monotonic() - t0:.2f} s")
+    return 0
+
+
+def cmd_gather(args: argparse.Namespace) -> int:
+    from mergepipe.parts import gather
+    from mergepipe.pipeline import open_inputs
+    from mergepipe.store import Store
+    plan = _load_plan(args.plan)
+    if args.parts < 1:
+        raise ConfigError(f"--parts {args.parts}: must be at least 1")
+    store = Store(args.cache_dir)
+    t0 = time.monotonic()
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+    man = gather(plan, inputs, Path(args.parts_dir), args.parts, Path(args.o), store, threads=args.threads,
+                 progress=not args.quiet)
+    _report(args, Path(args.o), man, time.monotonic() - t0)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from mergepipe.gc import collect, plan_hash_of, remove
+    keep = {plan_hash_of(p) for p in args.keep}
+    removals = collect(args.cache_dir, keep, indexes=args.indexes)
+    for r in removals:
+        print(f"{'would remove' if args.dry_run else 'remove'} {r.path} ({_mib(r.freed)})")
+    freed = sum(r.freed for r in removals) if args.dry_run else remove(removals)
+    _log(args, f"{args.cache_dir}: {'would free' if args.dry_run else 'freed'} {_mib(freed)}; "
+               f"kept {len(keep)} referenced merge(s)")
     return 0
 
 
@@ -203,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-bytes", default="1MiB")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--json", action="store_true")
+    s.add_argument("-o", help="also write the (timing-free) record as JSON here; unchanged content is only touched")
     s.set_defaults(fn=cmd_index)
 
     s = sub.add_parser("plan", parents=[common], help="plan which expert blocks to read")
@@ -216,7 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", required=True, help="output folder")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    s.add_argument("--part", metavar="I/N", help="merge only part I of N (tensor groups) into folder -o; "
+                   "`mergepipe gather` assembles the parts")
     s.set_defaults(fn=cmd_merge)
+
+    s = sub.add_parser("gather", parents=[common], help="assemble `merge --part` outputs, publish like merge")
+    s.add_argument("plan")
+    s.add_argument("parts_dir", help="the folder the part jobs wrote to")
+    s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
+    s.add_argument("-o", required=True, help="output folder")
+    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    s.set_defaults(fn=cmd_gather)
+
+    s = sub.add_parser("gc", parents=[common], help="prune the cache: stored merges, part files, indexes")
+    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--keep", action="append", default=[], metavar="OUTDIR|PLAN",
+                   help="keep the stored merge of this output folder or plan.json (repeatable)")
+    s.add_argument("--indexes", action="store_true", help="also drop model/delta indexes (models are reread)")
+    s.add_argument("--dry-run", "-n", action="store_true", help="only list what would be removed")
+    s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("run", parents=[common], help="index + plan + merge + verify, cached")
     s.add_argument("config")

@@ -1,0 +1,66 @@
+"""`mergepipe gc`: prune the cache folder (default `.mergepipe/`).
+
+What it may remove:
+  merges/<plan_hash>/   finished merges kept so that an earlier plan is restored, not recomputed;
+                        those referenced by a `--keep` output folder or plan.json stay
+  merges/*.partial      store entries a dead process left half written
+  parts/                part files of split merges (a finished gather no longer needs them)
+  models/ deltas/ stat/ indexes, only with `indexes=True` (they are rebuilt by rereading the models)
+Published outputs are separate hardlinks, so removing a store entry never touches them;
+the bytes a removal frees are those of files with no other link.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.errors import ConfigError
+from mergepipe.manifest import MANIFEST
+
+
+@dataclass
+class Removal:
+    path: Path
+    freed: int  # bytes of files with no other hardlink
+
+
+def plan_hash_of(path: str | Path) -> str:
+    """The plan hash recorded by an output folder (its manifest) or a plan.json."""
+    p = Path(path)
+    src = p / MANIFEST if p.is_dir() else p
+    try:
+        h = json.loads(src.read_text()).get("plan_hash")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: --keep needs an output folder or a plan.json ({e})") from None
+    if not isinstance(h, str):
+        raise ConfigError(f"{src}: no plan_hash; --keep needs an output folder or a plan.json")
+    return h
+
+
+def _freed(path: Path) -> int:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    return sum(st.st_size for st in (p.stat() for p in files) if st.st_nlink == 1)
+
+
+def collect(cache_dir: str | Path, keep: set[str], *, indexes: bool = False) -> list[Removal]:
+    """What gc would remove, in a stable order."""
+    root = Path(cache_dir)
+    victims: list[Path] = []
+    merges = root / "merges"
+    if merges.is_dir():
+        victims += [p for p in sorted(merges.iterdir()) if p.name not in keep]
+    for sub in ["parts", *(["models", "deltas", "stat"] if indexes else [])]:
+        if (root / sub).exists():
+            victims.append(root / sub)
+    return [Removal(p, _freed(p)) for p in victims]
+
+
+def remove(removals: list[Removal]) -> int:
+    for r in removals:
+        if r.path.is_dir() and not r.path.is_symlink():
+            shutil.rmtree(r.path)
+        else:
+            r.path.unlink(missing_ok=True)
+    return sum(r.freed for r in removals)

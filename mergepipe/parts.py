@@ -1,0 +1,192 @@
+"""Split merges: N independent part jobs and a gather that publishes the same bytes.
+
+`mergepipe merge PLAN --part I/N -o PARTS_DIR` merges the I-th of N contiguous,
+byte-balanced groups of the base's tensors (base order) into
+`PARTS_DIR/part-I-of-N.safetensors`, with a JSON sidecar holding the plan hash,
+each tensor's output hash and the part's read counters. `mergepipe gather`
+copies the parts' tensors into the output layout with the engine's own writer
+and hands the result to `pipeline.merge_plan`, which writes the aux files and
+the manifest exactly as a one-job merge does, saves it in the store and
+publishes it. Every tensor is merged by the same engine code on the same
+blocks either way, and reads are counted per tensor, so output files, tensor
+hashes, byte counts and manifest are byte-identical to `mergepipe merge`.
+
+A part job whose plan is already in the store merges nothing (its sidecar says
+`from_store`); the gather then restores the stored merge by hardlinks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from blake3 import blake3
+
+from mergepipe.engine import Inputs, Realized, hash_file, output_layout, run_merge
+from mergepipe.errors import ConfigError, IntegrityError
+from mergepipe.manifest import load_manifest
+from mergepipe.safetensors_io import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
+from mergepipe.store import Store
+
+PART_SCHEMA = 1
+ONE_FILE = 1 << 62  # shard_bytes that keeps a part's tensors in one file
+COPY_BYTES = 64 << 20  # gather copies tensors in chunks of about this many bytes
+_PART_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+
+
+def parse_part(spec: str) -> tuple[int, int]:
+    """"I/N" -> (I, N), 1 <= I <= N."""
+    m = _PART_RE.match(spec)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ConfigError(f"--part {spec!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return int(m.group(1)), int(m.group(2))
+
+
+def partition(base: Checkpoint, n: int) -> list[list[str]]:
+    """The base's tensors (base order) in n contiguous groups of about equal bytes.
+
+    A tensor goes to the group its first byte falls in, so one huge tensor makes
+    some groups empty rather than being split.
+    """
+    total = base.total_bytes
+    groups: list[list[str]] = [[] for _ in range(n)]
+    done = 0
+    for name, t in base.tensors.items():
+        groups[min(n - 1, done * n // total) if total else 0].append(name)
+        done += t.nbytes
+    return groups
+
+
+def part_paths(parts_dir: str | Path, i: int, n: int) -> tuple[Path, Path]:
+    stem = Path(parts_dir) / f"part-{i}-of-{n}"
+    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def _stored(store: Store, plan: dict) -> bool:
+    """A finished merge of this plan is in the store (its files are rehashed on restore)."""
+    cached = store.root / "merges" / plan["plan_hash"]
+    try:
+        man = load_manifest(cached)
+    except IntegrityError:
+        return False
+    return man.get("plan_hash") == plan["plan_hash"] and all(
+        (cached / name).is_file() for name in man["outputs"]["files"])
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
+               threads: int = 2, progress: bool = False) -> dict:
+    """Merge part i of n into parts_dir; returns its sidecar (also written as JSON)."""
+    parts_dir = Path(parts_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    st_path, js_path = part_paths(parts_dir, i, n)
+    names = partition(inputs.base, n)[i - 1]
+    info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,
+                  "from_store": False, "tensors": {}, "base_bytes_read": 0,
+                  "expert_bytes_read": {e["name"]: 0 for e in plan["experts"]}}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=parts_dir, prefix=f".part-{i}-of-{n}-") as tmp:
+        if _stored(store, plan):
+            info["from_store"] = True
+            SafetensorsWriter(Path(tmp) / "model.safetensors", [], metadata={"format": "pt"}).close()
+        else:
+            base = inputs.base
+            sub = Checkpoint(base.root, base.files, {name: base.tensors[name] for name in names})
+            sub_plan = {**plan, "output": {**plan["output"], "shard_bytes": ONE_FILE}}
+            sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas)
+            realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
+            info.update(tensors=realized.tensors, base_bytes_read=realized.base_bytes_read,
+                        expert_bytes_read=realized.expert_bytes_read)
+        os.replace(Path(tmp) / "model.safetensors", st_path)
+    info["file"] = {"blake3": hash_file(st_path), "size": st_path.stat().st_size}
+    info["seconds"] = round(time.monotonic() - t0, 3)
+    _write_json(js_path, info)
+    return info
+
+
+def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
+    st_path, js_path = part_paths(parts_dir, i, n)
+    try:
+        info = json.loads(js_path.read_text())
+    except (OSError, ValueError) as e:
+        raise IntegrityError(f"{js_path}: cannot read part {i}/{n}: {e}; run "
+                             f"`mergepipe merge PLAN --part {i}/{n}` first") from None
+    if info.get("plan_hash") != plan["plan_hash"] or (info.get("part"), info.get("parts")) != (i, n):
+        raise IntegrityError(f"{js_path}: part of another plan or split (plan {str(info.get('plan_hash'))[:16]}, "
+                             f"part {info.get('part')}/{info.get('parts')}); rerun the part jobs")
+    if not info.get("from_store"):
+        if not st_path.is_file() or hash_file(st_path) != info["file"]["blake3"]:
+            raise IntegrityError(f"{st_path}: missing or does not match {js_path.name}; rerun part {i}/{n}")
+    return info
+
+
+def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
+           threads: int = 2, progress: bool = False) -> dict:
+    """Assemble the n parts into out_dir and publish it as `merge_plan` does; returns the manifest."""
+    from mergepipe.pipeline import merge_plan  # pipeline imports the engine; keep this module light
+    parts_dir = Path(parts_dir)
+    infos = [_read_part(parts_dir, plan, i, n) for i in range(1, n + 1)]
+
+    def realize(tmp: Path) -> Realized:
+        # Only called when the store has no merge of this plan.
+        if any(info["from_store"] for info in infos):
+            raise IntegrityError(f"{parts_dir}: the part jobs found plan {plan['plan_hash'][:16]} in the store "
+                                 f"({store.root / 'merges'}), but it is gone now; rerun the part jobs")
+        t0 = time.monotonic()
+        groups = partition(inputs.base, n)
+        for i, (info, names) in enumerate(zip(infos, groups), 1):
+            if sorted(info["tensors"]) != sorted(names):
+                raise IntegrityError(f"{part_paths(parts_dir, i, n)[1]}: holds other tensors than part {i}/{n} "
+                                     "of this base; rerun the part jobs")
+        layout = output_layout(inputs.base, dtype=plan["output"].get("dtype"),
+                               shard_bytes=plan["output"].get("shard_bytes"))
+        file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
+        writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"})
+                   for fname, ts in layout.items()}
+        realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})
+        try:
+            for i, info in enumerate(infos, 1):
+                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of)
+                realized.base_bytes_read += info["base_bytes_read"]
+                for name, nbytes in info["expert_bytes_read"].items():
+                    realized.expert_bytes_read[name] += nbytes
+                realized.tensors.update(info["tensors"])
+            for w in writers.values():
+                w.close()
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
+        realized.expert_bytes_read = dict(sorted(realized.expert_bytes_read.items()))
+        for fname, w in writers.items():
+            realized.bytes_written += w.size
+            realized.files[fname] = {"blake3": hash_file(tmp / fname), "size": w.size}
+        realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
+        return realized
+
+    return merge_plan(plan, inputs, Path(out_dir), store, threads=threads, progress=progress, realize=realize)
+
+
+def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str]) -> None:
+    ckpt = open_checkpoint(path)
+    with CheckpointReader(ckpt, random_access=False) as r:
+        for name, t in ckpt.tensors.items():
+            h = blake3()
+            rows = t.shape[0] if t.shape else 1
+            step = max(1, COPY_BYTES // max(1, t.row_bytes())) if t.shape else 1
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                data = r.read_rows(name, r0, r1) if t.shape else r.read_range(t, t.begin, t.end)
+                writers[file_of[name]].write_rows(name, r0, data)
+                h.update(data)
+            if h.hexdigest() != info["tensors"].get(name):
+                raise IntegrityError(f"{path}: tensor {name!r} does not match its part record")
+
