@@ -1,3 +1,12 @@
 """Merge methods, one per module; importing this package registers all of them."""
-from mergepipe.methods import task_arithmetic  # noqa: F401
+from mergepipe.methods import (  # noqa: F401
+    breadcrumbs,
+    breadcrumbs_ties,
+    dare_linear,
+    dare_ties,
+    linear,
+    slerp,
+    task_arithmetic,
+    ties,
+)
 from mergepipe.methods.registry import METHODS, Method, get_method, register  # noqa: F401

@@ -1,16 +1,246 @@
-"""Pieces shared by methods: weighted sums, sign election, magnitude masks."""
+"""Pieces shared by the merge methods: canonical expert order, the sparsifiers
+(magnitude top-k and the Breadcrumbs band from exact rank cuts, DARE's random
+drop), sign election, and the generalized task-arithmetic combine that TIES,
+DARE and Breadcrumbs share.
+
+Pure per-block math: no I/O, no logging, no global state, inputs never modified.
+Arithmetic follows mergekit 0.1.5's fp32 operation order (weights as fp32
+tensors, sums taken expert by expert) so that a full-budget merge matches it bit
+for bit wherever mergekit's own result is deterministic; see DESIGN.md
+"Methods" and "Ties at a magnitude threshold".
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from pydantic import ConfigDict
 
-from mergepipe.methods.base import BlockInputs
+from mergepipe.errors import MethodError
+from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut, block_rng
+
+F32 = torch.float32
+
+# Every params class: unknown keys rejected, "lambda" accepted by alias or name,
+# immutable, no NaN/inf.
+PARAMS_CONFIG = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
+
+DENSITY_DOC = ("default density for experts that set none; the engine resolves it onto each "
+               "ExpertBlock.density, which is what the method reads")
 
 
-def weighted_sum(block: BlockInputs) -> tuple[torch.Tensor, float]:
-    """(sum_k w_k delta_k, sum_k w_k) over all experts; unread deltas count as 0."""
-    mixed = torch.zeros_like(block.base)
+def canonical(experts: Sequence[ExpertBlock]) -> list[ExpertBlock]:
+    """Experts sorted by (content hash, name).
+
+    The engine already passes them in this order; sorting again makes every
+    method's floating-point summation order independent of its caller, so
+    permuting the experts never changes a single bit of the output.
+    """
+    return sorted(experts, key=lambda e: (e.content_hash, e.name))
+
+
+def sequential_sum(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """terms[0] + terms[1] + ... left to right; zeros shaped like `like` if empty.
+
+    torch's `stack(...).sum(0)` changes its reduction order with the shape (for
+    five or more terms), which would make a block differ from the same rows of
+    the whole tensor. Left to right is what mergekit's `sum(dim=0)` does on
+    LLM-shaped tensors.
+    """
+    if not terms:
+        return torch.zeros_like(like)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def changed_mask(block: BlockInputs) -> torch.Tensor | None:
+    """Elements that some expert changes (delta != 0); None when no expert has a
+    delta in this block (all unread or byte-identical to the base)."""
+    changed = None
     for e in block.experts:
         if e.delta is not None:
-            mixed += e.weight * e.delta
-    divisor = sum(e.weight for e in block.experts)
-    return mixed, (divisor if divisor != 0 else 1.0)
+            nonzero = e.delta != 0
+            changed = nonzero if changed is None else changed | nonzero
+    return changed
+
+
+# --- magnitude sparsification (TIES, Breadcrumbs) ---------------------------------
+
+def magnitude_rank(density: float, n: int) -> int | None:
+    """How many of the n largest |delta| TIES keeps; None means "no pruning".
+
+    As mergekit 0.1.5 `sparsify.magnitude`: density >= 1 keeps the tensor as is;
+    density <= 0 or an empty tensor keeps nothing; otherwise
+    k = max(1, int(density * n)), so a positive density that rounds to k == 0
+    still keeps the single largest element.
+    """
+    if density >= 1:
+        return None
+    if density <= 0 or n == 0:
+        return 0
+    return max(1, int(density * n))
+
+
+def breadcrumbs_ranks(density: float, gamma: float, n: int) -> tuple[int, int] | None:
+    """(r_hi, r_lo): Breadcrumbs keeps descending ranks [r_hi, r_lo); None = no pruning.
+
+    As mergekit 0.1.5 `sparsify.magnitude_outliers`: density >= 1 returns the
+    tensor unchanged (gamma is then ignored too); else with target = int(density*n),
+    n_top = int(gamma*n), n_bot = max(0, n - target - n_top) it keeps ascending
+    positions [n_bot, n_bot + target), i.e. descending ranks
+    [n - n_bot - target, n - n_bot). Normally that drops the n_top largest and keeps
+    the next `target`; when target + n_top > n fewer outliers are dropped so that
+    exactly `target` remain. density <= 0 keeps nothing (no max(1, .) here).
+    """
+    if density >= 1:
+        return None
+    target = int(density * n) if density > 0 else 0
+    n_top = int(gamma * n) if gamma > 0 else 0
+    n_bot = max(0, n - target - n_top)
+    return n - n_bot - target, n - n_bot
+
+
+def rank_cut_mask(magnitudes: torch.Tensor, cut: RankCut) -> torch.Tensor:
+    """This block's share of the top `cut.rank` |delta| of its tensor, as a bool mask.
+
+    Keeps |delta| > value, then the first `eq_keep` elements (flat order) with
+    |delta| == value: the order (|delta| desc, flat index asc) of RankCut.
+    """
+    keep = magnitudes > cut.value
+    if cut.eq_keep > 0:
+        equal = magnitudes == cut.value
+        if int(equal.sum()) > cut.eq_keep:  # the cut splits this block's run of equal values
+            flat = equal.reshape(-1)
+            equal = (flat & (torch.cumsum(flat, 0) <= cut.eq_keep)).reshape(magnitudes.shape)
+        keep = keep | equal
+    return keep
+
+
+def top_rank_mask(magnitudes: torch.Tensor, expert: ExpertBlock, rank: int, n: int,
+                  tensor: str) -> torch.Tensor:
+    """Mask of the `rank` largest |delta| of the whole tensor within this block.
+
+    Ranks 0 and n need no cut (nothing / everything); any other rank asks the
+    expert's `cut`, which the index answers without rereading the tensor.
+    """
+    if rank <= 0:
+        return torch.zeros_like(magnitudes, dtype=torch.bool)
+    if rank >= n:
+        return torch.ones_like(magnitudes, dtype=torch.bool)
+    if expert.cut is None:
+        raise MethodError(f"tensor {tensor!r}, expert {expert.name!r}: magnitude pruning needs "
+                          f"the index's rank cut at rank {rank}, but none was supplied; "
+                          "build the delta index for this expert (mergepipe index)")
+    cut = expert.cut(rank)
+    if cut.rank != rank:
+        raise MethodError(f"tensor {tensor!r}, expert {expert.name!r}: asked for the rank cut "
+                          f"at {rank} and got one at {cut.rank}; the delta index is stale, rebuild it")
+    return rank_cut_mask(magnitudes, cut)
+
+
+def sparsify_magnitude(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs) -> torch.Tensor:
+    """TIES trim: keep the k = max(1, int(density*n)) largest |delta| of the tensor."""
+    n = block.tensor_numel
+    rank = magnitude_rank(expert.density, n)
+    if rank is None:
+        return delta
+    mask = top_rank_mask(delta.abs(), expert, rank, n, block.tensor)
+    return delta * mask.to(F32)
+
+
+def sparsify_breadcrumbs(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs) -> torch.Tensor:
+    """Breadcrumbs: drop the int(gamma*n) largest |delta|, keep the next int(density*n)."""
+    n = block.tensor_numel
+    ranks = breadcrumbs_ranks(expert.density, expert.gamma, n)
+    if ranks is None:
+        return delta
+    r_hi, r_lo = ranks
+    magnitudes = delta.abs()
+    mask = top_rank_mask(magnitudes, expert, r_lo, n, block.tensor)
+    if r_hi > 0:
+        mask = mask & ~top_rank_mask(magnitudes, expert, r_hi, n, block.tensor)
+    return delta * mask.to(F32)
+
+
+# --- DARE ------------------------------------------------------------------------------
+
+def dare_mask(shape: torch.Size | tuple[int, ...], density: float,
+              generator: torch.Generator) -> torch.Tensor:
+    """Keep each element independently with probability `density` (bool mask).
+
+    One fp32 uniform per element from `generator` (torch's CPU Mersenne twister),
+    in flat order; kept where u < density.
+    """
+    return torch.rand(shape, generator=generator, dtype=F32) < density
+
+
+def sparsify_dare(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs, *,
+                  rescale: bool) -> torch.Tensor:
+    """DARE drop-and-rescale with this (expert, block)'s own generator.
+
+    density >= 1 returns delta untouched (as mergekit), density <= 0 drops all;
+    kept elements are divided by density when `rescale` (the paper's 1/p).
+    """
+    density = expert.density
+    if density >= 1:
+        return delta
+    if density <= 0:
+        return torch.zeros_like(delta)
+    generator = block_rng(block.seed, expert.content_hash, block.tensor, block.row_start)
+    masked = delta * dare_mask(delta.shape, density, generator).to(F32)
+    return masked / density if rescale else masked
+
+
+# --- generalized task arithmetic ---------------------------------------------------------
+
+def elect_sign(weighted: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """TIES "sum" election: +1 where sum_k w_k*delta_k >= 0, else -1 (fp32)."""
+    total = sequential_sum(weighted, like)
+    # comparisons written straight into fp32 (out=) avoid a slow bool -> float pass
+    majority = torch.ge(total, 0, out=torch.empty_like(total, dtype=F32))
+    return majority.mul_(2).sub_(1)
+
+
+def disjoint_merge(weighted: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                   majority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_k m_k w_k delta_k, sum_k m_k w_k) with m_k = [sign(w_k delta_k) == majority].
+
+    A zero entry has sign 0 and so never agrees: it adds nothing to the divisor.
+    """
+    agree = [torch.eq(term.sign(), majority, out=torch.empty_like(majority)) for term in weighted]
+    mixed = sequential_sum([term * a for term, a in zip(weighted, agree)], majority)
+    divisor = sequential_sum([a * w for a, w in zip(agree, weights)], majority)
+    return mixed, divisor
+
+
+def combine(block: BlockInputs, experts: Sequence[ExpertBlock],
+            sparsified: Sequence[torch.Tensor | None], *, consensus: bool, normalize: bool,
+            lambda_: float) -> torch.Tensor:
+    """W0 + lambda * M, with M the (sign-consensus or plain) weighted sum of the
+    sparsified deltas, divided by its weight sum if `normalize`.
+
+    `sparsified[k]` is None for an expert block that was not read (omitted by the
+    plan, or byte-identical to the base): it contributes 0 and never agrees in
+    the sign election, but without consensus its weight still counts in the
+    divisor, as in mergekit where such a block is an all-zero delta.
+    """
+    base = block.base
+    weights = [torch.tensor(e.weight, dtype=F32) for e in experts]
+    present = [(w, d * w) for w, d in zip(weights, sparsified) if d is not None]
+    weighted = [term for _, term in present]
+    if consensus:
+        majority = elect_sign(weighted, base)
+        mixed, divisor = disjoint_merge(weighted, [w for w, _ in present], majority)
+        divisor = divisor.masked_fill(divisor == 0, 1.0)
+    else:
+        mixed = sequential_sum(weighted, base)
+        divisor = sequential_sum(weights, torch.zeros((), dtype=F32))
+        if divisor.abs() < 1e-8:
+            divisor = torch.ones((), dtype=F32)
+    if normalize:
+        mixed = mixed / divisor
+    if lambda_ != 1:
+        mixed = mixed * lambda_
+    return base + mixed

@@ -38,6 +38,10 @@ class ExpertBlock:
     # rank -> RankCut for this block; backed by the index, so a budgeted merge
     # never rereads a tensor to find its magnitude thresholds.
     cut: Callable[[int], RankCut] | None = None
+    # slerp only: cos of the angle between the whole base tensor and this expert's
+    # whole tensor (each flattened), from tensor-level sums (see methods/slerp.py,
+    # `cosine_from_sums`); None lets slerp compute it when the block is the whole tensor.
+    cosine: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

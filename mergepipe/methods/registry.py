@@ -25,17 +25,20 @@ class Method:
     magnitude: bool
     paper: str
     max_experts: int | None = None
+    # cosine: needs ExpertBlock.cosine, the whole-tensor angle between base and expert (slerp)
+    cosine: bool = False
 
 
 METHODS: dict[str, Method] = {}
 
 
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
-             magnitude: bool = False, max_experts: int | None = None) -> Callable[[MergeFn], MergeFn]:
+             magnitude: bool = False, max_experts: int | None = None,
+             cosine: bool = False) -> Callable[[MergeFn], MergeFn]:
     def wrap(fn: MergeFn) -> MergeFn:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} registered twice")
-        METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts)
+        METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine)
         return fn
     return wrap
 

@@ -1,0 +1,45 @@
+"""DARE with TIES sign consensus (Yu et al., 2024, arXiv:2311.03099).
+
+Drop each delta element independently with probability 1 - density and rescale
+the kept ones by 1/density: d_k = delta_k * mask_k / density, then
+theta = W0 + lambda * sum_k m_k w_k d_k (/ sum_k m_k w_k if normalize), m_k the TIES sign agreement.
+
+Differences from mergekit 0.1.5 `dare_ties` (same defaults: normalize false,
+rescale true): mergekit draws the mask from torch's global RNG, so its result
+depends on tensor and thread order, and rescales by L1-norm matching
+(sum|delta| / sum|kept|, a whole-tensor ratio that only approximates 1/density).
+Here the mask of each (expert, block) comes from a generator seeded by
+(seed, expert content hash, tensor, row_start), so it does not depend on expert
+order, threads or budget (it does depend on the block layout, which the plan
+hash covers), and kept elements are divided by density, the paper's unbiased
+rescale. With rescale false both keep delta * mask unscaled; density >= 1
+leaves the delta untouched in both.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, Field
+
+from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_dare
+from mergepipe.methods.base import BlockInputs
+from mergepipe.methods.registry import register
+
+
+class DareTiesParams(BaseModel):
+    model_config = PARAMS_CONFIG
+    lambda_: float = Field(1.0, alias="lambda")
+    normalize: bool = False
+    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
+    # true: divide kept elements by density (paper); false: keep them unscaled
+    rescale: bool = True
+    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
+
+
+@register("dare_ties", params=DareTiesParams, additive=False,
+          paper="Yu et al. 2024, Language Models are Super Mario: Absorbing Abilities from "
+                "Homologous Models as a Free Lunch, arXiv:2311.03099")
+def merge(block: BlockInputs, p: DareTiesParams) -> torch.Tensor:
+    experts = canonical(block.experts)
+    dropped = [None if e.delta is None else sparsify_dare(e.delta, e, block, rescale=p.rescale)
+               for e in experts]
+    return combine(block, experts, dropped, consensus=True, normalize=p.normalize, lambda_=p.lambda_)

@@ -1,0 +1,49 @@
+"""TIES-Merging (Yadav et al., 2023, arXiv:2306.01708).
+
+Trim each delta to its k = max(1, int(density*n)) largest |delta| of the whole
+tensor, elect a sign per element (sign of sum_k w_k*trimmed_k), keep the entries
+that agree: theta = W0 + lambda * sum_k m_k w_k trimmed_k / sum_k m_k w_k
+(the division only if normalize, on by default).
+
+Same as mergekit 0.1.5 `ties` (consensus "sum", normalize default true) except
+at a tie: where several |delta| equal the k-th largest, mergekit keeps an
+arbitrary subset (unstable argsort) and we keep the first in flat order, so the
+count kept is exactly k either way (DESIGN.md "Ties at a magnitude threshold").
+A density that rounds to k == 0 keeps the single largest element, as mergekit
+does; density 0 keeps nothing. mergekit's `rescale: true` (L1 rescaling of the
+trimmed delta) is not supported.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, Field, field_validator
+
+from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_magnitude
+from mergepipe.methods.base import BlockInputs
+from mergepipe.methods.registry import register
+
+
+class TiesParams(BaseModel):
+    model_config = PARAMS_CONFIG
+    lambda_: float = Field(1.0, alias="lambda")
+    normalize: bool = True
+    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
+    rescale: bool = False
+    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
+
+    @field_validator("rescale")
+    @classmethod
+    def _no_l1_rescale(cls, rescale: bool) -> bool:
+        if rescale:
+            raise ValueError("rescale: true (mergekit's L1 rescaling of the trimmed delta) is not "
+                             "supported by ties; remove it or set it to false")
+        return rescale
+
+
+@register("ties", params=TiesParams, additive=False, magnitude=True,
+          paper="Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
+                "arXiv:2306.01708")
+def merge(block: BlockInputs, p: TiesParams) -> torch.Tensor:
+    experts = canonical(block.experts)
+    trimmed = [None if e.delta is None else sparsify_magnitude(e.delta, e, block) for e in experts]
+    return combine(block, experts, trimmed, consensus=True, normalize=p.normalize, lambda_=p.lambda_)
