@@ -1,4 +1,4 @@
-"""Command line: `mergepipe index|plan|merge|run|verify|explain|import-mergekit|demo`.
+"""Command line: `mergepipe index|plan|merge|run|verify|explain|sweep|import-mergekit|demo`.
 
 The only place that catches MergepipeError: it prints one line and exits with the
 error's code. Any other exception is a bug and keeps its traceback.
@@ -252,6 +252,31 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mergepipe.config import load_config
+    from mergepipe.sweep import parse_budgets, plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
+    cfg = load_config(args.config)
+    budgets = parse_budgets(args.budgets)
+    if not budgets:
+        raise ConfigError(f"--budgets {args.budgets!r}: no budget given; e.g. --budgets 5%,10%,25%,50%,100%")
+    if not args.no_plot:
+        require_matplotlib()
+    out = Path(args.o)
+    result = run_sweep(cfg, budgets, out, threads=args.threads, progress=not args.quiet,
+                       log=lambda msg: _log(args, msg))
+    out.mkdir(parents=True, exist_ok=True)
+    table = to_markdown(result)
+    (out / "sweep.md").write_text(table)
+    (out / "sweep.csv").write_text(to_csv(result))
+    written = ["sweep.md", "sweep.csv"]
+    if not args.no_plot:
+        (out / "sweep.png").write_bytes(plot_png(result, title=f"mergepipe sweep: {Path(args.config).name}"))
+        written.append("sweep.png")
+    print(table, end="")
+    _log(args, f"wrote {', '.join(str(out / w) for w in written)}; merged models under {out / 'models'}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mergepipe.demo import main as demo_main
     return demo_main(args.rest)
@@ -328,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config")
     s.add_argument("-o", required=True)
     s.set_defaults(fn=cmd_import)
+
+    s = sub.add_parser("sweep", parents=[common], help="merge at several budgets: table and plot of I/O vs deviation")
+    s.add_argument("config")
+    s.add_argument("--budgets", default="5%,10%,25%,50%,100%", help="comma-separated budgets (default %(default)s)")
+    s.add_argument("-o", required=True, help="output folder: sweep.md, sweep.csv, sweep.png, models/")
+    s.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    s.set_defaults(fn=cmd_sweep)
 
     s = sub.add_parser("demo", help="generate a demo family (see `mergepipe demo -- --help`)")
     s.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,0 +1,284 @@
+"""Budget sweep: one config merged at several budgets, and where each lands on the
+I/O-versus-quality curve.
+
+Owns `run_sweep` (index once, then plan and merge per budget through the
+pipeline), `deviation` (how far a merge is from the full-budget one, streamed
+block by block through safetensors_io) and the renderings of the result: a
+markdown table, CSV and a PNG plot (matplotlib, the `bench` extra). It writes no
+files itself except through the pipeline's publisher; the CLI writes the table
+and the plot.
+
+The deviation of budget B is reported two ways, ||M_B - M_full|| / ||M_full - W0||
+(relative to the update the merge makes) and ||M_B - M_full|| / ||M_full||, both
+over every float tensor, computed from the published (output-dtype) weights in
+fp32 with fp64 sums. The full-budget merge is the reference; it is built too when
+the budgets given do not include it.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mergepipe.errors import ConfigError
+from mergepipe.pipeline import merge_plan, plan_config
+from mergepipe.safetensors_io import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
+from mergepipe.store import Store
+from mergepipe.units import Budget, parse_budget
+
+CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SweepRow:
+    budget: str
+    budget_bytes: int
+    total_expert_bytes: int
+    planned_expert_bytes: int
+    expert_bytes_read: int
+    base_bytes_read: int
+    bytes_written: int
+    plan_seconds: float
+    merge_seconds: float
+    restored: bool  # merge restored from the store (no weights read this time)
+    bound_kind: str
+    bound_relative: float
+    deviation_update: float  # ||M_B - M_full|| / ||M_full - W0||
+    deviation_weights: float  # ||M_B - M_full|| / ||M_full||
+    plan_hash: str
+    output: str
+
+    @property
+    def read_fraction(self) -> float:
+        return self.expert_bytes_read / self.total_expert_bytes if self.total_expert_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    rows: list[SweepRow]
+    method: str
+    index_bytes_read: int
+    index_seconds: float
+    reference: str  # output folder of the full-budget merge
+
+
+def parse_budgets(text: str) -> list[Budget]:
+    """'5%,10%,full' -> budgets, deduplicated, in the order given.
+
+    Raises:
+        UnitError: a budget that does not parse (names it).
+    """
+    out: list[Budget] = []
+    for part in text.split(","):
+        if part.strip():
+            b = parse_budget(part.strip())
+            if b not in out:
+                out.append(b)
+    return out
+
+
+def _label(budget: Budget) -> str:
+    return "budget-" + str(budget).replace("%", "pct").replace(".", "_")
+
+
+def _sq(x: torch.Tensor) -> float:
+    flat = x.reshape(-1)
+    return float(torch.dot(flat, flat).double())
+
+
+def deviations(merged: list[Path], reference: Path, base: Path) -> list[dict[str, float]]:
+    """How far each merge is from `reference`, over every float tensor, streamed.
+
+    One pass reads the reference and the base once and every merge once, in chunks
+    of ~16 MiB; chunks whose bytes equal the reference's add nothing and are not
+    converted. Squares are summed in fp32 per chunk and in fp64 across chunks.
+    Returns per merge: diff_sq = ||M - R||^2, update_sq = ||R - W0||^2,
+    ref_sq = ||R||^2, max_abs = max |M - R|, relative_update = ||M - R|| / ||R - W0||
+    and relative_weights = ||M - R|| / ||R|| (0 where a denominator is 0).
+    """
+    ck_ref, ck_base = open_checkpoint(reference), open_checkpoint(base)
+    ck_m = [open_checkpoint(p) for p in merged]
+    readers = [CheckpointReader(c, random_access=False) for c in (ck_ref, ck_base, *ck_m)]
+    cks = [ck_ref, ck_base, *ck_m]
+
+    def raw(i: int, name: str, r0: int, r1: int) -> bytearray:
+        t = cks[i].tensors[name]
+        return readers[i].read_range(t, t.begin, t.end) if not t.shape else readers[i].read_rows(name, r0, r1)
+
+    diff_sq, max_abs = [0.0] * len(merged), [0.0] * len(merged)
+    update_sq = ref_sq = 0.0
+    try:
+        for name, t in ck_ref.tensors.items():
+            if t.dtype not in FLOAT_DTYPES or t.numel == 0:
+                continue
+            rows = t.shape[0] if t.shape else 1
+            step = max(1, CHUNK_BYTES // max(1, t.row_bytes()))
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
+                ref_raw = raw(0, name, r0, r1)
+                ref = as_tensor(ref_raw, t.dtype, shape).float()
+                w0 = as_tensor(raw(1, name, r0, r1), ck_base.tensors[name].dtype, shape).float()
+                update_sq += _sq(ref - w0)
+                ref_sq += _sq(ref)
+                for j in range(len(merged)):
+                    m_raw = raw(2 + j, name, r0, r1)
+                    if m_raw == ref_raw:
+                        continue
+                    d = as_tensor(m_raw, ck_m[j].tensors[name].dtype, shape).float() - ref
+                    diff_sq[j] += _sq(d)
+                    max_abs[j] = max(max_abs[j], float(d.abs().max()))
+    finally:
+        for rd in readers:
+            rd.close()
+    out = []
+    for dsq, mx in zip(diff_sq, max_abs):
+        diff = math.sqrt(dsq)
+        out.append({"diff_sq": dsq, "update_sq": update_sq, "ref_sq": ref_sq, "max_abs": mx,
+                    "relative_update": diff / math.sqrt(update_sq) if update_sq else 0.0,
+                    "relative_weights": diff / math.sqrt(ref_sq) if ref_sq else 0.0})
+    return out
+
+
+def deviation(merged: Path, reference: Path, base: Path) -> dict[str, float]:
+    """`deviations` for one merge."""
+    return deviations([merged], reference, base)[0]
+
+
+def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, progress: bool = False,
+              log: Callable[[str], None] = lambda _msg: None) -> SweepResult:
+    """Index once, then plan and merge `cfg` at each budget into out_dir/models/<label>.
+
+    The full budget is merged as well (first, as the reference) if not listed;
+    rows come back in the order the budgets were given, the reference last if
+    it was added.
+    """
+    store = Store(cfg.cache_dir)
+    full = Budget("full")
+    order = [full] + [b for b in budgets if b != full]
+    t0 = time.monotonic()
+    _, inputs = plan_config(cfg, store, budget=full, threads=threads)  # indexes every input once
+    index_seconds = time.monotonic() - t0
+    index_bytes = store.index_reads.total
+    log(f"sweep: inputs indexed in {index_seconds:.1f} s ({index_bytes / 2**20:,.1f} MiB read)")
+    merged: dict[Budget, tuple[dict, dict, float, float, bool, Path]] = {}
+    for budget in order:
+        t_plan = time.monotonic()
+        plan, _ = plan_config(cfg, store, budget=budget, threads=threads)
+        t_merge = time.monotonic()
+        target = out_dir / "models" / _label(budget)
+        man = merge_plan(plan, inputs, target, store, threads=threads, progress=progress)
+        restored = "restored_from" in (target / "run.json").read_text()
+        merged[budget] = (plan, man, t_merge - t_plan, time.monotonic() - t_merge, restored, target)
+        b = man["bytes"]
+        log(f"sweep: {budget}: read {b['expert_bytes_read'] / 2**20:,.1f} of "
+            f"{b['total_expert_bytes'] / 2**20:,.1f} MiB expert bytes in {time.monotonic() - t_plan:.1f} s"
+            + (" (restored from the store)" if restored else ""))
+    reference = merged[full][5]
+    listed = budgets if full in budgets else [*budgets, full]
+    others = [b for b in listed if b != full]
+    devs = dict(zip(others, deviations([merged[b][5] for b in others], reference, Path(cfg.base))))
+    devs[full] = {"relative_update": 0.0, "relative_weights": 0.0}
+    rows = []
+    for budget in listed:
+        plan, man, plan_s, merge_s, restored, target = merged[budget]
+        dev = devs[budget]
+        b = man["bytes"]
+        rows.append(SweepRow(str(budget), man["budget"]["bytes"], b["total_expert_bytes"],
+                             b["planned_expert_bytes"], b["expert_bytes_read"], b["base_bytes_read"],
+                             b["bytes_written"], round(plan_s, 3), round(merge_s, 3), restored,
+                             man["bound"]["kind"], man["bound"]["relative"], dev["relative_update"],
+                             dev["relative_weights"], man["plan_hash"], str(target)))
+    return SweepResult(rows, cfg.method, index_bytes, round(index_seconds, 3), str(reference))
+
+
+# ---------------------------------------------------------------- renderings
+
+COLUMNS = [("budget", "budget"), ("expert_bytes_read", "expert MiB read"), ("read_fraction", "% of experts"),
+           ("base_bytes_read", "base MiB read"), ("plan_seconds", "plan s"), ("merge_seconds", "merge s"),
+           ("bound_relative", "bound (rel.)"), ("deviation_update", "‖M_B−M_full‖/‖M_full−W0‖"),
+           ("deviation_weights", "‖M_B−M_full‖/‖M_full‖")]
+
+
+def _cell(key: str, row: SweepRow) -> str:
+    v = row.read_fraction if key == "read_fraction" else getattr(row, key)
+    if key.endswith("bytes_read"):
+        return f"{v / 2**20:,.1f}"
+    if key == "read_fraction":
+        return f"{100 * v:.1f}"
+    if key.endswith("seconds"):
+        return f"{v:.2f}" + (" (restored)" if key == "merge_seconds" and row.restored else "")
+    if key in ("bound_relative", "deviation_update", "deviation_weights"):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def to_markdown(result: SweepResult) -> str:
+    heads = [h if k != "bound_relative" else f"{result.rows[0].bound_kind} bound (rel.)" for k, h in COLUMNS]
+    lines = [f"Budget sweep, method `{result.method}`; inputs indexed once in {result.index_seconds:.1f} s "
+             f"({result.index_bytes_read / 2**20:,.1f} MiB index reads; 0 when cached).", "",
+             "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for row in result.rows:
+        lines.append("| " + " | ".join(_cell(k, row) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(result: SweepResult) -> str:
+    buf = io.StringIO()
+    fields = list(SweepRow.__dataclass_fields__)
+    w = csv.DictWriter(buf, fieldnames=[*fields, "read_fraction"], lineterminator="\n")
+    w.writeheader()
+    for row in result.rows:
+        w.writerow({**asdict(row), "read_fraction": row.read_fraction})
+    return buf.getvalue()
+
+
+def require_matplotlib() -> None:
+    """Fail before any merge if the plot cannot be drawn.
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("the sweep plot needs matplotlib: pip install 'mergepipe[bench]' "
+                          "(or pass --no-plot for the table only)")
+
+
+def plot_png(result: SweepResult, *, title: str | None = None) -> bytes:
+    """Left: expert bytes read vs relative deviation (realized, and the bound);
+    right: wall time per budget. Needs matplotlib (see `require_matplotlib`)."""
+    require_matplotlib()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result.rows, key=lambda r: r.expert_bytes_read)
+    x = [r.expert_bytes_read / 2**30 for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
+    ax1.plot(x, [r.deviation_update for r in rows], "o-", label="realized ‖M_B−M_full‖/‖M_full−W0‖")
+    ax1.plot(x, [r.bound_relative for r in rows], "s--", label=f"{rows[0].bound_kind} bound")
+    ax1.plot(x, [r.deviation_weights for r in rows], "^:", label="‖M_B−M_full‖/‖M_full‖")
+    for r, xi in zip(rows, x):
+        ax1.annotate(r.budget, (xi, r.deviation_update), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    ax1.set_xlabel("expert bytes read (GiB)")
+    ax1.set_ylabel("relative deviation")
+    ax1.set_yscale("symlog", linthresh=1e-3)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    ax2.bar([r.budget for r in rows], [r.plan_seconds + r.merge_seconds for r in rows], color="tab:gray")
+    ax2.set_xlabel("budget")
+    ax2.set_ylabel("plan + merge wall (s)")
+    ax2.grid(alpha=0.3, axis="y")
+    fig.suptitle(title or f"mergepipe sweep ({result.method})", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
