@@ -8,6 +8,7 @@ writer; a lock or temp folder left by a dead process is detected and removed.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 from mergepipe.errors import OutputError
 
 _RENAME_EXCHANGE = 2
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -138,3 +140,7 @@ class Publisher:
         if not self._committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
         self.lock.unlink(missing_ok=True)
+        err = exc[0] if exc else None
+        if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:  # aux files, manifest, fsync: one clean line
+            raise OutputError(f"{self.target}: not published: writing {err.filename or 'the output'} failed: "
+                              f"{err.strerror}") from None

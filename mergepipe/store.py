@@ -17,18 +17,27 @@ from pathlib import Path
 
 from blake3 import blake3
 
+from mergepipe.errors import OutputError
 from mergepipe.index import DeltaIndex, ModelIndex, build_delta_index, build_model_index
 from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # disk full, file size limit, read-only cache
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise OutputError(f"{path}: cannot write to the cache: {e.strerror}; free space or set cache_dir "
+                          "elsewhere") from None
 
 
 def _read_gz_json(path: Path) -> dict | None:
