@@ -1,0 +1,65 @@
+# The merge, as one job or (merge_parts > 1) as independent part jobs plus a gather;
+# both publish the same bytes. A plan merged before is restored from CACHE/merges.
+
+if PARTS <= 1:
+
+    rule merge:
+        input:
+            plan=PLAN,
+        output:
+            weights=OUT_WEIGHTS,
+            manifest=OUT_MANIFEST,
+        params:
+            version=VERSION,
+            out=OUT,
+            cache=CACHE,
+            root=ROOT,
+        log:
+            "logs/merge.log",
+        threads: 4
+        shell:
+            "mergepipe merge {input.plan:q} -o {params.out:q} --cache-dir {params.cache:q} --root {params.root:q} "
+            "--threads {threads} 2>&1 | tee {log:q}"
+
+else:
+
+    rule merge_part:
+        input:
+            plan=PLAN,
+        output:
+            part=temp(f"{PARTS_DIR}/part-{{part}}-of-{PARTS}.safetensors"),
+            record=temp(f"{PARTS_DIR}/part-{{part}}-of-{PARTS}.json"),
+        params:
+            version=VERSION,
+            parts_dir=PARTS_DIR,
+            parts=PARTS,
+            cache=CACHE,
+            root=ROOT,
+        log:
+            f"logs/merge/part-{{part}}-of-{PARTS}.log",
+        threads: 2
+        shell:
+            "mergepipe merge {input.plan:q} --part {wildcards.part}/{params.parts} -o {params.parts_dir:q} "
+            "--cache-dir {params.cache:q} --root {params.root:q} --threads {threads} > {log:q} 2>&1"
+
+    rule gather:
+        input:
+            plan=PLAN,
+            parts=expand(f"{PARTS_DIR}/part-{{part}}-of-{PARTS}.{{ext}}", part=range(1, PARTS + 1),
+                         ext=["safetensors", "json"]),
+        output:
+            weights=OUT_WEIGHTS,
+            manifest=OUT_MANIFEST,
+        params:
+            version=VERSION,
+            out=OUT,
+            parts_dir=PARTS_DIR,
+            parts=PARTS,
+            cache=CACHE,
+            root=ROOT,
+        log:
+            "logs/merge.log",
+        threads: 2
+        shell:
+            "mergepipe gather {input.plan:q} {params.parts_dir:q} --parts {params.parts} -o {params.out:q} "
+            "--cache-dir {params.cache:q} --root {params.root:q} --threads {threads} 2>&1 | tee {log:q}"
