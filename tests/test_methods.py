@@ -430,3 +430,23 @@ def test_params_fields_and_mergekit_defaults():
 def test_params_reject_bad_values(name, bad):
     with pytest.raises(ValidationError):
         METHODS[name].params.model_validate(bad)
+
+
+# --- which ranks the index must store -----------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 200, 4099, 11779000, 322604500, 4096 * 4096])
+def test_requested_ranks_cover_every_two_decimal_density_and_gamma(n):
+    """The index stores cuts at requested_ranks(n); these are all the ranks that
+    ties/breadcrumbs(_ties) ask for at two-decimal densities and gammas. (n = 200
+    with density 0.01, gamma 0.28 asks for 58 = int(0.29*200) + 1; n = 11779000
+    with density 0.35, gamma 0.29 for int(0.64*n) - 2.)"""
+    from mergepipe.methods import requested_ranks
+
+    stored = set(requested_ranks(n)) | {0, n}
+    for i in range(101):
+        density = i / 100
+        k = magnitude_rank(density, n)
+        assert k is None or k in stored
+        for j in range(101):
+            ranks = breadcrumbs_ranks(density, j / 100, n)
+            assert ranks is None or set(ranks) <= stored, (density, j / 100, ranks)

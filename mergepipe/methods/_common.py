@@ -102,6 +102,30 @@ def breadcrumbs_ranks(density: float, gamma: float, n: int) -> tuple[int, int] |
     return n - n_bot - target, n - n_bot
 
 
+GRID = tuple(i / 100 for i in range(101))  # i/100 is the same float as the literal
+
+
+def requested_ranks(n: int) -> list[int]:
+    """Every rank 0 < r < n that TIES or Breadcrumbs can ask a tensor of n elements
+    for, with densities and gammas of at most two decimals.
+
+    The index must store a cut at each of these. Not just int(p*n) and
+    int(p*n) - 1: int(gamma*n) + int(density*n) can be int(p*n) + 1 or - 2 for
+    p = gamma + density (each float product may round down an exact integer), and
+    gamma + density > 1 asks for n - int(density*n).
+    """
+    floors = [int(p * n) for p in GRID]
+    ranks = set()
+    for i, density in enumerate(GRID):
+        k = magnitude_rank(density, n)
+        if k is not None:
+            ranks.add(k)
+            for gamma_floor in floors:
+                n_bot = max(0, n - floors[i] - gamma_floor)
+                ranks.update((n - n_bot - floors[i], n - n_bot))
+    return sorted(r for r in ranks if 0 < r < n)
+
+
 def rank_cut_mask(magnitudes: torch.Tensor, cut: RankCut) -> torch.Tensor:
     """This block's share of the top `cut.rank` |delta| of its tensor, as a bool mask.
 
