@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 from mergepipe.engine import Inputs, hash_file, run_merge
@@ -134,11 +135,11 @@ def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
         return False
     if man.get("plan_hash") != plan["plan_hash"]:
         return False
-    for name in [*man["outputs"]["files"], MANIFEST]:
-        _link_or_copy(cached / name, tmp / name)
     try:
+        for name in [*man["outputs"]["files"], MANIFEST]:
+            _link_or_copy(cached / name, tmp / name)
         verify_outputs(tmp)
-    except IntegrityError:
+    except (IntegrityError, OSError):  # damaged, or removed by a concurrent run's save meanwhile
         for p in tmp.iterdir():
             p.unlink()
         return False
@@ -146,15 +147,20 @@ def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
 
 
 def _save_to_store(tmp: Path, cached: Path) -> None:
-    if cached.exists():
-        shutil.rmtree(cached)
-    staging = cached.with_name(cached.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for p in tmp.iterdir():
-        if p.is_file() and p.name != RUN_INFO:
-            _link_or_copy(p, staging / p.name)
-    os.replace(staging, cached)
+    # A staging folder of our own: two runs of one plan (to different targets) may save at once.
+    staging = cached.with_name(f"{cached.name}.partial-{uuid.uuid4().hex[:12]}")
+    try:
+        staging.mkdir(parents=True)
+        for p in tmp.iterdir():
+            if p.is_file() and p.name != RUN_INFO:
+                _link_or_copy(p, staging / p.name)
+        if cached.exists():
+            shutil.rmtree(cached, ignore_errors=True)  # a damaged entry that _restore refused
+        os.replace(staging, cached)
+    except OSError:
+        pass  # the store is only a cache: another run saved this plan first, or no space for a copy
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

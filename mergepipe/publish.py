@@ -12,12 +12,14 @@ import errno
 import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 
 from mergepipe.errors import OutputError
 
 _RENAME_EXCHANGE = 2
+_EMPTY_LOCK_GRACE_S = 10  # a live writer fills its lock within microseconds of creating it
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
@@ -41,6 +43,11 @@ def _owner(path: Path) -> tuple[str, int] | None:
 
 def _stale(path: Path) -> bool:
     owner = _owner(path)
+    if owner is None:  # empty: its writer died between creating the lock and writing its pid
+        try:
+            return time.time() - path.stat().st_mtime > _EMPTY_LOCK_GRACE_S
+        except OSError:
+            return False
     return owner is not None and owner[0] == socket.gethostname() and not _pid_alive(owner[1])
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.demo import make_family
+from mergepipe.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 _WARM = """\
@@ -63,10 +64,17 @@ class Warm:
 def small_family(tmp_path_factory) -> dict:
     """base + 2 bf16 experts of the "small" preset (~48 MB each), one merge ~1-3 s."""
     root = tmp_path_factory.getbasetemp() / "small-family"
+    family = {"root": root, "base": root / "base", "experts": [root / "expert_0", root / "expert_1"],
+              "cache": root / "cache"}  # indexed at 16 KiB blocks; tests may empty its merges/ store
     if not (root / ".done").exists():
         make_family(root, preset="small", n_experts=2, seed=0)
+        store = Store(family["cache"])
+        base, base_index = store.model_index(family["base"], block_bytes=16 << 10)
+        for path in family["experts"]:
+            expert, index = store.model_index(path, block_bytes=16 << 10)
+            store.delta_index(base, base_index, expert, index)
         (root / ".done").touch()
-    return {"root": root, "base": root / "base", "experts": [root / "expert_0", root / "expert_1"]}
+    return family
 
 
 def params(path: Path, family: dict, out: Path, cache: Path, **overrides) -> Path:
