@@ -1,0 +1,277 @@
+"""Tampering and corruption (issue 5).
+
+- a flipped byte in any planned expert block, or in the base, aborts the merge with the
+  tensor named (blake3 of every block read is checked against the index);
+- a flipped byte anywhere in a published output (header, data, aux files, manifest) is
+  found by `mergepipe verify`; a manifest edited in any field fails its manifest_hash;
+- an input changed after indexing (same path) is re-indexed, never merged with the stale
+  index; one changed with its mtime forged is caught when read, or by `verify --inputs`.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mergepipe.cli import main
+from mergepipe.manifest import MANIFEST, dumps, load_manifest, manifest_hash
+from mergepipe.safetensors_io import open_checkpoint
+from mergepipe.store import Store
+from tests.corpus.procs import leftovers, params
+
+BB = 16 << 10
+
+
+@pytest.fixture
+def fam(tiny_family, tmp_path) -> dict:
+    """The tiny family with private copies of the base and expert_0 (sharded) and expert_1."""
+    root = Path(tiny_family["root"])
+    for name in ("base", "expert_0", "expert_1"):
+        shutil.copytree(root / name, tmp_path / name)
+    return {"base": tmp_path / "base",
+            "experts": [tmp_path / "expert_0", tmp_path / "expert_1", root / "expert_2"]}
+
+
+def flip(path: Path, offset: int, *, hide: bool = True) -> None:
+    """XOR one byte in place; with hide, keep size, mtime and inode (the stat cache cannot see it)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+    if hide:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+def _planned_blocks(tmp_path: Path, cfg: Path, fam: dict) -> list[tuple[Path, str, int, int]]:
+    """(model folder, tensor, byte begin, byte end) of every planned expert block and every base block."""
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    store = Store(tmp_path / "cache")
+    by_name = {e["name"]: Path(e["path"]) for e in plan["experts"]}
+    out = []
+    for ename, reads in plan["reads"].items():
+        ckpt, index = store.model_index(by_name[ename], block_bytes=BB)
+        for tensor, blocks in reads.items():
+            t = ckpt.tensors[tensor]
+            for b in blocks:
+                r0, r1 = index.tensors[tensor].ranges[b]
+                out.append((by_name[ename], tensor, t.begin + r0 * t.row_bytes(), t.begin + r1 * t.row_bytes()))
+    ckpt, index = store.model_index(fam["base"], block_bytes=BB)
+    for tensor, entry in index.tensors.items():
+        t = ckpt.tensors[tensor]
+        for r0, r1 in entry.ranges:
+            out.append((fam["base"], tensor, t.begin + r0 * t.row_bytes(), t.begin + r1 * t.row_bytes()))
+    return out
+
+
+def test_flipped_byte_in_a_read_block_aborts_naming_the_tensor(fam, tmp_path, capsys):
+    """12 random positions in planned expert blocks and base blocks (first, last, middle bytes)."""
+    target = tmp_path / "pub" / "out"
+    cfg = params(tmp_path / "p.yaml", fam, target, tmp_path / "cache", budget="50%")
+    blocks = _planned_blocks(tmp_path, cfg, fam)
+    rng = random.Random(11)
+    experts = [b for b in blocks if b[0] != fam["base"] and b[0] != fam["experts"][2]]
+    base = [b for b in blocks if b[0] == fam["base"]]
+    picks = rng.sample(experts, 8) + rng.sample(base, 4)
+    for i, (model, tensor, begin, end) in enumerate(picks):
+        t = open_checkpoint(model).tensors[tensor]
+        offset = [begin, end - 1, rng.randrange(begin, end)][i % 3]
+        flip(t.file, offset)
+        rc, err = _run(["run", str(cfg), "-q"], capsys)
+        assert rc == 6, err
+        assert err.count("\n") == 1 and str(t.file) in err and repr(tensor) in err, err
+        assert not target.exists() and leftovers(target) == []
+        flip(t.file, offset)  # put it back: the next run merges cleanly from the same index
+    assert main(["run", str(cfg), "-q"]) == 0
+
+
+@pytest.fixture
+def published_out(fam, tmp_path) -> Path:
+    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache", budget="50%")
+    assert main(["run", str(cfg), "-q"]) == 0
+    return tmp_path / "out"
+
+
+def test_every_flipped_byte_in_an_output_is_detected(published_out, capsys):
+    """64 random positions in the model file (16 in the header, 48 in the data) plus 8 in the
+    aux files and the manifest: `verify` fails on every one and names the tensor where it can."""
+    out = published_out
+    model = out / "model.safetensors"
+    ckpt = open_checkpoint(model)
+    header_end = ckpt.files[0].data_start
+    rng = random.Random(12)
+    positions = [(model, rng.randrange(0, header_end)) for _ in range(16)]
+    positions += [(model, rng.randrange(header_end, model.stat().st_size)) for _ in range(48)]
+    aux = sorted(p for p in out.iterdir() if p.name not in ("model.safetensors", "run.json"))
+    positions += [(p, rng.randrange(0, p.stat().st_size)) for p in rng.choices(aux, k=8)]
+    assert main(["verify", str(out)]) == 0
+    detected = named = 0
+    for path, offset in positions:
+        flip(path, offset, hide=False)
+        rc, err = _run(["verify", str(out)], capsys)
+        flip(path, offset, hide=False)
+        assert rc == 6 and err.count("\n") == 1 and "Traceback" not in err, (path.name, offset, err)
+        detected += 1
+        if path == model and offset >= header_end:
+            owner = next(t.name for t in ckpt.tensors.values() if t.begin <= offset < t.end)
+            assert f"tensor {owner!r}" in err, (offset, owner, err)
+            named += 1
+        elif path.name == MANIFEST:
+            assert "manifest" in err
+    assert (detected, named) == (72, 48)
+    assert main(["verify", str(out)]) == 0  # everything put back
+
+
+def _leaves(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.5 + 1e-9
+    if isinstance(value, str):
+        return value[:-1] + ("0" if value[-1:] != "0" else "1")
+    return 0
+
+
+def test_manifest_edited_in_any_field_fails(published_out, capsys):
+    """Every top-level field, and 60 random leaves: changed, deleted, or a new key added."""
+    out = published_out
+    original = (out / MANIFEST).read_bytes()
+    man = json.loads(original)
+    leaves = [p for p, _ in _leaves(man) if p != ("manifest_hash",)]
+    rng = random.Random(13)
+    picks = [p for p in leaves if len(p) == 1] + rng.sample(leaves, 60)
+    edits = 0
+    for i, path in enumerate(picks + [None, ("__extra__",)]):
+        edited = json.loads(original)
+        if path is None:
+            edited["manifest_hash"] = _changed(edited["manifest_hash"])
+        elif path == ("__extra__",):
+            edited["outputs"]["note"] = "added"
+        else:
+            node = edited
+            for k in path[:-1]:
+                node = node[k]
+            if i % 5 == 4 and isinstance(node, dict):
+                del node[path[-1]]
+            else:
+                node[path[-1]] = _changed(node[path[-1]])
+        (out / MANIFEST).write_text(json.dumps(edited, indent=1, sort_keys=True))
+        rc, err = _run(["verify", str(out)], capsys)
+        assert rc == 6 and "manifest_hash" in err and err.count("\n") == 1, (path, err)
+        edits += 1
+    (out / MANIFEST).write_bytes(original)
+    assert main(["verify", str(out)]) == 0
+    assert edits >= 60
+
+
+def test_forged_manifest_is_caught_by_replay(published_out, capsys):
+    """manifest_hash is a checksum, not a signature: someone who rewrites a tensor AND recomputes
+    every hash in the manifest passes a plain `verify`; `verify --replay` rebuilds from the inputs
+    and catches it. (Compare manifest_hash against a trusted copy to detect this without a replay.)"""
+    out = published_out
+    model = out / "model.safetensors"
+    ckpt = open_checkpoint(model)
+    t = ckpt.tensors["model.norm.weight"]
+    flip(model, t.begin + 1, hide=False)
+    man = json.loads((out / MANIFEST).read_text())
+    from blake3 import blake3
+    from mergepipe.engine import hash_file
+    man["outputs"]["files"]["model.safetensors"]["blake3"] = hash_file(model)
+    man["outputs"]["tensors"][t.name] = blake3(model.read_bytes()[t.begin:t.end]).hexdigest()
+    man["manifest_hash"] = manifest_hash(man)
+    (out / MANIFEST).write_bytes(dumps(man))
+    assert main(["verify", str(out), "-q"]) == 0
+    rc, err = _run(["verify", str(out), "--replay"], capsys)
+    assert rc == 6 and "replay produced different outputs" in err and repr(t.name) in err, err
+
+
+def test_input_changed_after_indexing_is_reindexed(fam, tmp_path, capsys):
+    """Same path, new content: an ordinary write (new mtime) and a replacement by rename with the
+    old mtime forged (new inode) are both re-indexed; the output equals a fresh-cache merge."""
+    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache")
+    assert main(["run", str(cfg), "-q"]) == 0
+    first = load_manifest(tmp_path / "out")
+    victim = fam["experts"][1] / "model.safetensors"
+    t = open_checkpoint(victim).tensors["model.layers.2.mlp.up_proj.weight"]
+    for how in ("write", "rename"):
+        if how == "write":
+            flip(victim, t.begin + 10, hide=False)
+            os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
+        else:
+            st = victim.stat()
+            data = bytearray(victim.read_bytes())
+            data[t.begin + 20] ^= 0x33
+            (victim.parent / "new").write_bytes(bytes(data))
+            os.replace(victim.parent / "new", victim)
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert main(["run", str(cfg), "-q"]) == 0
+        now = load_manifest(tmp_path / "out")
+        assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+        assert now["inputs"] != first["inputs"] and now["outputs"] != first["outputs"]
+        first = now
+    fresh = params(tmp_path / "fresh.yaml", fam, tmp_path / "fresh", tmp_path / "cache-fresh")
+    assert main(["run", str(fresh), "-q"]) == 0
+    assert load_manifest(tmp_path / "fresh")["outputs"] == now["outputs"]
+
+
+def test_forged_mtime_on_an_unread_block_is_caught_by_verify_inputs(fam, tmp_path, capsys):
+    """An in-place edit with size, mtime and inode kept is invisible to the stat cache. In a block
+    the plan reads it aborts the merge (above); in one it skips, the merge cannot see it, but
+    `verify --inputs` rehashes every input and names it."""
+    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache", budget="10%")
+    blocks = _planned_blocks(tmp_path, cfg, fam)
+    victim_model = fam["experts"][1]
+    planned = {(m, t, b) for m, t, b, _ in blocks if m == victim_model}
+    ckpt = open_checkpoint(victim_model)
+    store = Store(tmp_path / "cache")
+    _, index = store.model_index(victim_model, block_bytes=BB)
+    unread = next((name, r) for name, e in index.tensors.items() for r in e.ranges
+                  if (victim_model, name, ckpt.tensors[name].begin + r[0] * ckpt.tensors[name].row_bytes())
+                  not in planned and ckpt.tensors[name].dtype == "BF16" and r[1] > r[0])
+    t = ckpt.tensors[unread[0]]
+    flip(t.file, t.begin + unread[1][0] * t.row_bytes())
+    assert main(["run", str(cfg), "-q"]) == 0
+    rc, err = _run(["verify", str(tmp_path / "out"), "--inputs"], capsys)
+    assert rc != 0 and str(victim_model) in err and err.count("\n") == 1, err
+
+
+def test_poisoned_index_cache_is_caught_when_reading(fam, tmp_path, capsys):
+    """A cache entry rewritten with a wrong block hash (valid gzip, valid JSON): the merge aborts."""
+    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache")
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    base_hash = json.loads((tmp_path / "plan.json").read_text())["base"]["content_hash"]
+    for entry in (tmp_path / "cache" / "models").glob("*.json.gz"):
+        d = json.loads(gzip.decompress(entry.read_bytes()))
+        if d["content_hash"] == base_hash:
+            d["tensors"][0]["hashes"][0] = "0" * 64
+            entry.write_bytes(gzip.compress(json.dumps(d).encode()))
+            victim = d["tensors"][0]["name"]
+    rc, err = _run(["run", str(cfg), "-q"], capsys)
+    assert rc == 6 and repr(victim) in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
