@@ -11,7 +11,9 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from mergepipe.errors import IntegrityError, MethodError
 from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
 from mergepipe.methods import get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
+from mergepipe.methods.slerp import cosine_from_sums
 from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointReader, OutTensor,
                                       ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
@@ -105,12 +108,14 @@ class _Cuts:
 
     def for_block(self, i: int, block_numel: int):
         def cut(rank: int) -> RankCut:
+            if rank <= 0:
+                return RankCut(0, float("inf"), 0)
+            if rank >= self.td.numel:  # everything: every |delta| > -inf
+                return RankCut(rank, float("-inf"), 0)
             j = self.pos.get(rank)
             if j is None:
                 raise MethodError(f"expert {self.expert!r}, tensor {self.td.name!r}: no exact threshold for rank "
                                   f"{rank} of {self.td.numel}; densities and gammas must have at most 2 decimals")
-            if rank == 0:
-                return RankCut(0, float("inf"), 0)
             keep_eq = rank - self.td.count_gt[j]
             if j in self.td.block_eq:
                 if j not in self.prefix:
@@ -150,8 +155,8 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     experts = plan["experts"]  # canonical order (content hash)
     reads = {e["name"]: {t: set(bs) for t, bs in plan["reads"][e["name"]].items()} for e in experts}
     method_params = plan["parameters"]
-    default_density = float(method_params.get("density", 1.0))
-    default_gamma = float(method_params.get("gamma", 0.01))
+    default_density = float(1.0 if method_params.get("density") is None else method_params["density"])
+    default_gamma = float(0.01 if method_params.get("gamma") is None else method_params["gamma"])
     base = inputs.base
     base_counter = ReadCounter()
     exp_counters = {e["name"]: ReadCounter() for e in experts}
@@ -188,7 +193,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     work = [(name, unit) for name in base.tensors for unit in _units(base.tensors[name],
                                                                      inputs.base_index.tensors[name].ranges)]
     try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
+        with ThreadPoolExecutor(max(1, threads)) as pool, _one_torch_thread():
             window: deque[Future] = deque()
             ahead = iter(work)
             for _ in range(2 * max(1, threads)):
@@ -276,16 +281,40 @@ def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memo
                     if key not in cuts:
                         cuts[key] = _Cuts(inputs.deltas[e["name"]].tensors[t.name], e["name"])
                     cut = cuts[key].for_block(b, base_block.numel())
+                cosine = None
+                if method.cosine:
+                    td = inputs.deltas[e["name"]].tensors[t.name]
+                    cosine = cosine_from_sums(td.base_sq, td.expert_sq, td.dot)
                 blocks.append(ExpertBlock(e["name"], e["content_hash"], float(e["weight"]), delta,
                                           density=float(e.get("density", default_density)),
-                                          gamma=float(e.get("gamma", default_gamma)), cut=cut))
+                                          gamma=float(e.get("gamma", default_gamma)), cut=cut, cosine=cosine))
             merged = method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), seed), params)
             out = tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
         writer.write_rows(t.name, r0, out)
         hasher.update(out)
 
 
-def hash_file(path: Path) -> str:
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    # Per-block ops are ~0.5M elements: too small for intra-op threads to pay, and
+    # with reader threads (or other processes) on the cores, OpenMP's spinning
+    # threads slowed the merge 3-5x (BENCHMARKS.md). One thread also makes any
+    # reduction's order independent of the machine's core count.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hash_file(path: Path, *, chunk_bytes: int = 16 << 20) -> str:
+    # Chunked reads, not update_mmap: a mapping's touched pages count in the
+    # process's RSS, which then grew with the output size (BENCHMARKS.md).
     h = blake3(max_threads=blake3.AUTO)
-    h.update_mmap(path)
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()

@@ -29,24 +29,11 @@ from blake3 import blake3
 
 from mergepipe.blocks import block_ranges
 from mergepipe.errors import CheckpointError
+from mergepipe.methods import requested_ranks
 from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo, as_tensor
 
-GRID = [i / 100 for i in range(101)]  # i/100 is the same float as the literal, as mergekit parses it
 HI_BINS = 1 << 15  # sign bit is 0 for |x|
 NONFINITE_BIN = 0x7F80  # upper 16 bits of +inf; NaNs sort above it
-
-
-def grid_ranks(n: int) -> list[int]:
-    """Ranks whose cuts the index stores: int(p*n) and int(p*n)-1 for p on the grid.
-
-    int(p*n) is TIES's k (mergekit: int(density * numel)); the -1 variant covers
-    Breadcrumbs' lower rank int(gamma*n) + int(rho*n).
-    """
-    ranks = set()
-    for p in GRID:
-        k = int(p * n)
-        ranks.update((k, max(0, k - 1)))
-    return sorted(ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +83,10 @@ class TensorDelta:
     # rank position -> per-block count of elements == value; only where a cut
     # splits a run of equal values (0 < rank - count_gt < count_eq)
     block_eq: dict[int, tuple[int, ...]]
+    # whole-tensor sums (fp32 per block, fp64 across blocks) that give slerp its angle
+    base_sq: float = 0.0
+    expert_sq: float = 0.0
+    dot: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +176,14 @@ def check_compatible(base: Checkpoint, expert: Checkpoint) -> None:
         raise CheckpointError(f"{expert.root}: does not match base {base.root}: {'; '.join(problems[:3])}{more}")
 
 
+def _add_sums(sums: list[float], base: torch.Tensor, expert: torch.Tensor) -> None:
+    with np.errstate(over="ignore", invalid="ignore"):
+        b, e = base.numpy(), expert.numpy()
+        sums[0] += float(np.dot(b, b))
+        sums[1] += float(np.dot(e, e))
+        sums[2] += float(np.dot(b, e))
+
+
 class _DeltaTensorScan:
     """All three passes for one (expert, base, tensor)."""
 
@@ -195,11 +194,14 @@ class _DeltaTensorScan:
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
-    def _abs_bits(self, i: int, base_buf: bytearray, exp_buf: bytearray) -> np.ndarray:
+    def _abs_bits(self, i: int, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None) -> np.ndarray:
         shape = _block_shape(self.t, self.ranges[i])
-        delta = as_tensor(exp_buf, self.t.dtype, shape).float()
-        delta.sub_(as_tensor(base_buf, self.t.dtype, shape).float()).abs_()
-        return delta.reshape(-1).view(torch.int32).numpy()
+        delta = as_tensor(exp_buf, self.t.dtype, shape).float().reshape(-1)
+        base = as_tensor(base_buf, self.t.dtype, shape).float().reshape(-1)
+        if sums is not None:
+            _add_sums(sums, base, delta)
+        delta.sub_(base).abs_()
+        return delta.view(torch.int32).numpy()
 
     def _read(self, i: int) -> tuple[bytearray, bytearray]:
         a, b = self.ranges[i]
@@ -224,6 +226,7 @@ class _DeltaTensorScan:
         hist = np.zeros(HI_BINS, dtype=np.int64)
         l1 = l2sq = 0.0
         nonfinite = 0
+        sums = [0.0, 0.0, 0.0]  # sum W0^2, sum Wk^2, sum W0*Wk
         for i in range(n_blocks):
             base_buf, exp_buf = self._read(i)
             if blake3(exp_buf).hexdigest() != self.exp_hashes[i]:
@@ -232,8 +235,10 @@ class _DeltaTensorScan:
                 identical[i] = True
                 hist[0] += block_n[i]
                 self.cache.append(None)
+                base = as_tensor(base_buf, t.dtype, _block_shape(t, self.ranges[i])).float().reshape(-1)
+                _add_sums(sums, base, base)
                 continue
-            bits = self._abs_bits(i, base_buf, exp_buf)
+            bits = self._abs_bits(i, base_buf, exp_buf, sums)
             values = bits.view(np.float32)
             block_hist = np.bincount(bits >> 16, minlength=HI_BINS)
             bad = int(block_hist[NONFINITE_BIN:].sum())  # |x| >= inf in the bit order: Inf and NaN
@@ -254,7 +259,7 @@ class _DeltaTensorScan:
             self.cache.append(bits if self.keep else None)
         self.identical = identical
 
-        ranks = grid_ranks(t.numel)
+        ranks = [0, *requested_ranks(t.numel)]
         cum_desc = np.cumsum(hist[::-1])
         targets = {}  # rank -> (bin, count above bin)
         for r in ranks:
@@ -284,7 +289,7 @@ class _DeltaTensorScan:
         block_eq = self._block_eq(split, identical, block_n) if split else {}
         return TensorDelta(t.name, t.numel, l1, math.sqrt(l2sq), nonfinite, tuple(block_l2), tuple(block_max),
                            tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values), tuple(count_gt),
-                           tuple(count_eq), block_eq)
+                           tuple(count_eq), block_eq, *sums)
 
     def _keys(self, bits: np.ndarray, slot_of_bin: np.ndarray) -> np.ndarray:
         """slot * 65536 + low 16 bits, for the elements whose upper 16 bits are in a slotted bin."""

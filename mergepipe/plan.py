@@ -52,7 +52,8 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
         total = sum(weights.values()) + float(params.get("base_weight", 0.0))
         lam = 1.0 / total if total else 0.0
     if method == "slerp":
-        return {e.name: abs(float(params.get("t", e.weight))) for e in experts}
+        t = params.get("t")
+        return {e.name: abs(float(e.weight if t is None else t)) for e in experts}
     return {name: abs(lam * w) for name, w in weights.items()}
 
 

@@ -64,6 +64,9 @@ def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
     return out
 
 
+DELTA_FORMAT = 2  # bump when DeltaIndex changes meaning: old cache entries are then ignored
+
+
 class Store:
     def __init__(self, cache_dir: str | Path) -> None:
         self.root = Path(cache_dir)
@@ -112,7 +115,8 @@ class Store:
 
     def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
                     *, threads: int = 2) -> DeltaIndex:
-        name = f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}.json.gz"
+        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}"
+                f"-v{DELTA_FORMAT}.json.gz")
         path = self.root / "deltas" / name
         d = _read_gz_json(path)
         if d is not None:

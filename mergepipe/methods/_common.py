@@ -11,6 +11,8 @@ for bit wherever mergekit's own result is deterministic; see DESIGN.md
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 
 import torch
@@ -105,7 +107,8 @@ def breadcrumbs_ranks(density: float, gamma: float, n: int) -> tuple[int, int] |
 GRID = tuple(i / 100 for i in range(101))  # i/100 is the same float as the literal
 
 
-def requested_ranks(n: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # pure; many tensors share a size
+def requested_ranks(n: int) -> tuple[int, ...]:
     """Every rank 0 < r < n that TIES or Breadcrumbs can ask a tensor of n elements
     for, with densities and gammas of at most two decimals.
 
@@ -123,7 +126,7 @@ def requested_ranks(n: int) -> list[int]:
             for gamma_floor in floors:
                 n_bot = max(0, n - floors[i] - gamma_floor)
                 ranks.update((n - n_bot - floors[i], n - n_bot))
-    return sorted(r for r in ranks if 0 < r < n)
+    return tuple(sorted(r for r in ranks if 0 < r < n))
 
 
 def rank_cut_mask(magnitudes: torch.Tensor, cut: RankCut) -> torch.Tensor:
