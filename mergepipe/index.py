@@ -362,6 +362,12 @@ def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelInd
                 return TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
                                    (True,) * n if same else (False,) * n, (), (), (), (), {})
             return _DeltaTensorScan(base_r, exp_r, t, list(entry.ranges), entry.hashes, cache_bytes).run()
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            results = list(pool.map(scan, base.tensors))
+        # Parallel across tensors; torch's own intra-op threads would only oversubscribe the cores.
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                results = list(pool.map(scan, base.tensors))
+        finally:
+            torch.set_num_threads(saved)
     return DeltaIndex(expert_index.content_hash, base_index.content_hash, bb, {r.name: r for r in results})
