@@ -367,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(text: str) -> str:
+    """The error as one line: newlines and terminal escapes from hostile names shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except MergepipeError as e:
         if args.debug:
             raise
-        print(f"mergepipe: error: {e}", file=sys.stderr)
+        print(f"mergepipe: error: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("mergepipe: interrupted", file=sys.stderr)

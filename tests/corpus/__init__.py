@@ -381,6 +381,16 @@ def c_tensor_name_lone_surrogate(ctx, work):
 
 
 @case
+def c_file_name_with_control_characters(ctx, work):
+    """A damaged file named with a newline and a terminal escape: the error stays one line."""
+    bad = copy_expert(ctx, work)
+    evil = bad / "evil\n\x1b[2J.safetensors"
+    (bad / "model.safetensors").rename(evil)
+    evil.write_bytes(evil.read_bytes()[:100])
+    return run(work, ctx, bad, ("evil\\n\\x1b[2J.safetensors",), CHECKPOINT)
+
+
+@case
 def c_directory_named_safetensors(ctx, work):
     """model.safetensors is a directory."""
     bad = copy_expert(ctx, work)
