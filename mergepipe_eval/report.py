@@ -54,6 +54,52 @@ def _avg(rows: list[dict]) -> dict:
     return out
 
 
+def _group(tensor: str) -> str:
+    """Coarse part of a BERT encoder a tensor belongs to."""
+    if tensor.startswith("embeddings.word_embeddings"):
+        return "word embeddings"
+    if tensor.startswith("embeddings."):
+        return "other embeddings + LN"
+    if tensor.startswith("encoder.layer."):
+        layer = tensor.split(".")[2]
+        part = "attention" if ".attention." in tensor else "FFN"
+        return f"layer {layer} {part}"
+    return tensor.split(".")[0]
+
+
+def _header(path: Path) -> dict:
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def read_shares(manifest: Path, base_model: Path) -> dict[str, float]:
+    """Share of each tensor group's expert bytes that a merge read, from its manifest's plan."""
+    from mergepipe.blocks import block_ranges
+    plan = json.loads(manifest.read_text())["plan"]
+    header = _header(base_model)
+    n_experts = len(plan["experts"])
+    total: dict[str, int] = defaultdict(int)
+    read: dict[str, int] = defaultdict(int)
+    block_sizes = {}
+    for name, info in header.items():
+        if info["dtype"] == "I64":
+            continue
+        begin, end = info["data_offsets"]
+        rows = info["shape"][0] if info["shape"] else 1
+        row_bytes = (end - begin) // max(1, rows)
+        ranges = block_ranges(info["shape"], row_bytes // max(1, math.prod(info["shape"][1:])),
+                              plan["block_bytes"])
+        block_sizes[name] = [(r1 - r0) * row_bytes for r0, r1 in ranges]
+        total[_group(name)] += n_experts * (end - begin)
+    for tensors in plan["reads"].values():
+        for name, blocks in tensors.items():
+            read[_group(name)] += sum(block_sizes[name][b] for b in blocks)
+    return {g: read[g] / total[g] for g in total}
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -104,7 +150,29 @@ def summarize(results_dir: Path) -> dict:
                                    "mean_accuracy": best[1]["mean_accuracy"]},
             "experts": {k: v["accuracy"] for k, v in fam["experts"].items()},
             "n_test": fam["base"]["n_test"], "merges": merges}
+    for recipe, fam in summary["families"].items():
+        base_model = results_dir / "base" / "model.safetensors"
+        for name in ("ta_l0.5", "ties"):
+            for tag in fam["merges"].get(name, {}):
+                manifest = results_dir / recipe / "s0" / "merges" / name / tag / "manifest.json"
+                if manifest.exists() and base_model.exists():
+                    fam["merges"][name][tag]["read_shares"] = read_shares(manifest, base_model)
     return summary
+
+
+def _skip_table(fam: dict, name: str) -> list[str]:
+    budgets = fam["merges"].get(name, {})
+    tags = [t for t in sorted(budgets, key=BUDGET_ORDER.get) if "read_shares" in budgets[t]]
+    if not tags:
+        return []
+    groups = list(budgets[tags[0]]["read_shares"])
+    out = [f"Share of each part's expert bytes read by `{name}` (seed 0), %:", "",
+           "| part | " + " | ".join(budgets[t]["budget"] for t in tags) + " |",
+           "|---|" + "---|" * len(tags)]
+    for g in groups:
+        out.append(f"| {g} | " + " | ".join(f"{100 * budgets[t]['read_shares'][g]:.0f}"
+                                             for t in tags) + " |")
+    return out + [""]
 
 
 def _targets(fam: dict) -> list[str]:
@@ -208,6 +276,7 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
                         f"({best_ta[0]}) {_pct(best_ta[1])}: {diff:+.2f} points "
                         f"({'ties above' if diff > 0 else 'ties not above'})."]
         out.append("")
+        out += _skip_table(fam, "ta_l0.5")
     if plot_name:
         out += [f"![mean accuracy against expert bytes read]({plot_name})", ""]
     return "\n".join(out)
