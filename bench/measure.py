@@ -41,6 +41,8 @@ class Measured:
     sys_s: float
     max_rss_bytes: int
     io: dict[str, int] = field(default_factory=dict)  # /proc/<pid>/io at exit
+    peak_rss_anon_bytes: int = 0  # sampled every ~20 ms from /proc/<pid>/status
+    peak_rss_file_bytes: int = 0  # file-backed pages (mmap'd weights count here)
     loadavg_before: float = 0.0
     stderr_tail: str = ""
 
@@ -66,6 +68,19 @@ def _read_io(pid: int) -> dict[str, int]:
     return out
 
 
+def _rss_parts(pid: int) -> tuple[int, int]:
+    anon = file = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                anon = int(line.split()[1]) * 1024
+            elif line.startswith("RssFile:"):
+                file = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return anon, file
+
+
 def run_measured(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  timeout_s: float | None = None, log: Path | None = None) -> Measured:
     """Run argv as a direct child; wall, rusage and /proc io of exactly that process."""
@@ -75,13 +90,16 @@ def run_measured(argv: list[str], *, env: dict[str, str] | None = None, cwd: str
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=err, stderr=err, stdin=subprocess.DEVNULL)
         deadline = None if timeout_s is None else t0 + timeout_s
+        peak_anon = peak_file = 0
         while True:
             info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
             if info is not None and info.si_pid == proc.pid:
                 break
             if deadline is not None and time.perf_counter() > deadline:
                 proc.kill()
-            time.sleep(0.005)
+            anon, file = _rss_parts(proc.pid)
+            peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file)
+            time.sleep(0.02)
         wall = time.perf_counter() - t0
         io = _read_io(proc.pid)
         _, status, ru = os.wait4(proc.pid, 0)
@@ -90,7 +108,7 @@ def run_measured(argv: list[str], *, env: dict[str, str] | None = None, cwd: str
     if log is not None and proc.returncode != 0:
         tail = log.read_bytes()[-2000:].decode(errors="replace")
     return Measured(list(map(str, argv)), proc.returncode, wall, ru.ru_utime, ru.ru_stime,
-                    ru.ru_maxrss * 1024, io, load, tail)
+                    ru.ru_maxrss * 1024, io, peak_anon, peak_file, load, tail)
 
 
 # ---------------------------------------------------------------- page cache
