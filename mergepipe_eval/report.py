@@ -100,6 +100,10 @@ def read_shares(manifest: Path, base_model: Path) -> dict[str, float]:
     return {g: read[g] / total[g] for g in total}
 
 
+def _delta(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2f}"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -126,7 +130,8 @@ def summarize(results_dir: Path) -> dict:
         own = {t: fam["experts"][t]["accuracy"][t] for t in tasks if t in fam["experts"]}
         merges = {}
         for name, budgets in fam["merges"].items():
-            full = budgets.get("full")
+            any_row = next(iter(budgets.values()))
+            full = fam["merges"].get(any_row.get("reference", name), {}).get("full")
             merges[name] = {}
             for tag in sorted(budgets, key=BUDGET_ORDER.get):
                 m = budgets[tag]
@@ -141,7 +146,7 @@ def summarize(results_dir: Path) -> dict:
                     "realized_relative_deviation": m.get("realized_relative_deviation"),
                     "delta_vs_full_points": (100 * (m["mean_accuracy"] - full["mean_accuracy"])
                                              if full else None),
-                    "n_seeds": m["n_seeds"]}
+                    "n_seeds": m["n_seeds"], "reference": m.get("reference", name)}
         summary["families"][recipe] = {
             "tasks": tasks, "base": fam["base"]["accuracy"],
             "base_mean": fam["base"]["mean_accuracy"],
@@ -261,7 +266,7 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
                     f"| {name} | {m['budget']} | {read:.1f} ({100 * share:.0f}%) | "
                     + " | ".join(_pct(m["accuracy"][t]) for t in tasks)
                     + f" | {_pct(m['mean_accuracy'])} ± {_pct(m['se'])} | "
-                    f"{m['delta_vs_full_points']:+.2f} | "
+                    f"{_delta(m['delta_vs_full_points'])} | "
                     f"{'–' if bound is None else f'{bound:.3f}{kind}'} | "
                     f"{m['realized_relative_deviation']:.3f} |")
         out += ["", "Targets (mean accuracy against the full read, points):", "",

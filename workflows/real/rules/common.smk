@@ -51,6 +51,10 @@ def heads(wildcards):
             for t in TASKS]
 
 
+def merge_budgets(merge):
+    return MERGES[merge].get("budgets", list(BUDGETS))
+
+
 def all_scores():
     out = []
     for recipe in RECIPES:
@@ -58,6 +62,6 @@ def all_scores():
             fam = f"{W}/minilm/{recipe}/s{seed}/scores"
             out.append(f"{fam}/base.json")
             out += [f"{fam}/expert_{t}.json" for t in TASKS]
-            out += [f"{fam}/{m}/{b}.json" for m in MERGES for b in BUDGETS]
+            out += [f"{fam}/{m}/{b}.json" for m in MERGES for b in merge_budgets(m)]
     out += [f"{W}/minilm/probes/{t}.json" for t in TASKS]
     return out

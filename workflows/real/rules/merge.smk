@@ -40,7 +40,8 @@ rule score_merge:
     input:
         model=FAMILY + "/merges/{merge}/{budget}/model.safetensors",
         manifest=FAMILY + "/merges/{merge}/{budget}/manifest.json",
-        reference=FAMILY + "/merges/{merge}/full/model.safetensors",
+        reference=lambda w: (f"{W}/minilm/{w.recipe}/s{w.seed}/merges/"
+                             f"{MERGES[w.merge].get('reference', w.merge)}/full/model.safetensors"),
         heads=heads,
         tasks=expand(W + "/tasks/{task}/test.jsonl", task=TASKS),
     output:
@@ -52,7 +53,8 @@ rule score_merge:
                                    "merge": w.merge, "method": MERGES[w.merge]["method"],
                                    "parameters": MERGES[w.merge].get("parameters", {}),
                                    "block_bytes": MERGES[w.merge].get("block_bytes", "1MiB"),
-                                   "budget": BUDGETS[w.budget], "budget_tag": w.budget},
+                                   "budget": BUDGETS[w.budget], "budget_tag": w.budget,
+                                   "reference": MERGES[w.merge].get("reference", w.merge)},
                                   sort_keys=True),
     log:
         LOGS + "/score_{recipe}_s{seed}_{merge}_{budget}.log",
