@@ -24,7 +24,7 @@ import pytest
 
 from mergepipe.cli import main
 from mergepipe.manifest import MANIFEST, RUN_INFO, load_manifest, verify_outputs
-from tests.corpus.procs import REPO, Warm, leftovers, params, small_family  # noqa: F401 (fixture)
+from tests.corpus.procs import REPO, Warm, leftovers, params, small_family, tiny_cache  # noqa: F401 (fixtures)
 
 N_KILLS = 20
 
@@ -171,11 +171,11 @@ def _tiny(tiny_family) -> dict:
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["absent", "existing"])
-def test_file_size_limit_fails_cleanly(tiny_family, tmp_path, existing):
+def test_file_size_limit_fails_cleanly(tiny_family, tiny_cache, tmp_path, existing):
     """RLIMIT_FSIZE below the output size: EFBIG -> one clean line, nothing published, temp removed."""
     target = tmp_path / "pub" / "out"
-    cfg = params(tmp_path / "p.yaml", _tiny(tiny_family), target, tmp_path / "cache")
-    assert main(["plan", str(cfg), "-o", str(tmp_path / "plan.json"), "-q"]) == 0  # warm the index cache
+    cfg = params(tmp_path / "p.yaml", _tiny(tiny_family), target, tiny_cache)
+    shutil.rmtree(tiny_cache / "merges", ignore_errors=True)  # write the merge, do not restore it
     if existing:
         assert main(["run", str(cfg), "-q", "--budget", "10%"]) == 0
         before = {p.name: p.read_bytes() for p in target.iterdir()}
@@ -220,7 +220,7 @@ _TMPFS_SCRIPT = textwrap.dedent("""\
 """)
 
 
-def test_disk_full_on_a_small_tmpfs(tiny_family, tmp_path):
+def test_disk_full_on_a_small_tmpfs(tiny_family, tiny_cache, tmp_path):
     """ENOSPC at several points of the write (weights, aux files, manifest) on a tiny tmpfs mounted in a
     private mount namespace: each a clean error, nothing left on the full disk."""
     if subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt && umount /mnt"],
@@ -228,12 +228,12 @@ def test_disk_full_on_a_small_tmpfs(tiny_family, tmp_path):
         pytest.skip("needs unshare -m and mount (root or user namespaces)")
     pub = tmp_path / "pub"
     pub.mkdir()
-    cfg = params(tmp_path / "p.yaml", _tiny(tiny_family), pub / "out", tmp_path / "cache")
-    assert main(["run", str(cfg), "-q", "-o", str(tmp_path / "full")]) == 0  # warm cache; the real size
+    cfg = params(tmp_path / "p.yaml", _tiny(tiny_family), pub / "out", tiny_cache)
+    assert main(["run", str(cfg), "-q", "-o", str(tmp_path / "full")]) == 0  # the real size
     size = sum(p.stat().st_size for p in (tmp_path / "full").iterdir())
     model = (tmp_path / "full" / "model.safetensors").stat().st_size
     sizes = [64 << 10, model // 2, model - 4096, model + 8192, size - 8192, size + (1 << 20)]
-    shutil.rmtree(cfg.parent / "cache" / "merges")  # merge every time, no restore from the store
+    shutil.rmtree(tiny_cache / "merges")  # merge every time, no restore from the store
     proc = subprocess.run(["unshare", "-m", sys.executable, "-c", _TMPFS_SCRIPT, str(cfg), str(pub), json.dumps(sizes)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

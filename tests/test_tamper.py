@@ -22,7 +22,7 @@ from mergepipe.cli import main
 from mergepipe.manifest import MANIFEST, dumps, load_manifest, manifest_hash
 from mergepipe.safetensors_io import open_checkpoint
 from mergepipe.store import Store
-from tests.corpus.procs import leftovers, params
+from tests.corpus.procs import leftovers, params, tiny_cache  # noqa: F401 (fixture)
 
 BB = 16 << 10
 
@@ -99,9 +99,13 @@ def test_flipped_byte_in_a_read_block_aborts_naming_the_tensor(fam, tmp_path, ca
 
 
 @pytest.fixture
-def published_out(fam, tmp_path) -> Path:
-    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache", budget="50%")
+def published_out(tiny_family, tiny_cache, tmp_path) -> Path:
+    """A published merge, copied (the store keeps hard links to what it publishes)."""
+    root = Path(tiny_family["root"])
+    family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
+    cfg = params(tmp_path / "p.yaml", family, tmp_path / "first", tiny_cache, budget="50%")
     assert main(["run", str(cfg), "-q"]) == 0
+    shutil.copytree(tmp_path / "first", tmp_path / "out")
     return tmp_path / "out"
 
 

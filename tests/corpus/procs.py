@@ -1,17 +1,21 @@
 """Real `mergepipe` processes for the crash and concurrency tests, plus a shared
 "small" demo family.
 
-A `Warm` process imports mergepipe (and torch) first, says "ready", and runs
-`mergepipe.cli.main(argv)` only when released, so that a kill lands at a chosen
-moment of the run itself rather than during the 1-3 s of interpreter start-up.
-It is the same code path as the console script: `main` with the same argv.
+Runs are forked from a zygote: one interpreter that has imported mergepipe (and
+torch) and forks a child per run, which calls `mergepipe.cli.main(argv)` (the
+console script's code path) and exits with its return code. A run thus starts in
+milliseconds instead of 1-3 s of interpreter start-up, so a kill lands at a chosen
+moment of the run itself, and 25 runs do not cost 25 imports of torch. The zygote
+has run no mergepipe code and started no threads when it forks.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,43 +25,98 @@ from mergepipe.demo import make_family
 from mergepipe.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
-_WARM = """\
-import sys
+_ZYGOTE = """\
+import json, os, resource, signal, sys, traceback
 import mergepipe.cli, mergepipe.config, mergepipe.engine, mergepipe.manifest, mergepipe.pipeline, mergepipe.store
-print("ready", flush=True)
-sys.stdin.readline()
-sys.exit(mergepipe.cli.main(sys.argv[1:]))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["op"] == "wait":
+        _, status = os.waitpid(req["pid"], 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        rc = 1
+        try:
+            fd = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            if req.get("fsize"):
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+            rc = mergepipe.cli.main(req["argv"])
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    print(json.dumps({"pid": pid}), flush=True)
 """
 
 
-class Warm:
-    """A started interpreter, waiting to run `mergepipe ARGV`."""
+class _Zygote:
+    _one: "_Zygote | None" = None
 
-    def __init__(self, argv: list[str], *, preexec_fn=None) -> None:
-        self.argv = argv
-        self.p = subprocess.Popen([sys.executable, "-c", _WARM, *argv], cwd=REPO, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=preexec_fn)
+    def __init__(self) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", _ZYGOTE], cwd=REPO, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert json.loads(self.p.stdout.readline()) == {"ready": True}
+
+    @classmethod
+    def get(cls) -> "_Zygote":
+        if cls._one is None or cls._one.p.poll() is not None:
+            cls._one = cls()
+        return cls._one
+
+    def ask(self, req: dict) -> dict:
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, "the zygote died"
+        return json.loads(line)
+
+
+class Warm:
+    """One `mergepipe ARGV` run, started by go() (forked from the zygote)."""
+
+    def __init__(self, argv: list[str], *, fsize: int | None = None) -> None:
+        self.argv, self.fsize = argv, fsize
+        self.zygote = _Zygote.get()
+        self.err = Path(tempfile.mkstemp(prefix="mergepipe-run-", suffix=".err")[1])
+        self.pid: int | None = None
+        self.rc: int | None = None
         self.t0: float | None = None
 
     def go(self) -> None:
-        line = self.p.stdout.readline()
-        assert line == b"ready\n", (line, self.p.stderr.read())
         self.t0 = time.monotonic()
-        self.p.stdin.write(b"\n")
-        self.p.stdin.flush()
+        self.pid = self.zygote.ask({"op": "run", "argv": self.argv, "err": str(self.err), "fsize": self.fsize})["pid"]
 
     def kill(self) -> None:
-        if self.p.poll() is None:
-            os.kill(self.p.pid, signal.SIGKILL)
+        if self.pid is not None and self.rc is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout: float = 300) -> tuple[int, str, float]:
         """(exit code, stderr, seconds since go); a kill reads as -9."""
-        _, err = self.p.communicate(timeout=timeout)
-        return self.p.returncode, err.decode(errors="replace"), time.monotonic() - (self.t0 or 0)
+        if self.rc is None:
+            self.rc = self.zygote.ask({"op": "wait", "pid": self.pid})["rc"]
+            self.seconds = time.monotonic() - self.t0
+        err = self.err.read_text(errors="replace")
+        return self.rc, err, self.seconds
 
     def close(self) -> None:
-        self.kill()
-        self.p.communicate()
+        if self.pid is not None and self.rc is None:
+            self.kill()
+            self.wait()
+        self.err.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -95,3 +154,18 @@ def leftovers(target: Path) -> list[str]:
     if not target.parent.is_dir():
         return []
     return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_family, tmp_path_factory) -> Path:
+    """A cache with the tiny family indexed at 16 KiB blocks (tests that use it empty merges/ first)."""
+    root = Path(tiny_family["root"])
+    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
+    if not (cache / ".done").exists():
+        store = Store(cache)
+        base, base_index = store.model_index(root / "base", block_bytes=16 << 10)
+        for k in range(len(tiny_family["experts"])):
+            expert, index = store.model_index(root / f"expert_{k}", block_bytes=16 << 10)
+            store.delta_index(base, base_index, expert, index)
+        (cache / ".done").touch()
+    return cache
