@@ -1,0 +1,177 @@
+"""The Snakemake build on the tiny demo family, in a copy of the repo's workflow files.
+
+Each workspace holds the committed Snakefile, rules/, profiles/, schemas/ and params.yaml;
+the demo rule generates the family (MERGEPIPE_DEMO_PRESET=tiny). Which jobs a call would
+run is read from `snakemake -n`'s job table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mergepipe.demo import make_family
+from mergepipe.manifest import RUN_INFO, verify_outputs
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WORKFLOW_FILES = ["Snakefile", "rules", "profiles", "schemas", "params.yaml", "dvc.yaml", ".dvcignore", ".dvc/config",
+                  ".dvc/.gitignore", ".gitignore"]
+MODEL = "merged/model.safetensors"
+
+
+def make_workspace(dest: Path, *, with_source: bool = False) -> Path:
+    """Copy the workflow files (and, for DVC's deps, mergepipe's source) to dest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        src, dst = REPO / name, dest / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    if with_source:
+        shutil.copytree(REPO / "mergepipe", dest / "mergepipe", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def tool_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SNAKEMAKE_", "DVC_"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", MERGEPIPE_DEMO_PRESET="tiny", DVC_NO_ANALYTICS="1")
+    return env
+
+
+def run(ws: Path, *cmd: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    exe = str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0]
+    proc = subprocess.run([exe, *cmd[1:]], cwd=ws, env=tool_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def smk(ws: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return run(ws, "snakemake", *args, **kw)
+
+
+def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    """rule -> number of jobs, from the job table a (dry) run prints; {} when nothing to do."""
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M)
+            if m.group(1) != "total"}
+
+
+def pending_jobs(ws: Path, *args: str) -> dict[str, int]:
+    """rule -> count of the jobs `snakemake -n` would run ({} when nothing)."""
+    return job_counts(smk(ws, "-n", *args))
+
+
+def set_budget(ws: Path, budget: str) -> None:
+    params = ws / "params.yaml"
+    text, n = re.subn(r"^budget: .*$", f"budget: {budget}", params.read_text(), flags=re.M)
+    assert n == 1
+    params.write_text(text)
+
+
+def manifest(ws: Path) -> dict:
+    return json.loads((ws / "merged" / "manifest.json").read_text())
+
+
+def output_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != RUN_INFO}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A workspace after `snakemake merged/model.safetensors` (budget 25%)."""
+    ws = make_workspace(tmp_path_factory.mktemp("smk"))
+    proc = smk(ws, MODEL)
+    assert "manifest merged/manifest.json" in proc.stdout + proc.stderr  # the merge's summary is shown
+    return ws
+
+
+def test_build_then_nothing_to_do(built):
+    man = verify_outputs(built / "merged")
+    assert man["budget"]["spec"] == "25%" and man["plan"]["method"] == "ties"
+    assert man["bytes"]["expert_bytes_read"] <= man["budget"]["bytes"]
+    t0 = time.monotonic()
+    proc = smk(built, MODEL)
+    print(f"\nno-op `snakemake {MODEL}`: {time.monotonic() - t0:.2f} s")
+    assert job_counts(proc) == {}
+    assert job_counts(smk(built)) == {"verify": 1, "all": 1}  # `all` also verifies
+    assert (built / "logs" / "verify.txt").read_text().startswith("merged: OK")
+
+
+def test_budget_change_reruns_plan_and_merge_and_revert_restores(built):
+    first = output_bytes(built / "merged")
+    set_budget(built, "50%")
+    assert job_counts(smk(built, MODEL)) == {"plan": 1, "merge": 1}
+    assert manifest(built)["budget"]["spec"] == "50%"
+    set_budget(built, "25%")
+    assert job_counts(smk(built, MODEL)) == {"plan": 1, "merge": 1}
+    assert output_bytes(built / "merged") == first
+    run_info = json.loads((built / "merged" / RUN_INFO).read_text())
+    assert run_info["restored_from"].endswith(manifest(built)["plan_hash"])  # from the store, not recomputed
+
+
+def test_touched_model_reruns_nothing_costly(built):
+    first = output_bytes(built / "merged")
+    record = (built / "index" / "experts" / "expert_1.json").read_bytes()
+    os.utime(built / "models" / "demo" / "expert_1" / "model.safetensors")
+    # its index step rehashes it (the content might have changed); the merge is restored
+    assert job_counts(smk(built, MODEL)) == {"index_expert": 1, "plan": 1, "merge": 1}
+    assert (built / "index" / "experts" / "expert_1.json").read_bytes() == record
+    assert output_bytes(built / "merged") == first
+    assert "restored_from" in json.loads((built / "merged" / RUN_INFO).read_text())
+    assert pending_jobs(built, MODEL) == {}  # and the next call has nothing to do
+
+
+def test_config_overrides_of_merge_keys_are_refused(built):
+    proc = smk(built, "-n", MODEL, "--config", "budget=10%", check=False)
+    assert proc.returncode != 0
+    assert "edit it instead of overriding" in proc.stdout + proc.stderr
+
+
+def test_split_merge_with_two_cores_is_byte_identical(built):
+    single = output_bytes(built / "merged")
+    run(built, "mergepipe", "gc", "--cache-dir", ".mergepipe")  # no stored merge: the parts must compute
+    shutil.rmtree(built / "merged")
+    proc = smk(built, MODEL, "-c", "2", "--config", "merge_parts=3")
+    assert job_counts(proc) == {"merge_part": 3, "gather": 1}
+    assert output_bytes(built / "merged") == single
+    logs = "".join(p.read_text() for p in (built / "logs" / "merge").glob("part-*-of-3.log"))
+    assert logs.count("tensors, expert bytes read") == 3  # merged by the parts, not restored
+    assert not list((built / ".mergepipe" / "parts").glob("part-*"))  # temp: removed after the gather
+
+
+def test_local_cluster_profile_builds_the_same_merge(built):
+    single = output_bytes(built / "merged")
+    run(built, "mergepipe", "gc", "--cache-dir", ".mergepipe")
+    shutil.rmtree(built / "merged")
+    proc = smk(built, "--profile", "profiles/local-cluster", MODEL)
+    assert job_counts(proc) == {"merge_part": 3, "gather": 1}
+    jobs = built / ".snakemake" / "local-cluster"
+    assert len(list(jobs.glob("snakejob.merge_part.*.log"))) == 3 and list(jobs.glob("snakejob.gather.*.log"))
+    assert output_bytes(built / "merged") == single
+    verify_outputs(built / "merged")
+
+
+def test_new_expert_indexes_only_that_expert(built, tmp_path):
+    make_family(tmp_path / "fam", preset="tiny", n_experts=4)
+    shutil.copytree(tmp_path / "fam" / "expert_3", built / "models" / "extra")
+    params = built / "params.yaml"
+    params.write_text(params.read_text().replace(
+        "experts:\n", "experts:\n  - {name: extra, path: models/extra, weight: 0.3}\n"))
+    assert job_counts(smk(built, MODEL)) == {"index_expert": 1, "plan": 1, "merge": 1}
+    assert [e["name"] for e in manifest(built)["plan"]["experts"]].count("extra") == 1
+    verify_outputs(built / "merged")
