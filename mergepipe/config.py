@@ -16,6 +16,7 @@ import copy
 import math
 import os
 import re
+import reprlib
 import typing
 from decimal import Decimal
 from pathlib import Path
@@ -59,6 +60,15 @@ SCHEMA_URI = "https://json-schema.org/draft/2020-12/schema"
 # Validators raise ValueError; pydantic turns them into field errors, which
 # `_one_line` renders as "<file>: <key path>: <message>".
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def _short(value: Any) -> str:
+    """A bounded repr: an error line must stay one short line whatever the user wrote."""
+    return _REPR.repr(value)
+
+
 def _check_name(name: str) -> str:
     if not _NAME_RE.match(name):
         raise ValueError("must be 1-128 characters of letters, digits, '.', '_', '-', "
@@ -70,7 +80,7 @@ def _check_path(value: Any) -> Path:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        raise ValueError(f"must be a path string, got {type(value).__name__} {value!r}")
+        raise ValueError(f"must be a path string, got {type(value).__name__} {_short(value)}")
     if not value.strip():
         raise ValueError("must be a non-empty path")
     if "\0" in value:
@@ -80,13 +90,13 @@ def _check_path(value: Any) -> Path:
 
 def _check_density(value: float) -> float:
     if not 0 < value <= 1:
-        raise ValueError(f"must be in (0, 1], got {value!r}")
+        raise ValueError(f"must be in (0, 1], got {_short(value)}")
     return value
 
 
 def _check_gamma(value: float) -> float:
     if not 0 <= value < 1:
-        raise ValueError(f"must be in [0, 1), got {value!r}")
+        raise ValueError(f"must be in [0, 1), got {_short(value)}")
     return value
 
 
@@ -99,25 +109,25 @@ def _bytes_detail(value: int | str) -> int:
 
 def _parse_block_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"must be a byte count or size like '1MiB', got {value!r}")
+        raise ValueError(f"must be a byte count or size like '1MiB', got {_short(value)}")
     size = _bytes_detail(value)
     if not MIN_BLOCK_BYTES <= size <= MAX_BLOCK_BYTES:
-        raise ValueError(f"must be between 4KiB and 1GiB, got {value!r} ({size} bytes)")
+        raise ValueError(f"must be between 4KiB and 1GiB, got {_short(value)} ({size} bytes)")
     return size
 
 
 def _parse_shard_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"must be a byte count or size like '2GiB', got {value!r}")
+        raise ValueError(f"must be a byte count or size like '2GiB', got {_short(value)}")
     size = _bytes_detail(value)
     if size < MIN_BLOCK_BYTES:
-        raise ValueError(f"must be at least 4KiB, got {value!r} ({size} bytes)")
+        raise ValueError(f"must be at least 4KiB, got {_short(value)} ({size} bytes)")
     return size
 
 
 def _parse_budget_field(value: Any) -> Budget:
     if not isinstance(value, Budget | str | int | float) or isinstance(value, bool):
-        raise ValueError(f"must be 'full', a percentage, a fraction or a size, got {value!r}")
+        raise ValueError(f"must be 'full', a percentage, a fraction or a size, got {_short(value)}")
     try:
         return parse_budget(value)
     except UnitError as err:
@@ -440,7 +450,7 @@ def _error_text(error: dict[str, Any], model: type[BaseModel] | None,
     if kind == "list_type":
         return f"must be a list, got {type(value).__name__}"
     if value is None or isinstance(value, str | int | float | bool):
-        message += f", got {value!r}"
+        message += f", got {_short(value)}"
     elif not isinstance(value, dict | list):
         message += f", got {type(value).__name__}"
     return message
@@ -501,6 +511,8 @@ def parse_yaml(text: str, *, source: str) -> Any:
         raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:
