@@ -19,9 +19,10 @@ venv: $(VENV)/.installed
 	.venv-mergekit/bin/pip install -q torch==2.13.0 mergekit==0.1.5
 	touch $@
 
+# The demo is the build: Snakemake (profiles/default) generates the demo family, indexes
+# each model, plans and merges (a no-op when nothing changed); then the output is rehashed.
 demo: venv
-	$(BIN)/mergepipe demo models/demo --preset small --experts 3 --quiet
-	$(BIN)/mergepipe run params.yaml
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake merged/model.safetensors
 	$(BIN)/mergepipe verify merged
 
 test: venv .venv-mergekit/.installed
@@ -31,4 +32,4 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean-demo:
-	rm -rf models/demo merged .mergepipe
+	rm -rf models/demo merged .mergepipe index plans logs
