@@ -126,6 +126,11 @@ def parse_header(path: str | Path) -> FileHeader:
         size = st.st_size
         if size < 8:
             raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        if hasattr(os, "posix_fadvise"):
+            # A plain read here leaves a readahead mark in the page cache; a later planned
+            # read that reaches it pulls in up to read_ahead_kb of unplanned tensor data,
+            # FADV_RANDOM on the reader's fd notwithstanding (BENCHMARKS.md, page residency).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         n = int.from_bytes(os.pread(fd, 8, 0), "little")
         if n > MAX_HEADER_BYTES:
             raise CheckpointError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
