@@ -89,7 +89,13 @@ def verify_outputs(out_dir: str | Path) -> dict:
     """
     out_dir = Path(out_dir)
     man = load_manifest(out_dir)
-    files = man["outputs"]["files"]
+    outputs = man.get("outputs")
+    files = outputs.get("files") if isinstance(outputs, dict) else None
+    if (not isinstance(files, dict) or not isinstance(outputs.get("tensors"), dict)
+            or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..") and isinstance(r, dict)
+                       and isinstance(r.get("blake3"), str) for n, r in files.items())):
+        # a consistent manifest_hash but no mergepipe structure: forged, not edited
+        raise IntegrityError(f"{out_dir / MANIFEST}: outputs.files/tensors malformed; not a mergepipe manifest")
     present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST, RUN_INFO}
     extra = sorted(present - set(files))
     if extra:

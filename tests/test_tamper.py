@@ -279,3 +279,24 @@ def test_poisoned_index_cache_is_caught_when_reading(fam, tmp_path, capsys):
     rc, err = _run(["run", str(cfg), "-q"], capsys)
     assert rc == 6 and repr(victim) in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("forge", ["no outputs", "files a list", "file outside", "no blake3", "tensors missing"])
+def test_forged_manifest_structure_is_a_clean_error(published_out, capsys, forge):
+    """A manifest with a consistent manifest_hash but not mergepipe's structure: one clean line."""
+    out = published_out
+    man = json.loads((out / MANIFEST).read_text())
+    if forge == "no outputs":
+        del man["outputs"]
+    elif forge == "files a list":
+        man["outputs"]["files"] = list(man["outputs"]["files"])
+    elif forge == "file outside":
+        man["outputs"]["files"]["../../etc/passwd"] = {"blake3": "0" * 64}
+    elif forge == "no blake3":
+        next(iter(man["outputs"]["files"].values())).pop("blake3")
+    else:
+        del man["outputs"]["tensors"]
+    man["manifest_hash"] = manifest_hash(man)
+    (out / MANIFEST).write_bytes(dumps(man))
+    rc, err = _run(["verify", str(out)], capsys)
+    assert rc == 6 and err.count("\n") == 1 and "malformed" in err, err
