@@ -2,7 +2,7 @@
 # A one-node SLURM cluster on this machine (Debian's slurm-wlm + munge), for the SLURM test.
 #
 #   scripts/slurm_localhost.sh start STATE_DIR   # install if needed, configure, start, wait until idle
-#   scripts/slurm_localhost.sh stop STATE_DIR    # stop what `start` started (by its pid files)
+#   scripts/slurm_localhost.sh stop STATE_DIR    # stop what `start` started (by its pid files), remove its slurm.conf
 #
 # `start` writes /etc/slurm/slurm.conf (where srun inside jobs finds it; an existing one that
 # this script did not write is left alone: exit 3), with state and logs in STATE_DIR. It
@@ -26,6 +26,9 @@ stop() {
         fi
         rm -f "$pidfile"
     done
+    # Our slurm.conf goes too: with a configuration but no controller, every sinfo/sacct
+    # (which Snakemake's slurm plugin runs at each start) waits seconds for a timeout.
+    if [[ -f $conf ]] && grep -qxF "$marker" "$conf"; then rm -f "$conf"; fi
 }
 
 install() {
