@@ -27,11 +27,16 @@ def git(ws: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess
     return subprocess.run([*GIT, *args], cwd=ws, capture_output=True, text=True, check=check)
 
 
+_PLANS: dict[tuple[Path, str], str] = {}
+
+
 def expected_plan_hash(ws: Path, tmp: Path) -> str:
     """The plan hash params.yaml asks for, computed apart from the workspace's caches."""
-    cfg = load_config(ws / "params.yaml")
-    plan, _ = plan_config(cfg, Store(tmp / f"cache-{time.monotonic_ns()}"))
-    return plan["plan_hash"]
+    key = (ws, (ws / "params.yaml").read_text())
+    if key not in _PLANS:
+        plan, _ = plan_config(load_config(ws / "params.yaml"), Store(tmp / f"cache-{time.monotonic_ns()}"))
+        _PLANS[key] = plan["plan_hash"]
+    return _PLANS[key]
 
 
 def check_output_matches_params(ws: Path, tmp: Path) -> dict:
