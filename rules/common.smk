@@ -28,8 +28,12 @@ with open(PARAMS) as _f:
         raise WorkflowError(
             f"the merge is described by {PARAMS} alone: edit it instead of overriding its keys with "
             f"--config (only {', '.join(WORKFLOW_DEFAULTS)} may be set that way)")
-# The schema catches malformed values here; the CLI checks the rest (one-line errors) in `plan`.
+# The schema catches malformed values here (and fills top-level defaults); the CLI checks
+# the rest, with one-line errors, in `plan`.
 validate(config, "../schemas/params.schema.yaml")
+with open(Path(workflow.basedir) / "schemas" / "params.schema.yaml") as _f:
+    _output_schema = yaml.safe_load(_f)["$defs"]["OutputConfig"]["properties"]
+OUTPUT = {key: spec.get("default") for key, spec in _output_schema.items()} | config.get("output", {})
 
 
 def rel(path) -> str:
@@ -49,7 +53,7 @@ BASE = from_root(config["base"])
 EXPERTS = {e["name"]: from_root(e["path"]) for e in config["experts"]}
 BLOCK_BYTES = parse_bytes(config["block_bytes"])
 CACHE = from_root(config["cache_dir"])
-OUT = from_root(config["output"]["dir"])
+OUT = from_root(OUTPUT["dir"])
 PLAN = "plans/plan.json"
 VERIFIED = "logs/verify.txt"
 PARTS = int(WF["merge_parts"])
@@ -87,7 +91,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 def _output_weights() -> list[str]:
     """The weight files the merge writes: the base's own unless output.shard_bytes is set."""
-    shard_bytes = config["output"].get("shard_bytes")
+    shard_bytes = OUTPUT["shard_bytes"]
     if shard_bytes is None:
         files = _weight_files(Path(BASE))
         return [p.name for p in files] if len(files) > 1 else ["model.safetensors"]
@@ -97,8 +101,9 @@ def _output_weights() -> list[str]:
     try:
         base = open_checkpoint(BASE)
     except MergepipeError as e:
-        raise WorkflowError(f"output.shard_bytes is set, so the base must exist to name the output shards: {e}")
-    return list(output_layout(base, dtype=config["output"].get("dtype"), shard_bytes=parse_bytes(shard_bytes)))
+        raise WorkflowError(f"output.shard_bytes is set, so the base must exist to name the output shards: {e} "
+                            f"(the demo family: run `snakemake {DEMO_DIR}` first)")
+    return list(output_layout(base, dtype=OUTPUT["dtype"], shard_bytes=parse_bytes(shard_bytes)))
 
 
 OUT_WEIGHTS = [f"{OUT}/{name}" for name in _output_weights()]

@@ -69,7 +69,7 @@ def test_dvc_stages_call_snakemake_targets():
     for name, stage in stages.items():
         assert stage["cmd"].startswith("snakemake "), name  # the steps are defined once, in the Snakefile
     build = stages["build"]
-    assert build["cmd"] == "snakemake ${output.dir}/model.safetensors"
+    assert build["cmd"] == "snakemake ${output.dir}/manifest.json"
     assert {"Snakefile", "rules", "mergepipe", "models"} <= set(build["deps"])
     assert build["params"] == [{"params.yaml": None}]
     assert build["outs"] == ["${output.dir}"]
