@@ -126,7 +126,8 @@ def summarize(results_dir: Path) -> dict:
     summary = {"probes": {t: p["probe_test_acc"] for t, p in probes.items()}, "families": {}}
     for recipe, fam in fams.items():
         tasks = list(fam["base"]["accuracy"])
-        best = max(fam["experts"].items(), key=lambda kv: kv[1]["mean_accuracy"])
+        best = max(fam["experts"].items(), key=lambda kv: kv[1]["mean_accuracy"],
+                   default=("(not scored)", {"accuracy": {}, "mean_accuracy": float("nan")}))
         own = {t: fam["experts"][t]["accuracy"][t] for t in tasks if t in fam["experts"]}
         merges = {}
         for name, budgets in fam["merges"].items():
@@ -206,10 +207,11 @@ def _plot(summary: dict, path: Path) -> None:
             style = "--" if "tensor" in name else "-"
             ax.errorbar(xs, ys, yerr=es, marker="o", ls=style, capsize=2, label=name)
         ax.axhline(100 * fam["base_mean"], color="gray", ls=":", label="base (expert heads)")
-        ax.axhline(100 * fam["best_single_expert"]["mean_accuracy"], color="black", ls="-.",
-                   label=f"best single expert ({fam['best_single_expert']['expert']})")
-        ax.axhline(100 * fam["own_expert_mean"], color="green", ls=":",
-                   label="each expert on its own task")
+        if fam["experts"]:
+            ax.axhline(100 * fam["best_single_expert"]["mean_accuracy"], color="black", ls="-.",
+                       label=f"best single expert ({fam['best_single_expert']['expert']})")
+            ax.axhline(100 * fam["own_expert_mean"], color="green", ls=":",
+                       label="each expert on its own task")
         ax.set_title(f"MiniLM, recipe '{recipe}': mean accuracy over {len(fam['tasks'])} tasks")
         ax.set_xlabel("expert bytes read (MiB)")
         ax.set_ylabel("mean accuracy (%)")
@@ -245,7 +247,8 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
         out.append(ref("base linear probe", probes))
         out.append(ref("each expert on its own task", fam["own_expert"]))
         b = fam["best_single_expert"]
-        out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
+        if fam["experts"]:
+            out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
         for name, acc in sorted(fam["experts"].items()):
             out.append(ref(f"expert {name} on all tasks", acc))
         out += ["", "Merges (accuracy %; ± is the standard error of the mean; Δ full is the "
