@@ -8,6 +8,7 @@ memory is O(window x (K+1) x block_bytes), never O(model).
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections import deque
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 import torch
@@ -25,8 +27,8 @@ from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
 from mergepipe.methods import get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
-from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointReader, OutTensor,
-                                      ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
+from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, TORCH_TO_ST, Checkpoint, CheckpointReader,
+                                      OutTensor, ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 UNIT_BYTES = 4 << 20  # base bytes per prefetch unit: adjacent blocks read with one pread
@@ -96,6 +98,28 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
         return {"model.safetensors": groups[0]}
     n = len(groups)
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def shard_index_json(layout: dict[str, list[OutTensor]]) -> bytes:
+    """model.safetensors.index.json for a sharded layout (sorted, stable bytes)."""
+    total = sum(prod(t.shape) * DTYPES[t.dtype][0] for ts in layout.values() for t in ts)
+    weight_map = {t.name: fname for fname, ts in layout.items() for t in ts}
+    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter],
+                   realized: Realized) -> None:
+    """Hash the closed weight files into `realized`; write the shard index json if sharded."""
+    for fname, w in writers.items():
+        realized.bytes_written += w.size
+        realized.files[fname] = {"blake3": hash_file(out_dir / fname), "size": w.size}
+    if len(layout) > 1:  # sharded output: the index json that transformers follows
+        index_path = out_dir / INDEX_JSON
+        index_path.write_bytes(shard_index_json(layout))
+        size = index_path.stat().st_size
+        realized.bytes_written += size
+        realized.files[INDEX_JSON] = {"blake3": hash_file(index_path), "size": size}
 
 
 class _Cuts:
@@ -230,9 +254,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         base_r.close()
         for r in exp_rs.values():
             r.close()
-    for fname, w in writers.items():
-        realized.bytes_written += w.size
-        realized.files[fname] = {"blake3": hash_file(out_dir / fname), "size": w.size}
+    record_outputs(out_dir, layout, writers, realized)
     realized.base_bytes_read = base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(exp_counters.items())}
     realized.seconds = time.monotonic() - t_start

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.engine import Inputs, Realized, hash_file, output_layout, run_merge
+from mergepipe.engine import Inputs, Realized, hash_file, output_layout, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.manifest import load_manifest
 from mergepipe.safetensors_io import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
@@ -166,9 +166,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                 w.abort()
             raise
         realized.expert_bytes_read = dict(sorted(realized.expert_bytes_read.items()))
-        for fname, w in writers.items():
-            realized.bytes_written += w.size
-            realized.files[fname] = {"blake3": hash_file(tmp / fname), "size": w.size}
+        record_outputs(tmp, layout, writers, realized)
         realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
         return realized
 

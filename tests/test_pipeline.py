@@ -139,3 +139,20 @@ def test_bad_config_is_one_line_and_nonzero(tmp_path, tiny_family, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_base_gives_sharded_output_that_loads(tmp_path):
+    from mergepipe.demo import make_family
+    fam = make_family(tmp_path / "fam", preset="tiny", n_experts=2, shard_expert=-1)  # the base is sharded
+    info = dict(fam, root=tmp_path / "fam")
+    cfg = write_config(tmp_path, info, budget="60%")
+    assert main(["run", str(cfg), "-q"]) == 0
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    base_index = json.loads((tmp_path / "fam" / "base" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == base_index["weight_map"]
+    assert main(["verify", str(out)]) == 0
+    assert _load_model(out).keys() == _load_model(tmp_path / "fam" / "base").keys()
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert torch.isfinite(model(torch.tensor([[1, 2]])).logits).all()
