@@ -216,7 +216,7 @@ def _plot(summary: dict, path: Path) -> None:
         ax.set_xlabel("expert bytes read (MiB)")
         ax.set_ylabel("mean accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="best", framealpha=0.6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
