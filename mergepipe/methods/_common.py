@@ -16,7 +16,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mergepipe.errors import MethodError
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut, block_rng
@@ -29,6 +29,25 @@ PARAMS_CONFIG = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, a
 
 DENSITY_DOC = ("default density for experts that set none; the engine resolves it onto each "
                "ExpertBlock.density, which is what the method reads")
+
+
+class MagnitudeParams(BaseModel):
+    """Parameters shared by the magnitude-pruning methods (TIES, Breadcrumbs)."""
+
+    model_config = PARAMS_CONFIG
+    lambda_: float = Field(1.0, alias="lambda")
+    normalize: bool = False
+    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
+    rescale: bool = False
+    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
+
+    @field_validator("rescale")
+    @classmethod
+    def _no_l1_rescale(cls, rescale: bool) -> bool:
+        if rescale:
+            raise ValueError("rescale: true (mergekit's L1 rescaling of the pruned delta) is not supported "
+                             "by TIES/Breadcrumbs; remove it or set it to false")
+        return rescale
 
 
 def canonical(experts: Sequence[ExpertBlock]) -> list[ExpertBlock]:

@@ -18,30 +18,16 @@ mergekit's `rescale: true` (L1 rescaling) is not supported.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field
 
-from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_breadcrumbs
+from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
 
-class BreadcrumbsParams(BaseModel):
-    model_config = PARAMS_CONFIG
-    lambda_: float = Field(1.0, alias="lambda")
-    normalize: bool = False
-    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
+class BreadcrumbsParams(MagnitudeParams):
     gamma: float = Field(0.01, ge=0.0, le=1.0,
                          description="default outlier fraction, resolved onto ExpertBlock.gamma like density")
-    rescale: bool = False
-    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
-
-    @field_validator("rescale")
-    @classmethod
-    def _no_l1_rescale(cls, rescale: bool) -> bool:
-        if rescale:
-            raise ValueError("rescale: true (mergekit's L1 rescaling of the pruned delta) is not "
-                             "supported by breadcrumbs; remove it or set it to false")
-        return rescale
 
 
 @register("breadcrumbs", params=BreadcrumbsParams, additive=False, magnitude=True,

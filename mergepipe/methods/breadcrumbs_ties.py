@@ -18,30 +18,15 @@ mergekit's `rescale: true` (L1 rescaling) is not supported.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, Field, field_validator
 
-from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_breadcrumbs
+from mergepipe.methods._common import canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
+from mergepipe.methods.breadcrumbs import BreadcrumbsParams
 from mergepipe.methods.registry import register
 
 
-class BreadcrumbsTiesParams(BaseModel):
-    model_config = PARAMS_CONFIG
-    lambda_: float = Field(1.0, alias="lambda")
-    normalize: bool = False
-    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
-    gamma: float = Field(0.01, ge=0.0, le=1.0,
-                         description="default outlier fraction, resolved onto ExpertBlock.gamma like density")
-    rescale: bool = False
-    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
-
-    @field_validator("rescale")
-    @classmethod
-    def _no_l1_rescale(cls, rescale: bool) -> bool:
-        if rescale:
-            raise ValueError("rescale: true (mergekit's L1 rescaling of the pruned delta) is not "
-                             "supported by breadcrumbs_ties; remove it or set it to false")
-        return rescale
+class BreadcrumbsTiesParams(BreadcrumbsParams):
+    pass
 
 
 @register("breadcrumbs_ties", params=BreadcrumbsTiesParams, additive=False, magnitude=True,

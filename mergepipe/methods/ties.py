@@ -16,28 +16,14 @@ trimmed delta) is not supported.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, Field, field_validator
 
-from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_magnitude
+from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_magnitude
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
 
-class TiesParams(BaseModel):
-    model_config = PARAMS_CONFIG
-    lambda_: float = Field(1.0, alias="lambda")
+class TiesParams(MagnitudeParams):
     normalize: bool = True
-    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
-    rescale: bool = False
-    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
-
-    @field_validator("rescale")
-    @classmethod
-    def _no_l1_rescale(cls, rescale: bool) -> bool:
-        if rescale:
-            raise ValueError("rescale: true (mergekit's L1 rescaling of the trimmed delta) is not "
-                             "supported by ties; remove it or set it to false")
-        return rescale
 
 
 @register("ties", params=TiesParams, additive=False, magnitude=True,
