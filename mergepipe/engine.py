@@ -8,6 +8,7 @@ memory is O(window x (K+1) x block_bytes), never O(model).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import time
@@ -174,6 +175,7 @@ def _units(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> list[list[int]
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False) -> Realized:
     """Execute `plan` into `out_dir` (an empty folder, normally a publisher's temp)."""
     t_start = time.monotonic()
+    _keep_freed_memory()
     method = get_method(plan["method"])
     params = method.params.model_validate(plan["parameters"])
     experts = plan["experts"]  # canonical order (content hash)
@@ -314,6 +316,19 @@ def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memo
             out = tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
         writer.write_rows(t.name, r0, out)
         hasher.update(out)
+
+
+def _keep_freed_memory() -> None:
+    # Every block allocates and frees MiB-sized fp32 temporaries. glibc hands such chunks
+    # back to the kernel (mmap / heap trim) and the next block faults them in again: a
+    # quarter of the merge's wall went to page faults (BENCHMARKS.md). Keep them in the
+    # heap; the working set is bounded by the prefetch window anyway. glibc only.
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (glibc's maximum)
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 @contextmanager
