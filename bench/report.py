@@ -60,10 +60,16 @@ def header_bytes(results: dict) -> int:
     return results.get("expert_header_bytes", 0)
 
 
+def _paired(rs: list[dict], ref: list[dict]) -> list[float]:
+    """wall(A) / wall(B) within each round: the machine's load drifts between rounds."""
+    by_round = {r["round"]: r["wall_s"] for r in ref}
+    return [r["wall_s"] / by_round[r["round"]] for r in rs if r["round"] in by_round]
+
+
 def contender_table(groups: dict[tuple, list[dict]], order: list[tuple], bw: dict | None, *,
                     ratio_to: dict[str, str] | None = None) -> list[str]:
     lines = ["| contender | cache | runs | wall s | CPU user+sys s | peak RSS MiB | rchar MiB | disk read MiB "
-             "| expert MiB read (counter) | expert MiB resident after (cold runs) | effective GB/s | of limit "
+             "| expert MiB read (counter) | expert MiB resident after (cold runs) | effective GB/s | of limit (GB/s) "
              "| wall vs mergekit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in order:
@@ -77,12 +83,20 @@ def contender_table(groups: dict[tuple, list[dict]], order: list[tuple], bw: dic
                     (r.get("expert_bytes_read") if r.get("expert_bytes_read") is not None else r["expert_file_bytes"]))
                    / r["wall_s"] / 1e9 for r in rs]
         eff = _stats(touched)
-        limit = (bw or {}).get("cold" if cache == "cold" else "warm", {}).get("gb_per_s")
-        frac = f"{_med(eff) / limit:.0%}" if eff and limit else "–"
+        probes = [r.get("limit_probe") for r in rs if r.get("limit_probe")]
+        if cache == "cold" and probes:
+            fr = _stats([t * 1e9 / 1e9 / p["one_reader_gb_per_s"] for t, p in zip(touched, probes)])
+            frac = f"{_med(fr):.0%} (probe {statistics.median(p['one_reader_gb_per_s'] for p in probes):.2f})"
+        else:
+            limit = (bw or {}).get("cold" if cache == "cold" else "warm", {}).get("gb_per_s")
+            frac = f"{_med(eff) / limit:.0%}" if eff and limit else "–"
         ratio = "–"
         if ratio_to and name in ratio_to and groups.get((ratio_to[name], cache)):
             ref = _med(metric(groups[(ratio_to[name], cache)], "wall_s"))
             ratio = f"{_med(wall) / ref:.2f}×"
+            paired = _paired(rs, groups[(ratio_to[name], cache)])
+            if paired and len(paired) > 1:
+                ratio += f" (per round {_fmt(_stats(paired), 1, 2)})"
         lines.append(f"| {name} | {cache} | {len(rs)} | {_fmt(wall)} | {_fmt(metric(rs, 'cpu_s'))} | "
                      f"{_fmt(metric(rs, 'max_rss_bytes'), MiB, 0)} | {_fmt(metric(rs, 'rchar'), MiB, 0)} | "
                      f"{_fmt(metric(rs, 'read_bytes'), MiB, 0)} | {_fmt(metric(rs, 'expert_bytes_read'), MiB, 0)} | "
@@ -158,8 +172,13 @@ def write_report(results: dict, out: Path) -> dict:
             if mp and mk:
                 ratio = _med(metric(mp, "wall_s")) / _med(metric(mk, "wall_s"))
                 cpu_ratio = _med(metric(mp, "cpu_s")) / _med(metric(mk, "cpu_s"))
+                paired = _paired(mp, mk)
+                cold = [r for c in ("cold",) for r in _paired(head.get((f"mergepipe {method} 100%", c), []),
+                                                               head.get((f"mergekit {method}", c), []))]
                 targets[f"{method} full-budget wall ≤ {goal}× mergekit"] = {
-                    "value": f"{ratio:.2f}× wall (CPU {cpu_ratio:.2f}×)", "met": ratio <= goal}
+                    "value": f"{ratio:.2f}× (medians, warm; per round {_fmt(_stats(paired), 1, 2)}; CPU {cpu_ratio:.2f}×)"
+                             + (f"; cold {_fmt(_stats(cold), 1, 2)}×" if cold else ""),
+                    "met": ratio <= goal}
     bud = group(runs, "budgets")
     if bud:
         lines += ["## mergepipe at budgets", "",
@@ -192,9 +211,11 @@ def write_report(results: dict, out: Path) -> dict:
             ten = bud.get((f"mergepipe {method} 10%", "warm"))
             if full_w and ten:
                 br = _med(metric(full_w, "expert_bytes_read")) / max(1, _med(metric(ten, "expert_bytes_read")))
+                total_b = ten[0]["expert_file_bytes"] / max(1, _med(metric(ten, "expert_bytes_read")))
                 wr = _med(metric(full_w, "wall_s")) / _med(metric(ten, "wall_s"))
-                targets[f"{method} at 10%: ≥10× fewer expert bytes than full"] = {"value": f"{br:.1f}×",
-                                                                                  "met": br >= 10}
+                targets[f"{method} at 10%: ≥10× fewer expert bytes than full"] = {
+                    "value": f"{total_b:.1f}× fewer than a full read of the experts; {br:.1f}× fewer than our "
+                             "full-budget merge, which already skips byte-identical blocks", "met": br >= 10}
                 targets[f"{method} at 10%: ≥5× less wall than full"] = {"value": f"{wr:.2f}×", "met": wr >= 5}
         lines.append("")
         # budget soundness, counters and residency
@@ -212,17 +233,28 @@ def write_report(results: dict, out: Path) -> dict:
                          f"{(worst_res or 0) / MiB:+.2f} MiB, resident − counter ≤ {(excess or 0) / MiB:+.2f} MiB "
                          f"after cold runs (expert headers {hdr / MiB:.2f} MiB)", "met": ok}
     rss_all = [r["max_rss_bytes"] for r in runs if r["tool"] == "mergepipe" and r["returncode"] == 0]
+    rss_other = [r["max_rss_bytes"] for r in (results.get("index") or [])] + [
+        r["max_rss_bytes"] for r in results.get("sweep", {}).values()]
     if rss_all:
-        targets["peak RSS ≤ 1.5 GB (every mergepipe run)"] = {"value": f"max {max(rss_all) / 1e9:.2f} GB",
-                                                              "met": max(rss_all) <= 1.5e9}
+        top = max(rss_all + rss_other)
+        targets["peak RSS ≤ 1.5 GB (every mergepipe process)"] = {
+            "value": f"max {top / 1e9:.2f} GB (merges {max(rss_all) / 1e9:.2f}, index/sweep "
+                     f"{max(rss_other, default=0) / 1e9:.2f}); mergekit {max((r['max_rss_bytes'] for r in runs if r['tool'] == 'mergekit'), default=0) / 1e9:.1f} GB",
+            "met": top <= 1.5e9}
     if head and limit:
         for method in ("task_arithmetic", "ties"):
-            rs = head.get((f"mergepipe {method} 100%", "cold"))
+            rs = (head.get((f"mergepipe {method} 100%", "cold")) or []) + \
+                (group(runs, "budgets").get((f"mergepipe {method} 100%", "cold")) or [])
             if rs:
-                eff = _med(_stats([(r["base_bytes_read"] + r["expert_bytes_read"]) / r["wall_s"] / 1e9 for r in rs]))
+                effs = [(r["base_bytes_read"] + r["expert_bytes_read"]) / r["wall_s"] / 1e9 for r in rs]
+                eff = _med(_stats(effs))
+                lims = [r["limit_probe"]["one_reader_gb_per_s"] if r.get("limit_probe") else limit["cold"]["gb_per_s"]
+                        for r in rs]
+                fr = _med(_stats([e / li for e, li in zip(effs, lims)]))
                 targets[f"{method} full-read merge ≥ 70% of cold read bandwidth"] = {
-                    "value": f"{eff:.2f} GB/s = {eff / limit['cold']['gb_per_s']:.0%} of {limit['cold']['gb_per_s']:.2f}",
-                    "met": eff >= 0.7 * limit["cold"]["gb_per_s"]}
+                    "value": f"{eff:.2f} GB/s = {fr:.0%} of the cold sequential bandwidth probed just before each run "
+                             f"(median {statistics.median(lims):.2f} GB/s; {len(rs)} cold runs)",
+                    "met": fr >= 0.7}
     # quality
     sweep = results.get("sweep", {})
     if sweep:
@@ -260,8 +292,10 @@ def write_report(results: dict, out: Path) -> dict:
     if sweep:
         mk = group(runs, "sweep").get(("mergekit task_arithmetic", "warm"), [])
         total_exp = int(next(iter(sweep.values()))["rows"][0]["total_expert_bytes"])
-        idx_rchar = sum(r["io"].get("rchar", 0) for r in (idx or []))
-        idx_wall = sum(r["wall_s"] for r in (idx or []))
+        used = {f"expert_{i}" for i in range(results["suite"]["head_k"])}
+        idx = [r for r in (idx or []) if r["model"] in used]
+        idx_rchar = sum(r["io"].get("rchar", 0) for r in idx)
+        idx_wall = sum(r["wall_s"] for r in idx)
         lines += ["## Sweep economics", "",
                   f"{len(results['suite']['budgets'])} budget(s) ({', '.join(results['suite']['budgets'])}). mergepipe: one `mergepipe sweep` process "
                   "(index cached; plans and merges for every budget, plus the deviation table and plot). mergekit has "
@@ -279,7 +313,7 @@ def write_report(results: dict, out: Path) -> dict:
                                                                     f"index {(exp + idx_rchar) / total_exp:.2f}×",
                                                                     "met": exp <= 2 * total_exp}
         if idx:
-            lines.append(f"| + one-time index (all experts) | {len(idx)} | {idx_wall:.1f} | "
+            lines.append(f"| + one-time index (base and these {len(idx)} experts) | {len(idx)} | {idx_wall:.1f} | "
                          f"{sum(r['cpu_s'] for r in idx):.1f} | – | {idx_rchar / MiB:,.0f} | {idx_rchar / total_exp:.2f} |")
         n = len(results["suite"]["budgets"])
         if mk:

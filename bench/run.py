@@ -27,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -231,13 +232,42 @@ class Contender:
         return f"{self.tool}-{self.method}-k{self.k}" + (f"-{self.budget.replace('%', 'pct')}" if self.budget else "")
 
 
+def probe_limit(env: Env, k: int) -> dict | None:
+    """The device's cold sequential read bandwidth right now, on family files this run does
+    not read (the disk is shared and drifts: 0.18-2 GB/s within an hour here). One reader,
+    and two readers on two files, as the merge tools may read with more than one thread."""
+    _, experts = model_dirs(env, env.suite.family_k)
+    spare = [measure.model_files(e) for e in experts[k:] if len(measure.model_files(e)) == 1]
+    if not spare:
+        return None
+    one = measure.read_bandwidth(spare[0], cold=True)
+    two = None
+    if len(spare) >= 2:
+        files = [spare[0][0], spare[1][0]]
+        measure.evict(files)
+        results: list[dict] = []
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=lambda f=f: results.append(measure.read_bandwidth([f], cold=False)))
+                   for f in files]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = sum(r["bytes"] for r in results)
+        two = {"bytes": total, "seconds": time.perf_counter() - t0,
+               "gb_per_s": total / (time.perf_counter() - t0) / 1e9}
+    return {"one_reader_gb_per_s": one["gb_per_s"], "two_readers_gb_per_s": two["gb_per_s"] if two else None}
+
+
 def run_contender(env: Env, c: Contender, *, cache: str, section: str, round_: int) -> dict:
     out_dir = env.out / "runs" / c.slug
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.rmtree(env.cache / "merges", ignore_errors=True)  # else the store restores an earlier merge
     base_files, expert_files = files_of(env, c.k)
     model = base_files + expert_files
+    probe = None
     if cache == "cold":
+        probe = probe_limit(env, c.k)
         measure.evict(model)
         before = measure.resident_total(expert_files)
     else:
@@ -269,6 +299,8 @@ def run_contender(env: Env, c: Contender, *, cache: str, section: str, round_: i
            "expert_file_bytes": sum(p.stat().st_size for p in expert_files),
            "base_file_bytes": sum(p.stat().st_size for p in base_files)}
     rec.pop("argv")
+    if probe:
+        rec["limit_probe"] = probe
     if m.returncode != 0:
         env.say(f"  FAILED {c.name}: rc={m.returncode}: {m.stderr_tail[-500:]}")
     elif c.tool == "mergepipe":
