@@ -206,7 +206,9 @@ class MergeConfig(BaseModel):
     seed: Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)] = Field(
         0, description="seed for randomized methods (DARE)")
     budget: BudgetField = Field("full", validate_default=True,
-                                description="most expert bytes to read")
+                                description="most expert bytes to read: 'full', a "
+                                "percentage or fraction of what a full merge reads (the "
+                                "expert blocks that differ from the base), or a size")
     block_bytes: BlockBytes = Field(DEFAULT_BLOCK_BYTES, description="target block size")
     output: OutputConfig = Field(default_factory=OutputConfig)
     cache_dir: ConfigPath = Field(Path(DEFAULT_CACHE_DIR),

@@ -57,11 +57,9 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
         plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash, float(e.weight),
                                      e_norm.get("density"), e_norm.get("gamma")))
     budget = budget if budget is not None else cfg.budget
-    total = sum(t.nbytes for ck in experts.values() for t in ck.tensors.values())
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
-                     params=norm["parameters"], seed=norm["seed"], budget=str(budget),
-                     budget_bytes=budget.resolve(total), block_bytes=bb,
+                     params=norm["parameters"], seed=norm["seed"], budget=budget, block_bytes=bb,
                      output={"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]},
                      nonfinite=norm.get("nonfinite", "error"))
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas)

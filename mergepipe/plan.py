@@ -5,9 +5,11 @@ shape and budget problems before any weight is read. Greedy by score per byte,
 score = |lambda * w_k| * ||delta_kb||_2, ties broken by (tensor, row_start,
 expert content hash) so the plan depends neither on the order experts are listed
 in nor on thread count. Blocks identical to the base cost nothing and are never
-read. For additive methods the omitted mass, sqrt(sum_b (sum_{k omitted at b}
-|lambda w_k| ||delta_kb||)^2), is a certified bound on ||M_S - M||_F (blocks are
-disjoint, so they add in squares); for the others it is reported as a heuristic.
+read. A relative budget ("10%") is a share of the full-read bytes (every block
+that differs from the base), so 100% is the full merge. For additive methods the
+omitted mass, sqrt(sum_b (sum_{k omitted at b} |lambda w_k| ||delta_kb||)^2), is
+a certified bound on ||M_S - M||_F (blocks are disjoint, so they add in
+squares); for the others it is reported as a heuristic.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from mergepipe.errors import BudgetError, CheckpointError
 from mergepipe.index import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.safetensors_io import DTYPES, FLOAT_DTYPES
+from mergepipe.units import Budget, parse_budget
 
 PLAN_SCHEMA = 1
 
@@ -59,16 +62,23 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
 
 def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],
               expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
-              method: str, params: dict, seed: int, budget: str, budget_bytes: int,
+              method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
               block_bytes: int, output: dict, nonfinite: str = "error") -> dict:
     """Build the plan (a canonical, JSON-able dict with its own hash).
+
+    `budget` is resolved against the plan's own full-read bytes (every expert
+    block that differs from the base: what a full-budget merge reads), so "10%"
+    reads a tenth of a full merge; `budget_bytes`, if given, overrides that.
+    The plan records both the budget as written and the resolved bytes.
 
     Raises:
         BudgetError: budget_bytes < 0.
         CheckpointError: an expert delta has NaN/Inf and nonfinite == "error".
     """
     m = get_method(method)
-    if budget_bytes < 0:
+    if budget_bytes is None:
+        budget = parse_budget(budget)
+    elif budget_bytes < 0:
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
     eff = effective_weights(method, params, experts)
@@ -98,6 +108,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                 ratio = score / cost if cost else math.inf
                 items.append((-ratio, name, r0, e.content_hash, e.name, b, cost, score))
     items.sort(key=lambda it: it[:4])
+    full_read_bytes = sum(it[6] for it in items)
+    if budget_bytes is None:
+        budget_bytes = budget.resolve(full_read_bytes)
     reads: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
     planned = {e.name: 0 for e in experts}
     used = 0
@@ -122,7 +135,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         "method": method,
         "parameters": params,
         "seed": seed,
-        "budget": budget,
+        "budget": str(budget),
         "budget_bytes": budget_bytes,
         "block_bytes": block_bytes,
         "output": output,
@@ -132,6 +145,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         "reads": {name: dict(sorted(r.items())) for name, r in sorted(reads.items())},
         "bytes": {
             "total_expert_bytes": total_expert_bytes,
+            "full_read_expert_bytes": full_read_bytes,
             "planned_expert_bytes": used,
             "planned_by_expert": dict(sorted(planned.items())),
             "skipped_identical_by_expert": dict(sorted(skipped_identical.items())),

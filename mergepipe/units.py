@@ -109,10 +109,13 @@ def format_bytes(n: int) -> str:
 class Budget:
     """The most expert bytes a merge may read.
 
-    kind "full": every expert byte (resolves to the total); "fraction": a share
-    of the total, 0 < fraction < 1, kept exact as a Fraction; "bytes": an
-    absolute count > 0. A 100% fraction is stored as "full", so the canonical
-    form (`str`) is one per meaning.
+    Relative budgets are relative to what a full-budget merge reads: the expert
+    blocks that differ from the base (blocks identical to the base are never
+    read, so counting them would make "10%" read more than a tenth of a full
+    merge). kind "full": everything a full merge reads; "fraction": a share of
+    it, 0 < fraction < 1, kept exact as a Fraction; "bytes": an absolute count
+    > 0. A 100% fraction is stored as "full", so the canonical form (`str`) is
+    one per meaning.
     """
 
     kind: Literal["full", "fraction", "bytes"]
@@ -135,15 +138,18 @@ class Budget:
                             f"fraction={self.fraction}, budget_bytes={self.budget_bytes}); "
                             "build budgets with parse_budget()")
 
-    def resolve(self, total_expert_bytes: int) -> int:
-        """Budget in bytes for experts totalling `total_expert_bytes`."""
-        if total_expert_bytes < 0:
-            raise ValueError(f"total_expert_bytes must be >= 0, got {total_expert_bytes}")
+    def resolve(self, full_read_bytes: int) -> int:
+        """Budget in bytes, given the expert bytes a full-budget merge reads.
+
+        `full_read_bytes` is the plan's candidate bytes (expert blocks that differ
+        from the base), not the experts' file sizes; absolute budgets ignore it."""
+        if full_read_bytes < 0:
+            raise ValueError(f"full_read_bytes must be >= 0, got {full_read_bytes}")
         if self.kind == "full":
-            return total_expert_bytes
+            return full_read_bytes
         if self.kind == "fraction":
             assert self.fraction is not None
-            return math.floor(self.fraction * total_expert_bytes)
+            return math.floor(self.fraction * full_read_bytes)
         assert self.budget_bytes is not None
         return self.budget_bytes
 
@@ -171,7 +177,7 @@ def _fraction_budget(exact: Fraction, written: object) -> Budget:
     if exact <= 0:
         raise UnitError("budget", f"must be > 0, got {written!r}; {_BUDGET_HELP}")
     if exact > 1:
-        raise UnitError("budget", f"must not exceed 100% of the expert bytes, got {written!r}; "
+        raise UnitError("budget", f"must not exceed 100% (a full merge's reads), got {written!r}; "
                                   f"{_BUDGET_HELP}")
     if exact == 1:
         return Budget("full")
@@ -182,7 +188,8 @@ def parse_budget(value: Budget | str | int | float) -> Budget:
     """Parse a budget as written in params.yaml or on the command line.
 
     "full" (any case); "25%" or "12.5%"; a float or decimal string in (0, 1]
-    ("0.25", 0.25: a fraction of all expert bytes; 1.0 is "full"); an int, an
+    ("0.25", 0.25: a fraction of the expert bytes a full-budget merge reads,
+    i.e. of the blocks that differ from the base; 1.0 is "full"); an int, an
     integer string or a size with a unit ("2GiB", "500MB", 1234: bytes).
 
     Raises:

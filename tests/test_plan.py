@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from mergepipe.cli import main
 from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
 from mergepipe.plan import PlanInput, make_plan
+from mergepipe.units import parse_budget
 from tests.conftest import write_config
 from tests.test_pipeline import _load_model
 
@@ -58,6 +59,26 @@ def test_plan_is_budget_sound_and_order_independent(tensor_blocks, k, budget, se
     full = _plan(base_index, experts, idx, deltas, 10**9)
     nonzero = sum(1 for e in experts for t in deltas[e.name].tensors.values() for x in t.block_l2 if x > 0)
     assert full["bytes"]["planned_pairs"] == nonzero and full["bound"]["omitted_mass"] == 0.0
+
+
+@given(st.lists(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), min_size=1, max_size=4),
+       st.integers(1, 4), st.integers(0, 10), st.sampled_from(["1%", "10%", "12.5%", "50%", 0.3, "full"]))
+def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, seed, budget):
+    """'10%' means a tenth of what the full merge reads (blocks identical to the base excluded)."""
+    base_index, experts, idx, deltas = _synthetic(tensor_blocks, k, seed)
+    kw = dict(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
+              expert_indexes=idx, deltas=deltas, method="task_arithmetic", params={"lambda": 1.0}, seed=0,
+              block_bytes=64, output={"dtype": None, "shard_bytes": None})
+    full = make_plan(**kw, budget="full")
+    full_read = full["bytes"]["full_read_expert_bytes"]
+    assert full_read == full["bytes"]["planned_expert_bytes"] == full["budget_bytes"]
+    assert full_read == full["bytes"]["total_expert_bytes"] - sum(full["bytes"]["skipped_identical_by_expert"].values())
+    plan = make_plan(**kw, budget=budget)
+    share = parse_budget(budget)
+    assert plan["budget"] == str(share)
+    assert plan["budget_bytes"] == share.resolve(full_read)
+    assert plan["budget_bytes"] == (full_read if share.kind == "full" else int(share.fraction * full_read))
+    assert plan["bytes"]["planned_expert_bytes"] <= plan["budget_bytes"]
 
 
 def test_plan_hash_covers_budget_and_method():
