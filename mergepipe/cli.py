@@ -31,12 +31,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     store = Store(args.cache_dir)
     bb = parse_bytes(args.block_bytes, what="--block-bytes")
     t0 = time.monotonic()
-    ckpt, index = store.model_index(args.model, block_bytes=bb, threads=args.threads)
+    if args.base:
+        base, base_index = store.model_index(args.base, block_bytes=bb, threads=args.threads)
+        ckpt, index, delta = store.expert_index(args.model, base, base_index, threads=args.threads)
+    else:
+        ckpt, index = store.model_index(args.model, block_bytes=bb, threads=args.threads)
     out = {"model": str(args.model), "content_hash": index.content_hash, "block_bytes": bb,
            "tensors": len(index.tensors), "bytes": ckpt.total_bytes}
     if args.base:
-        base, base_index = store.model_index(args.base, block_bytes=bb, threads=args.threads)
-        delta = store.delta_index(base, base_index, ckpt, index, threads=args.threads)
         identical = sum((r[1] - r[0]) * ckpt.tensors[n].row_bytes()
                         for n, e in index.tensors.items() for r, same in zip(e.ranges, delta.tensors[n].identical)
                         if same)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from blake3 import blake3
 
+from mergepipe import index_kernels as kernels
 from mergepipe.blocks import block_ranges
 from mergepipe.errors import CheckpointError
 from mergepipe.methods import requested_ranks
@@ -188,9 +190,10 @@ class _DeltaTensorScan:
     """All three passes for one (expert, base, tensor)."""
 
     def __init__(self, base_r: CheckpointReader, exp_r: CheckpointReader, t: TensorInfo,
-                 ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...], cache_bytes: int) -> None:
+                 ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...] | None, cache_bytes: int) -> None:
         self.base_r, self.exp_r, self.t, self.ranges = base_r, exp_r, t, ranges
-        self.exp_hashes = exp_hashes
+        self.exp_hashes = exp_hashes  # None: hash the expert's blocks here (its ModelIndex is being built)
+        self.hashes: list[str] = []
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
@@ -229,7 +232,9 @@ class _DeltaTensorScan:
         sums = [0.0, 0.0, 0.0]  # sum W0^2, sum Wk^2, sum W0*Wk
         for i in range(n_blocks):
             base_buf, exp_buf = self._read(i)
-            if blake3(exp_buf).hexdigest() != self.exp_hashes[i]:
+            digest = blake3(exp_buf).hexdigest()
+            self.hashes.append(digest)
+            if self.exp_hashes is not None and digest != self.exp_hashes[i]:
                 raise CheckpointError(f"{t.file}: tensor {t.name!r} rows {self.ranges[i]} changed while indexing")
             if base_buf == exp_buf:
                 identical[i] = True
@@ -240,8 +245,9 @@ class _DeltaTensorScan:
                 continue
             bits = self._abs_bits(i, base_buf, exp_buf, sums)
             values = bits.view(np.float32)
-            block_hist = np.bincount(bits >> 16, minlength=HI_BINS)
-            bad = int(block_hist[NONFINITE_BIN:].sum())  # |x| >= inf in the bit order: Inf and NaN
+            finite_before = int(hist[NONFINITE_BIN:].sum())
+            block_nnz[i] = kernels.hist_high(bits, hist)
+            bad = int(hist[NONFINITE_BIN:].sum()) - finite_before  # |x| >= inf in the bit order: Inf and NaN
             nonfinite += bad
             # norms of the finite part (NaN/Inf are counted in `nonfinite`), so that a plan made
             # with `nonfinite: allow` stays finite JSON; fp64 where fp32 squares overflow
@@ -252,38 +258,30 @@ class _DeltaTensorScan:
                 sq = float(np.dot(fin.astype(np.float64), fin.astype(np.float64)))
             block_l2[i] = math.sqrt(sq)
             block_max[i] = float(values.max()) if values.size else 0.0
-            block_nnz[i] = int(np.count_nonzero(bits))
             l1 += float(fin.sum())
             l2sq += block_l2[i] ** 2
-            hist += block_hist
             self.cache.append(bits if self.keep else None)
         self.identical = identical
 
         ranks = [0, *requested_ranks(t.numel)]
+        wanted = np.array(ranks[1:], dtype=np.int64)
         cum_desc = np.cumsum(hist[::-1])
-        targets = {}  # rank -> (bin, count above bin)
-        for r in ranks:
-            if r == 0:
-                continue
-            j = int(np.searchsorted(cum_desc, r))
-            b = HI_BINS - 1 - j
-            targets[r] = (b, int(cum_desc[j] - hist[b]))
-        exact = self._exact_values(sorted({b for b, _ in targets.values()}), identical, block_n)
-        values, count_gt, count_eq = [], [], []
-        for r in ranks:
-            if r == 0:
-                values.append(math.inf), count_gt.append(0), count_eq.append(0)
-                continue
-            b, above = targets[r]
-            lows, counts = exact[b]  # ascending low-16 values within bin b and their counts
-            desc = np.cumsum(counts[::-1])
-            k = int(np.searchsorted(desc, r - above))
-            pos = len(lows) - 1 - k
-            v_bits = (b << 16) | int(lows[pos])
-            eq = int(counts[pos])
-            values.append(float(np.array([v_bits], dtype=np.int32).view(np.float32)[0]))
-            count_gt.append(above + int(desc[k]) - eq)
-            count_eq.append(eq)
+        target_bins = np.unique(HI_BINS - 1 - np.searchsorted(cum_desc, wanted))
+        keys, counts = self._exact_values(target_bins, identical, block_n)
+        # walk the present values from the largest down: elements above each one, and
+        # above-or-equal, both increasing, so a rank's value is one searchsorted away
+        keys, counts = keys[::-1], counts[::-1]
+        slot = keys >> 16
+        above_bin = t.numel - np.cumsum(hist)[target_bins]  # elements in higher bins
+        run_total = np.cumsum(counts)
+        slot_start = np.searchsorted(-slot, -np.arange(len(target_bins)), side="left")
+        before_in_bin = run_total - counts - np.concatenate([[0], run_total])[slot_start[slot]]
+        gt = above_bin[slot] + before_in_bin
+        at = np.searchsorted(gt + counts, wanted, side="left")
+        v_bits = ((target_bins[slot[at]] << 16) | (keys[at] & 0xFFFF)).astype(np.int32)
+        values = [math.inf, *v_bits.view(np.float32).tolist()]
+        count_gt = [0, *gt[at].tolist()]
+        count_eq = [0, *counts[at].tolist()]
         split = {j: np.array([values[j]], dtype=np.float32).view(np.int32)[0]
                  for j, r in enumerate(ranks) if r > 0 and 0 < r - count_gt[j] < count_eq[j]}
         block_eq = self._block_eq(split, identical, block_n) if split else {}
@@ -291,83 +289,131 @@ class _DeltaTensorScan:
                            tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values), tuple(count_gt),
                            tuple(count_eq), block_eq, *sums)
 
-    def _keys(self, bits: np.ndarray, slot_of_bin: np.ndarray) -> np.ndarray:
-        """slot * 65536 + low 16 bits, for the elements whose upper 16 bits are in a slotted bin."""
-        slot = slot_of_bin[bits >> 16]
-        keep = slot >= 0
-        return slot[keep] * 65536 + (bits[keep] & 0xFFFF)
-
-    def _exact_values(self, bins: list[int], identical: list[bool], block_n: list[int]) -> dict:
-        """For each target bin, the low-16 patterns present (ascending) and their counts."""
-        slot_of_bin = np.full(HI_BINS, -1, dtype=np.int32)
-        slot_of_bin[bins] = np.arange(len(bins), dtype=np.int32)
-        size = len(bins) * 65536
-        acc = np.zeros(size, dtype=np.int64)
-        pending: list[np.ndarray] = []
-        n_pending = 0
+    def _exact_values(self, bins: np.ndarray, identical: list[bool], block_n: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Every |delta| pattern present in the target bins, as ascending keys (slot << 16 | low 16
+        bits, slot = position in `bins`), and how many elements have it."""
+        m = len(bins)
+        slot_of_bin = np.full(HI_BINS, m, dtype=np.int64)  # slot m: every other bin, ignored
+        slot_of_bin[bins] = np.arange(m)
+        table = _count_table((m + 1) << 16, self.t.numel)
+        occupied = np.empty(min(self.t.numel, (m + 1) << 16) + 1, dtype=np.int64)
+        n = 0
         for _, bits in self._nonidentical():
-            pending.append(self._keys(bits, slot_of_bin))
-            n_pending += len(pending[-1])
-            if n_pending > (16 << 20):  # bound memory on huge tensors
-                acc += np.bincount(np.concatenate(pending), minlength=size)
-                pending, n_pending = [], 0
-        if pending:
-            acc += np.bincount(np.concatenate(pending), minlength=size)
+            n = kernels.count_low(bits, slot_of_bin, table, occupied, n)
+        counts = table[occupied[:n]].astype(np.int64)
+        table[occupied[:n]] = 0  # the table is reused by this thread's next tensor
+        low, slot = np.divmod(occupied[:n], m + 1)
+        keys = (slot << 16) | low
+        order = np.argsort(keys)
+        keys, counts = keys[order], counts[order]
+        keep = keys < (m << 16)  # drop slot m
+        keys, counts = keys[keep], counts[keep]
         zeros_from_identical = sum(n for n, same in zip(block_n, identical) if same)
-        if zeros_from_identical and bins and bins[0] == 0:
-            acc[0] += zeros_from_identical  # identical blocks hold exact zeros: bin 0, low 0
-        acc = acc.reshape(len(bins), 65536)
-        out = {}
-        for k, b in enumerate(bins):
-            lows = np.flatnonzero(acc[k])
-            out[b] = (lows, acc[k, lows])
-        return out
+        if zeros_from_identical and m and bins[0] == 0:
+            # identical blocks hold exact zeros: bin 0, low 0 (the first key when present)
+            if len(keys) and keys[0] == 0:
+                counts[0] += zeros_from_identical
+            else:
+                keys, counts = np.insert(keys, 0, 0), np.insert(counts, 0, zeros_from_identical)
+        return keys, counts
 
     def _block_eq(self, split: dict[int, np.int32], identical: list[bool], block_n: list[int]) -> dict:
-        """Per block, how many elements equal each split value (a table lookup per element)."""
+        """Per block, how many elements equal each split value."""
         positions = list(split)
         wanted = np.unique(np.array([split[j] for j in positions], dtype=np.int32))
-        bins = np.unique(wanted >> 16)
-        slot_of_bin = np.full(HI_BINS, -1, dtype=np.int32)
-        slot_of_bin[bins] = np.arange(len(bins), dtype=np.int32)
-        lut = np.full(len(bins) * 65536, -1, dtype=np.int32)
-        lut[self._keys(wanted, slot_of_bin)] = np.arange(len(wanted), dtype=np.int32)
-        counts = np.zeros((len(self.ranges), len(wanted)), dtype=np.int64)
+        counts = np.zeros((len(self.ranges), len(wanted) + 1), dtype=np.int64)
+        # one kernel call per layer of values that share an upper-16 bin (almost always one layer)
+        layers: list[list[int]] = []
+        for k, v in enumerate(wanted):
+            layer = next((la for la in layers if all(wanted[x] >> 16 != v >> 16 for x in la)), None)
+            if layer is None:
+                layers.append(layer := [])
+            layer.append(k)
+        tables = []
+        for layer in layers:
+            index_of_bin = np.full(HI_BINS, len(wanted), dtype=np.int64)
+            index_of_bin[wanted[layer] >> 16] = layer
+            tables.append(index_of_bin)
+        probe = np.append(wanted, np.int32(-1))  # the ignored counter's value never matches |delta|
         for i in range(len(self.ranges)):
             if identical[i]:
                 if wanted[0] == 0:
                     counts[i, 0] = block_n[i]
                 continue
-            which = lut[self._keys(self._bits(i), slot_of_bin)]
-            counts[i] = np.bincount(which[which >= 0], minlength=len(wanted))
+            bits = self._bits(i)
+            for index_of_bin in tables:
+                kernels.count_equal(bits, index_of_bin, probe, counts[i])
         slot = {int(v): k for k, v in enumerate(wanted)}
-        return {j: tuple(int(c) for c in counts[:, slot[int(split[j])]]) for j in positions}
+        return {j: tuple(counts[:, slot[int(split[j])]].tolist()) for j in positions}
+
+
+_tables = threading.local()
+
+
+def _count_table(size: int, numel: int) -> np.ndarray:
+    """This thread's zeroed flat count table of at least `size` entries (pages touched on use)."""
+    dtype = np.int32 if numel < (1 << 31) else np.int64
+    table = getattr(_tables, "table", None)
+    if table is None or table.size < size or table.dtype != dtype:
+        table = _tables.table = np.zeros(size, dtype=dtype)
+    return table
 
 
 def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, expert_index: ModelIndex,
                       *, threads: int = 2, cache_bytes: int = 256 << 20,
                       counter: ReadCounter | None = None) -> DeltaIndex:
-    """Delta statistics of `expert` against `base` (reads both once, big tensors more)."""
+    """Delta statistics of `expert` against `base` (reads both once, big tensors more);
+    every expert block read is checked against `expert_index`."""
+    ranges = {name: e.ranges for name, e in expert_index.tensors.items()}
+    _, delta = _scan(base, expert, base_index, ranges, expert_index.block_bytes, threads, cache_bytes, counter,
+                     {name: e.hashes for name, e in expert_index.tensors.items()})
+    return DeltaIndex(expert_index.content_hash, base_index.content_hash, expert_index.block_bytes, delta)
+
+
+def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, *, block_bytes: int,
+                       threads: int = 2, cache_bytes: int = 256 << 20,
+                       counter: ReadCounter | None = None) -> tuple[ModelIndex, DeltaIndex]:
+    """The expert's ModelIndex and its DeltaIndex against `base` in one scan: the block
+    hashes come from the same reads as the statistics (one read of the expert, not two)."""
+    ranges = {name: tuple(_blocks(t, block_bytes)) for name, t in expert.tensors.items()}
+    hashes, delta = _scan(base, expert, base_index, ranges, block_bytes, threads, cache_bytes, counter, None)
+    tensors = {name: TensorEntry(name, t.dtype, t.shape, ranges[name], hashes[name])
+               for name, t in expert.tensors.items()}
+    index = ModelIndex(content_hash(tensors), block_bytes, tensors)
+    return index, DeltaIndex(index.content_hash, base_index.content_hash, block_bytes, delta)
+
+
+def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: dict, block_bytes: int,
+          threads: int, cache_bytes: int, counter: ReadCounter | None,
+          expected: dict[str, tuple[str, ...]] | None) -> tuple[dict, dict[str, TensorDelta]]:
+    """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
     check_compatible(base, expert)
-    bb = expert_index.block_bytes
+    if base_index.block_bytes != block_bytes:
+        raise ValueError(f"base index has block_bytes {base_index.block_bytes}, expert {block_bytes}")
     with CheckpointReader(base, counter=counter, random_access=False) as base_r, \
             CheckpointReader(expert, counter=counter, random_access=False) as exp_r:
-        def scan(name: str) -> TensorDelta:
+        def scan(name: str) -> tuple[tuple[str, ...], TensorDelta]:
             t = expert.tensors[name]
-            entry = expert_index.tensors[name]
             if t.dtype not in FLOAT_DTYPES:
                 # integer buffers (position ids) are copied from the base, never merged
-                n = len(entry.ranges)
-                same = base_index.tensors[name].hashes == entry.hashes
-                return TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
-                                   (True,) * n if same else (False,) * n, (), (), (), (), {})
-            return _DeltaTensorScan(base_r, exp_r, t, list(entry.ranges), entry.hashes, cache_bytes).run()
+                hashes = expected[name] if expected else _hash_tensor(exp_r, t, block_bytes).hashes
+                n = len(ranges[name])
+                same = base_index.tensors[name].hashes == hashes
+                return hashes, TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
+                                           (True,) * n if same else (False,) * n, (), (), (), (), {})
+            scan = _DeltaTensorScan(base_r, exp_r, t, list(ranges[name]), expected[name] if expected else None,
+                                    cache_bytes)
+            delta = scan.run()
+            return tuple(scan.hashes), delta
         # Parallel across tensors; torch's own intra-op threads would only oversubscribe the cores.
         saved = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
+            # largest first, so that the big embedding does not start last and run alone
+            order = sorted(base.tensors, key=lambda n: -base.tensors[n].numel)
             with ThreadPoolExecutor(max(1, threads)) as pool:
-                results = list(pool.map(scan, base.tensors))
+                done = dict(zip(order, pool.map(scan, order)))
         finally:
             torch.set_num_threads(saved)
-    return DeltaIndex(expert_index.content_hash, base_index.content_hash, bb, {r.name: r for r in results})
+    return ({name: done[name][0] for name in base.tensors},
+            {name: done[name][1] for name in base.tensors})

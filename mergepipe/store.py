@@ -18,7 +18,8 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe.errors import OutputError
-from mergepipe.index import DeltaIndex, ModelIndex, build_delta_index, build_model_index
+from mergepipe.index import (DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index,
+                             check_compatible)
 from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
 
 
@@ -87,37 +88,63 @@ class Store:
         key = blake3(json.dumps([sorted(fingerprints.items()), block_bytes]).encode()).hexdigest()[:40]
         return self.root / "models" / f"{key}.json.gz"
 
-    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2) -> tuple[Checkpoint, ModelIndex]:
-        """Open a checkpoint and return its index, from the cache when every file is unchanged."""
-        ckpt = open_checkpoint(path)
+    def _cached_model(self, ckpt: Checkpoint, block_bytes: int) -> ModelIndex | None:
         fingerprints = {}
         for h in ckpt.files:
             try:
                 cached = json.loads(self._stat_path(h.path, block_bytes).read_text())
             except (OSError, ValueError):
-                break
+                return None
             if cached.get("stat") != self._stat(h.path):
-                break
+                return None
             fingerprints[h.path.name] = cached["fingerprint"]
-        else:
-            d = _read_gz_json(self._model_key(fingerprints, block_bytes))
-            if d is not None:
-                self.hits += 1
-                return ckpt, ModelIndex.from_json(d)
-        index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads)
-        self.builds += 1
+        d = _read_gz_json(self._model_key(fingerprints, block_bytes))
+        if d is None:
+            return None
+        self.hits += 1
+        return ModelIndex.from_json(d)
+
+    def _save_model(self, ckpt: Checkpoint, index: ModelIndex) -> None:
         fingerprints = file_fingerprints(ckpt, index)
-        _write_gz_json(self._model_key(fingerprints, block_bytes), index.to_json())
+        _write_gz_json(self._model_key(fingerprints, index.block_bytes), index.to_json())
         for h in ckpt.files:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
-            _atomic_write(self._stat_path(h.path, block_bytes), json.dumps(entry, sort_keys=True).encode())
+            _atomic_write(self._stat_path(h.path, index.block_bytes), json.dumps(entry, sort_keys=True).encode())
+
+    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2) -> tuple[Checkpoint, ModelIndex]:
+        """Open a checkpoint and return its index, from the cache when every file is unchanged."""
+        ckpt = open_checkpoint(path)
+        index = self._cached_model(ckpt, block_bytes)
+        if index is None:
+            index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads)
+            self.builds += 1
+            self._save_model(ckpt, index)
         return ckpt, index
+
+    def expert_index(self, path: str | Path, base: Checkpoint, base_index: ModelIndex, *,
+                     threads: int = 2) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
+        """An expert's ModelIndex and DeltaIndex against `base`, from the cache where possible;
+        when neither is cached, both come from one scan (the expert is read once)."""
+        ckpt = open_checkpoint(path)
+        index = self._cached_model(ckpt, base_index.block_bytes)
+        if index is not None:
+            return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads)
+        check_compatible(base, ckpt)
+        index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
+                                          threads=threads, counter=self.index_reads)
+        self.builds += 1
+        self._save_model(ckpt, index)
+        _write_gz_json(self._delta_path(index, base_index), delta.to_json())
+        return ckpt, index, delta
+
+    def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
+        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}"
+                f"-v{DELTA_FORMAT}.json.gz")
+        return self.root / "deltas" / name
 
     def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
                     *, threads: int = 2) -> DeltaIndex:
-        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}"
-                f"-v{DELTA_FORMAT}.json.gz")
-        path = self.root / "deltas" / name
+        path = self._delta_path(expert_index, base_index)
         d = _read_gz_json(path)
         if d is not None:
             self.hits += 1
