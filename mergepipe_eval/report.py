@@ -15,10 +15,13 @@ BUDGET_ORDER = {"b05": 0, "b10": 1, "b25": 2, "b50": 3, "full": 4}
 TARGETS = {"b25": 1.0, "b50": 0.3}  # largest allowed loss of mean accuracy vs full, points
 
 
-def _load(results_dir: Path) -> tuple[list[dict], dict[str, dict]]:
+def _load(results_dir: Path, seeds: list[int] | None = None,
+          ) -> tuple[list[dict], dict[str, dict]]:
     rows = []
     for path in sorted(results_dir.glob("*/s*/scores/**/*.json")):
-        rows.append(json.loads(path.read_text()))
+        row = json.loads(path.read_text())
+        if seeds is None or row["seed"] in seeds:
+            rows.append(row)
     probes = {p.stem: json.loads(p.read_text()) for p in sorted((results_dir / "probes").glob("*.json"))}
     return rows, probes
 
@@ -55,7 +58,16 @@ def _avg(rows: list[dict]) -> dict:
 
 
 def _group(tensor: str) -> str:
-    """Coarse part of a BERT encoder a tensor belongs to."""
+    """Coarse part of a BERT encoder or a Llama decoder (5 layers per group) a tensor belongs to."""
+    if tensor.startswith("model.embed_tokens"):
+        return "embeddings (tied with lm_head)"
+    if tensor.startswith("model.layers."):
+        first = int(tensor.split(".")[2]) // 5 * 5
+        part = ("attention" if ".self_attn." in tensor else "MLP" if ".mlp." in tensor
+                else "norms")
+        return f"layers {first}-{first + 4} {part}"
+    if tensor.startswith("model.norm"):
+        return "layers 25-29 norms"
     if tensor.startswith("embeddings.word_embeddings"):
         return "word embeddings"
     if tensor.startswith("embeddings."):
@@ -108,8 +120,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def summarize(results_dir: Path) -> dict:
-    rows, probes = _load(results_dir)
+def summarize(results_dir: Path, *, seeds: list[int] | None = None) -> dict:
+    rows, probes = _load(results_dir, seeds)
     by_key: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         key = (r["recipe"], r["kind"], r.get("expert") or r.get("merge") or "", r.get("budget_tag", ""))
@@ -192,7 +204,8 @@ def _targets(fam: dict) -> list[str]:
     return lines
 
 
-def _plot(summary: dict, path: Path) -> None:
+def _plot(summary: dict, path: Path, *, model: str = "MiniLM",
+          base_label: str = "base (expert heads)") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,13 +219,13 @@ def _plot(summary: dict, path: Path) -> None:
             es = [100 * budgets[t]["se"] for t in tags]
             style = "--" if "tensor" in name else "-"
             ax.errorbar(xs, ys, yerr=es, marker="o", ls=style, capsize=2, label=name)
-        ax.axhline(100 * fam["base_mean"], color="gray", ls=":", label="base (expert heads)")
+        ax.axhline(100 * fam["base_mean"], color="gray", ls=":", label=base_label)
         if fam["experts"]:
             ax.axhline(100 * fam["best_single_expert"]["mean_accuracy"], color="black", ls="-.",
                        label=f"best single expert ({fam['best_single_expert']['expert']})")
             ax.axhline(100 * fam["own_expert_mean"], color="green", ls=":",
                        label="each expert on its own task")
-        ax.set_title(f"MiniLM, recipe '{recipe}': mean accuracy over {len(fam['tasks'])} tasks")
+        ax.set_title(f"{model}, recipe '{recipe}': mean accuracy over {len(fam['tasks'])} tasks")
         ax.set_xlabel("expert bytes read (MiB)")
         ax.set_ylabel("mean accuracy (%)")
         ax.grid(alpha=0.3)
@@ -220,6 +233,32 @@ def _plot(summary: dict, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def _merge_table(fam: dict) -> list[str]:
+    tasks = fam["tasks"]
+    out = ["Merges (accuracy %; ± is the standard error of the mean; Δ full is the "
+           "change of mean accuracy against the same method's full read, in points; "
+           "bound: certified relative bound for task arithmetic, heuristic omitted mass "
+           "for TIES/DARE; deviation: realized ‖θ_B − θ_full‖ / ‖θ_full − θ_0‖):", "",
+           "| merge | budget | expert MiB read | " + " | ".join(tasks)
+           + " | mean ± se | Δ full | bound (rel) | deviation (rel) |",
+           "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|"]
+    for name, budgets in sorted(fam["merges"].items()):
+        for tag in sorted(budgets, key=BUDGET_ORDER.get):
+            m = budgets[tag]
+            read = m["expert_bytes_read"] / MiB
+            share = m["expert_bytes_read"] / m["total_expert_bytes"]
+            bound = m["bound_relative"]
+            kind = "" if m["bound_kind"] == "certified" else " (h)"
+            out.append(
+                f"| {name} | {m['budget']} | {read:.1f} ({100 * share:.0f}%) | "
+                + " | ".join(_pct(m["accuracy"][t]) for t in tasks)
+                + f" | {_pct(m['mean_accuracy'])} ± {_pct(m['se'])} | "
+                f"{_delta(m['delta_vs_full_points'])} | "
+                f"{'–' if bound is None else f'{bound:.3f}{kind}'} | "
+                f"{m['realized_relative_deviation']:.3f} |")
+    return out
 
 
 def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
@@ -251,27 +290,7 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
             out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
         for name, acc in sorted(fam["experts"].items()):
             out.append(ref(f"expert {name} on all tasks", acc))
-        out += ["", "Merges (accuracy %; ± is the standard error of the mean; Δ full is the "
-                "change of mean accuracy against the same method's full read, in points; "
-                "bound: certified relative bound for task arithmetic, heuristic omitted mass "
-                "for TIES/DARE; deviation: realized ‖θ_B − θ_full‖ / ‖θ_full − θ_0‖):", "",
-                "| merge | budget | expert MiB read | " + " | ".join(tasks)
-                + " | mean ± se | Δ full | bound (rel) | deviation (rel) |",
-                "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|"]
-        for name, budgets in sorted(fam["merges"].items()):
-            for tag in sorted(budgets, key=BUDGET_ORDER.get):
-                m = budgets[tag]
-                read = m["expert_bytes_read"] / MiB
-                share = m["expert_bytes_read"] / m["total_expert_bytes"]
-                bound = m["bound_relative"]
-                kind = "" if m["bound_kind"] == "certified" else " (h)"
-                out.append(
-                    f"| {name} | {m['budget']} | {read:.1f} ({100 * share:.0f}%) | "
-                    + " | ".join(_pct(m["accuracy"][t]) for t in tasks)
-                    + f" | {_pct(m['mean_accuracy'])} ± {_pct(m['se'])} | "
-                    f"{_delta(m['delta_vs_full_points'])} | "
-                    f"{'–' if bound is None else f'{bound:.3f}{kind}'} | "
-                    f"{m['realized_relative_deviation']:.3f} |")
+        out += ["", *_merge_table(fam)]
         out += ["", "Targets (mean accuracy against the full read, points):", "",
                 "| merge | budget | Δ full | target | |", "|---|---|---|---|---|", *_targets(fam)]
         full = {n: b["full"]["mean_accuracy"] for n, b in fam["merges"].items() if "full" in b}
@@ -290,13 +309,110 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
     return "\n".join(out)
 
 
+def render_smollm(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
+    """The SmolLM2 section: references without heads or probes (the LM answers by itself)."""
+    out = ["# SmolLM2-135M-Instruct: generative classification", ""]
+    if notes:
+        out += [notes.strip(), ""]
+    for recipe, fam in sorted(summary["families"].items()):
+        tasks = fam["tasks"]
+        out += [f"## SmolLM2 family `{recipe}`", "",
+                "References (accuracy %, test examples per task: "
+                + ", ".join(f"{t} {fam['n_test'][t]}" for t in tasks) + "; chance: "
+                "noun_cat 16.7, pos 25, topic 25):", "",
+                "| reference | " + " | ".join(tasks) + " | mean |",
+                "|---|" + "---|" * (len(tasks) + 1)]
+
+        def ref(label, acc):
+            vals = [acc.get(t) for t in tasks]
+            mean = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
+            return f"| {label} | " + " | ".join("–" if v is None else _pct(v) for v in vals) \
+                + f" | {_pct(mean)} |"
+
+        out.append(ref("base (zero-shot)", fam["base"]))
+        out.append(ref("each expert on its own task", fam["own_expert"]))
+        b = fam["best_single_expert"]
+        if fam["experts"]:
+            out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
+        for name, acc in sorted(fam["experts"].items()):
+            out.append(ref(f"expert {name} on all tasks", acc))
+        out += ["", *_merge_table(fam)]
+        out += ["", "Against the full read, with the MiniLM targets for reference "
+                "(mean accuracy, points):", "",
+                "| merge | budget | Δ full | target | |", "|---|---|---|---|---|", *_targets(fam)]
+        full = {n: b["full"]["mean_accuracy"] for n, b in fam["merges"].items() if "full" in b}
+        if "ties" in full:
+            ta = {n: v for n, v in full.items() if n.startswith("ta_")}
+            if ta:
+                best_ta = max(ta.items(), key=lambda kv: kv[1])
+                diff = 100 * (full["ties"] - best_ta[1])
+                out += ["", f"TIES at full budget: {_pct(full['ties'])} vs best task arithmetic "
+                        f"({best_ta[0]}) {_pct(best_ta[1])}: {diff:+.2f} points."]
+        out.append("")
+        out += _skip_table(fam, "ta_l0.5")
+    if plot_name:
+        out += [f"![SmolLM2: mean accuracy against expert bytes read]({plot_name})", ""]
+    return "\n".join(out)
+
+
+def seed_check(results_dir: Path, *, recipe: str, seeds: list[int]) -> list[str]:
+    """Per-seed Δ full (points) for every merge/budget scored under more than the main seeds."""
+    rows, _ = _load(results_dir)
+    by: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r["recipe"] == recipe and r["kind"] == "merge":
+            by[(r["merge"], r["budget_tag"])][r["seed"]] = r["mean_accuracy"]
+    extra = sorted({sd for v in by.values() for sd in v} - set(seeds))
+    if not extra:
+        return []
+    all_seeds = sorted(set(seeds) | set(extra))
+    out = [f"### Second fine-tuning seed, family `{recipe}`", "",
+           "Δ full (points) of each seed's merge against the same seed's full read; the main "
+           "tables above use seed " + ", ".join(map(str, seeds)) + " only.", "",
+           "| merge | budget | " + " | ".join(f"seed {sd}: mean, Δ full" for sd in all_seeds)
+           + " | mean Δ full over seeds |", "|---|---|" + "---|" * (len(all_seeds) + 1)]
+    for (name, tag), per_seed in sorted(by.items(), key=lambda kv: (kv[0][0], BUDGET_ORDER[kv[0][1]])):
+        if tag == "full" or not set(extra) & set(per_seed):
+            continue
+        cells, deltas = [], []
+        for sd in all_seeds:
+            full = by.get((name, "full"), {}).get(sd)
+            if sd in per_seed and full is not None:
+                d = 100 * (per_seed[sd] - full)
+                deltas.append(d)
+                cells.append(f"{_pct(per_seed[sd])}, {d:+.2f}")
+            else:
+                cells.append("–")
+        mean = f"{sum(deltas) / len(deltas):+.2f}" if len(deltas) == len(all_seeds) else "–"
+        out.append(f"| {name} | {tag} | " + " | ".join(cells) + f" | {mean} |")
+    return out + [""]
+
+
 def write_report(results_dir: Path, markdown: Path, plot: Path, summary_path: Path, *,
-                 notes: Path | None = None) -> None:
-    summary = summarize(results_dir)
+                 notes: Path | None = None, seeds: list[int] | None = None,
+                 seed_check_recipe: str | None = None,
+                 smollm: tuple[Path, Path, Path, Path | None] | None = None) -> None:
+    """EVAL.md from the MiniLM results (and, when given, the SmolLM2 section after it).
+
+    smollm: (results_dir, plot, summary_path, notes) of the SmolLM2 family.
+    """
+    import os
+    summary = summarize(results_dir, seeds=seeds)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     _plot(summary, plot)
-    import os
     rel_plot = os.path.relpath(plot, markdown.parent)
     text = render(summary, notes=notes.read_text() if notes else "", plot_name=rel_plot)
+    if seed_check_recipe and seeds is not None:
+        check = seed_check(results_dir, recipe=seed_check_recipe, seeds=seeds)
+        if check:
+            text = text.rstrip("\n") + "\n\n" + "\n".join(check)
+    if smollm is not None:
+        sm_dir, sm_plot, sm_summary_path, sm_notes = smollm
+        sm_summary = summarize(sm_dir)
+        sm_summary_path.write_text(json.dumps(sm_summary, indent=1, sort_keys=True) + "\n")
+        _plot(sm_summary, sm_plot, model="SmolLM2-135M-Instruct", base_label="base (zero-shot)")
+        text = text.rstrip("\n") + "\n\n" + render_smollm(
+            sm_summary, notes=sm_notes.read_text() if sm_notes else "",
+            plot_name=os.path.relpath(sm_plot, markdown.parent))
     markdown.write_text(text)

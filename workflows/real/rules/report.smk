@@ -1,13 +1,22 @@
 rule report:
     input:
         scores=all_scores(),
+        smollm_scores=sm_all_scores(),
         notes="workflows/real/eval_notes.md",
+        smollm_notes="workflows/real/smollm_notes.md",
     output:
         markdown="EVAL.md",
         plot="workflows/real/minilm_accuracy.png",
         summary="workflows/real/results/minilm.json",
+        smollm_plot="workflows/real/smollm_accuracy.png",
+        smollm_summary="workflows/real/results/smollm.json",
+    params:
+        seeds=",".join(str(s) for s in SEEDS),
     log:
         LOGS + "/report.log",
     shell:
         "{PY} -m mergepipe_eval report --results-dir {W}/minilm --notes {input.notes}"
-        " --markdown {output.markdown} --plot {output.plot} --summary {output.summary} > {log} 2>&1"
+        " --seeds {params.seeds} --seed-check probe"
+        " --markdown {output.markdown} --plot {output.plot} --summary {output.summary}"
+        " --smollm-results-dir {W}/smollm --smollm-notes {input.smollm_notes}"
+        " --smollm-plot {output.smollm_plot} --smollm-summary {output.smollm_summary} > {log} 2>&1"
