@@ -282,8 +282,8 @@ class _DeltaTensorScan:
         values = [math.inf, *v_bits.view(np.float32).tolist()]
         count_gt = [0, *gt[at].tolist()]
         count_eq = [0, *counts[at].tolist()]
-        split = {j: np.array([values[j]], dtype=np.float32).view(np.int32)[0]
-                 for j, r in enumerate(ranks) if r > 0 and 0 < r - count_gt[j] < count_eq[j]}
+        splits = np.flatnonzero((gt[at] < wanted) & (wanted < gt[at] + counts[at]))  # cut inside a run of ties
+        split = {int(j) + 1: v_bits[j] for j in splits}
         block_eq = self._block_eq(split, identical, block_n) if split else {}
         return TensorDelta(t.name, t.numel, l1, math.sqrt(l2sq), nonfinite, tuple(block_l2), tuple(block_max),
                            tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values), tuple(count_gt),
@@ -291,23 +291,47 @@ class _DeltaTensorScan:
 
     def _exact_values(self, bins: np.ndarray, identical: list[bool], block_n: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Every |delta| pattern present in the target bins, as ascending keys (slot << 16 | low 16
-        bits, slot = position in `bins`), and how many elements have it."""
+        bits, slot = position in `bins`), and how many elements have it.
+
+        Counted block by block into a sparse table, which also leaves each block's own
+        counts of those patterns (few: bf16 deltas repeat) in `self.block_counts`, so
+        that split cuts need no third pass; past BLOCK_COUNTS_CAP entries it gives up on
+        that (fp32 deltas are mostly distinct) and _block_eq scans again."""
         m = len(bins)
+        stride = m + 1
         slot_of_bin = np.full(HI_BINS, m, dtype=np.int64)  # slot m: every other bin, ignored
         slot_of_bin[bins] = np.arange(m)
-        table = _count_table((m + 1) << 16, self.t.numel)
-        occupied = np.empty(min(self.t.numel, (m + 1) << 16) + 1, dtype=np.int64)
-        n = 0
-        for _, bits in self._nonidentical():
-            n = kernels.count_low(bits, slot_of_bin, table, occupied, n)
-        counts = table[occupied[:n]].astype(np.int64)
-        table[occupied[:n]] = 0  # the table is reused by this thread's next tensor
-        low, slot = np.divmod(occupied[:n], m + 1)
+        table = _count_table("block", stride << 16, self.t.numel)
+        total = _count_table("tensor", stride << 16, self.t.numel)
+        occupied = np.empty(min(max(block_n), stride << 16) + 1, dtype=np.int64)
+        seen: list[np.ndarray] = []
+        self.block_counts: dict[int, tuple[np.ndarray, np.ndarray]] | None = {}
+        recorded = 0
+        for i, bits in self._nonidentical():
+            n = kernels.count_low(bits, slot_of_bin, table, occupied, 0)
+            j = occupied[:n].copy()
+            c = table[j].astype(np.int64)
+            table[j] = 0
+            before = total[j]
+            seen.append(j[before == 0])
+            total[j] = before + c
+            if self.block_counts is not None:
+                mine = j % stride != m
+                order = np.argsort(j[mine])
+                self.block_counts[i] = (j[mine][order], c[mine][order])
+                recorded += len(order)
+                if recorded > BLOCK_COUNTS_CAP:
+                    self.block_counts = None
+        occ = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+        counts = total[occ].astype(np.int64)
+        total[occ] = 0  # the tables are reused by this thread's next tensor
+        low, slot = np.divmod(occ, stride)
         keys = (slot << 16) | low
         order = np.argsort(keys)
         keys, counts = keys[order], counts[order]
         keep = keys < (m << 16)  # drop slot m
         keys, counts = keys[keep], counts[keep]
+        self.slot_of_bin = slot_of_bin
         zeros_from_identical = sum(n for n, same in zip(block_n, identical) if same)
         if zeros_from_identical and m and bins[0] == 0:
             # identical blocks hold exact zeros: bin 0, low 0 (the first key when present)
@@ -322,6 +346,24 @@ class _DeltaTensorScan:
         positions = list(split)
         wanted = np.unique(np.array([split[j] for j in positions], dtype=np.int32))
         counts = np.zeros((len(self.ranges), len(wanted) + 1), dtype=np.int64)
+        for i in range(len(self.ranges)):
+            if identical[i] and wanted[0] == 0:
+                counts[i, 0] = block_n[i]
+        if self.block_counts is not None:
+            # keys of pass 2's table: (low 16 bits) * stride + slot of the upper 16 bits
+            stride = int(self.slot_of_bin.max()) + 1
+            want = (wanted.astype(np.int64) & 0xFFFF) * stride + self.slot_of_bin[wanted >> 16]
+            for i, (keys, c) in self.block_counts.items():
+                at = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
+                if len(keys):
+                    counts[i, :-1] = np.where(keys[at] == want, c[at], 0)
+        else:
+            self._scan_equal(wanted, identical, counts)
+        slot = {int(v): k for k, v in enumerate(wanted)}
+        return {j: tuple(counts[:, slot[int(split[j])]].tolist()) for j in positions}
+
+    def _scan_equal(self, wanted: np.ndarray, identical: list[bool], counts: np.ndarray) -> None:
+        """counts[block, k] = elements equal to wanted[k], by one more pass over the tensor."""
         # one kernel call per layer of values that share an upper-16 bin (almost always one layer)
         layers: list[list[int]] = []
         for k, v in enumerate(wanted):
@@ -337,25 +379,23 @@ class _DeltaTensorScan:
         probe = np.append(wanted, np.int32(-1))  # the ignored counter's value never matches |delta|
         for i in range(len(self.ranges)):
             if identical[i]:
-                if wanted[0] == 0:
-                    counts[i, 0] = block_n[i]
                 continue
             bits = self._bits(i)
             for index_of_bin in tables:
                 kernels.count_equal(bits, index_of_bin, probe, counts[i])
-        slot = {int(v): k for k, v in enumerate(wanted)}
-        return {j: tuple(counts[:, slot[int(split[j])]].tolist()) for j in positions}
 
 
+BLOCK_COUNTS_CAP = 4 << 20  # per-block pattern counts kept per tensor (int64 key + count: 64 MiB)
 _tables = threading.local()
 
 
-def _count_table(size: int, numel: int) -> np.ndarray:
-    """This thread's zeroed flat count table of at least `size` entries (pages touched on use)."""
+def _count_table(name: str, size: int, numel: int) -> np.ndarray:
+    """This thread's zeroed flat count table `name` of at least `size` entries (pages touched on use)."""
     dtype = np.int32 if numel < (1 << 31) else np.int64
-    table = getattr(_tables, "table", None)
+    table = getattr(_tables, name, None)
     if table is None or table.size < size or table.dtype != dtype:
-        table = _tables.table = np.zeros(size, dtype=dtype)
+        table = np.zeros(size, dtype=dtype)
+        setattr(_tables, name, table)
     return table
 
 
