@@ -4,9 +4,11 @@
 
 Runs the same steps as `mergepipe run` in this process (config, plan from the
 cached index, merge, verify) with timers around the main thread's work: waiting
-for the reader threads, the method's math, converting blocks (bf16 -> fp32 and
-back, deltas), writing, fsync, hashing the output file, verifying. Reader threads
-overlap the main thread, so their time shows only as "wait for reads". Prints a
+for the reader threads, the method's math (the compiled bf16 kernels included),
+converting blocks (bf16 -> fp32 and back, deltas: torch path only), writing, fsync,
+hashing the output (a thread of its own: only what the main thread waits for at the
+end shows), verifying. Reader threads overlap the main thread, so their time shows
+only as "wait for reads". Prints a
 table and JSON; the merge goes to a temporary folder that is deleted.
 """
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main() -> int:
     Future.result = result
     for m in registry.METHODS.values():
         object.__setattr__(m, "fn", timed("method math", m.fn))
+    engine._CompiledMerge.__call__ = timed("method math", engine._CompiledMerge.__call__)
+    engine._OutputHasher.finish = timed("wait for output hashing", engine._OutputHasher.finish)
     SafetensorsWriter.write_rows = timed("write (pwrite)", SafetensorsWriter.write_rows)
     SafetensorsWriter.close = timed("fsync + close", SafetensorsWriter.close)
     engine.hash_file = timed("hash output files", engine.hash_file)

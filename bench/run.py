@@ -3,6 +3,7 @@ machine's own read bandwidth, measured side by side in one run.
 
     .venv/bin/python bench/run.py --suite quick     # < 10 min, regression check
     .venv/bin/python bench/run.py --suite full      # Qwen2.5-0.5B-shaped 1 GB models, K = 2, 4, 8
+    .venv/bin/python bench/run.py --suite k4        # the full suite's K=4 head-to-head and budget rows
     .venv/bin/python bench/run.py --suite smoke     # tiny family, no mergekit (the harness test)
 
 Every contender runs as its own process (measure.run_measured: wall, user+sys CPU,
@@ -81,6 +82,11 @@ SUITES = {
                    naive_methods=("task_arithmetic",), timeout_s=600),
     "full": Suite("full", "bench", family_k=8, head_k=4, runs=3, cold_runs=1, budget_runs=3,
                   scaling_ks=(2, 4, 8), scaling_budget="512MiB", scaling_runs=3, sweep_mergekit_runs=5),
+    # the full suite's K=4 rows that issue 4's targets need (~35 min with a cached index): head-to-head
+    # against mergekit (one warm and one cold round; no naive baseline), budgets 100..5% (3 rounds,
+    # warm and cold), the read-bandwidth limit and output equivalence
+    "k4": Suite("k4", "bench", family_k=8, head_k=4, runs=1, cold_runs=1, budget_runs=3, scaling_ks=(),
+                naive=False, sweep_mergekit_runs=0, sections="bandwidth,head,budgets,equivalence"),
 }
 
 

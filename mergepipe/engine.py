@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import queue
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -20,12 +22,14 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
+import numpy as np
 import torch
 from blake3 import blake3
 
 from mergepipe.errors import IntegrityError, MethodError
 from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
 from mergepipe.methods import get_method
+from mergepipe.methods._common import magnitude_rank, sequential_sum
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
 from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, TORCH_TO_ST, Checkpoint, CheckpointReader,
@@ -110,17 +114,92 @@ def shard_index_json(layout: dict[str, list[OutTensor]]) -> bytes:
 
 
 def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter],
-                   realized: Realized) -> None:
-    """Hash the closed weight files into `realized`; write the shard index json if sharded."""
+                   realized: Realized, *, file_hashes: dict[str, str] | None = None) -> None:
+    """Record the closed weight files in `realized` (hashes from `file_hashes`, computed
+    while writing, else by rereading the file); write the shard index json if sharded."""
     for fname, w in writers.items():
         realized.bytes_written += w.size
-        realized.files[fname] = {"blake3": hash_file(out_dir / fname), "size": w.size}
+        digest = (file_hashes or {}).get(fname) or hash_file(out_dir / fname)
+        realized.files[fname] = {"blake3": digest, "size": w.size}
     if len(layout) > 1:  # sharded output: the index json that transformers follows
         index_path = out_dir / INDEX_JSON
         index_path.write_bytes(shard_index_json(layout))
         size = index_path.stat().st_size
         realized.bytes_written += size
         realized.files[INDEX_JSON] = {"blake3": hash_file(index_path), "size": size}
+
+
+class _OutputHasher:
+    """blake3 of the output bytes, in a thread of its own, as they are written.
+
+    Per tensor, and per file: a file's hash is fed its header and then every block
+    in file order, which is the order the engine writes them in; if a block ever
+    arrives out of order the file is left to `record_outputs` to reread. Hashing the
+    bytes handed to pwrite instead of rereading the file saved a full pass over the
+    output (`mergepipe run` still rereads the published files in its verify).
+    A bounded queue keeps at most `depth` blocks alive.
+    """
+
+    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], *,
+                 depth: int = 16) -> None:
+        self.where: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, absolute offset, row bytes)
+        self.files: dict[str, blake3 | None] = {}
+        self.next: dict[str, int] = {}
+        self.size = {fname: w.size for fname, w in writers.items()}
+        for fname, ts in layout.items():
+            w = writers[fname]
+            offset = w.data_start
+            for t in ts:
+                itemsize = DTYPES[t.dtype][0]
+                self.where[t.name] = (fname, offset, prod(t.shape[1:]) * itemsize if t.shape else itemsize)
+                offset += prod(t.shape) * itemsize
+            with open(w.path, "rb", buffering=0) as f:  # the header, written by the writer's constructor
+                header = f.read(w.data_start)
+            self.files[fname] = blake3(header) if len(header) == w.data_start else None
+            self.next[fname] = w.data_start
+        self.tensors: dict[str, str] = {}
+        self._open: dict[str, blake3] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mergepipe-hash", daemon=True)
+        self._thread.start()
+
+    def add(self, name: str, row_start: int, data) -> None:
+        self._queue.put((name, row_start, data))
+
+    def end_tensor(self, name: str) -> None:
+        self._queue.put((name, -1, None))
+
+    def finish(self) -> dict[str, str]:
+        """Wait for the queue; returns file -> blake3 for the files hashed in order."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return {f: h.hexdigest() for f, h in self.files.items() if h is not None and self.next[f] == self.size[f]}
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # keep draining so that the producer never blocks
+            try:
+                self._hash(*item)
+            except BaseException as e:  # re-raised in the merging thread by finish()
+                self._error = e
+
+    def _hash(self, name: str, row_start: int, data) -> None:
+        if data is None:
+            self.tensors[name] = self._open.pop(name, blake3()).hexdigest()
+            return
+        self._open.setdefault(name, blake3()).update(data)
+        fname, start, row_bytes = self.where[name]
+        h = self.files[fname]
+        if h is not None:
+            if start + row_start * row_bytes == self.next[fname]:
+                h.update(data)
+                self.next[fname] += memoryview(data).nbytes
+            else:
+                self.files[fname] = None
 
 
 class _Cuts:
@@ -156,6 +235,85 @@ class _Cuts:
         return cut
 
 
+class _CompiledMerge:
+    """bf16 blocks of task_arithmetic and TIES through mergepipe.merge_kernels: the
+    torch path's fp32 arithmetic in its operation order, fused, so the same bytes
+    (tests/test_merge_kernels.py). Other methods and dtypes keep the torch path."""
+
+    METHODS = ("task_arithmetic", "ties")
+
+    def __init__(self, method: str, params, experts: list[dict], default_density: float) -> None:
+        from mergepipe import merge_kernels
+        self.k = merge_kernels
+        self.ties = method == "ties"
+        self.normalize = bool(params.normalize)
+        self.lambda_ = np.float32(params.lambda_)
+        self.apply_lambda = params.lambda_ != 1
+        self.weight = {e["name"]: np.float32(float(e["weight"])) for e in experts}
+        self.density = {e["name"]: float(e.get("density", default_density)) for e in experts}
+        # task arithmetic divides by the sum of every expert's weight, read or not
+        # (methods._common.combine), summed left to right in fp32 like the torch path
+        divisor = sequential_sum([torch.tensor(float(e["weight"]), dtype=torch.float32) for e in experts],
+                                 torch.zeros((), dtype=torch.float32))
+        if divisor.abs() < 1e-8:
+            divisor = torch.ones((), dtype=torch.float32)
+        self.divisor = np.float32(divisor.item())
+
+    def __call__(self, t: TensorInfo, b: int, raw: memoryview, got: dict[str, dict[int, memoryview]],
+                 experts: list[dict], cuts: dict, inputs: Inputs) -> memoryview:
+        present = [e["name"] for e in experts if b in got.get(e["name"], {})]
+        base = np.frombuffer(raw, dtype=np.uint16)
+        n = base.shape[0]
+        stacked = tuple(_writable(np.frombuffer(got[name][b], dtype=np.uint16)) for name in present)
+        base = _writable(base)
+        weights = np.array([self.weight[name] for name in present], dtype=np.float32)
+        out = np.empty(n, dtype=np.uint16)
+        if not self.ties:
+            self.k.task_arithmetic_bf16(base, stacked, weights, self.divisor, self.normalize, self.lambda_,
+                                        self.apply_lambda, out)
+            return memoryview(out).cast("B")
+        modes = np.empty(len(present), dtype=np.int64)
+        values = np.zeros(len(present), dtype=np.float32)
+        limits = np.zeros(len(present), dtype=np.int64)
+        numel = t.numel
+        for i, name in enumerate(present):
+            rank = magnitude_rank(self.density[name], numel)
+            if rank is None or rank >= numel:
+                modes[i] = self.k.KEEP_ALL
+            elif rank <= 0:
+                modes[i] = self.k.DROP_ALL
+            else:
+                key = (name, t.name)
+                if key not in cuts:
+                    cuts[key] = _Cuts(inputs.deltas[name].tensors[t.name], name)
+                cut = cuts[key].for_block(b, n)(rank)
+                if cut.rank != rank:
+                    raise MethodError(f"tensor {t.name!r}, expert {name!r}: asked for the rank cut at {rank} "
+                                      f"and got one at {cut.rank}; the delta index is stale, rebuild it")
+                modes[i], values[i] = self.k.CUT, cut.value
+                limits[i] = self._eq_limit(cuts[key], b, rank, n, cut.eq_keep, base, stacked[i], values[i])
+        self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
+                         self.apply_lambda, out)
+        return memoryview(out).cast("B")
+
+
+    def _eq_limit(self, cuts: _Cuts, b: int, rank: int, n: int, eq_keep: int, base: np.ndarray,
+                  expert: np.ndarray, value: np.float32) -> int:
+        """Where this block stops keeping threshold-equal elements; scans the block only
+        when the index says the cut splits its run of equal values (one block per tensor)."""
+        if eq_keep <= 0:
+            return 0
+        j = cuts.pos[rank]
+        if j not in cuts.td.block_eq or eq_keep >= cuts.td.block_eq[j][b]:
+            return n  # every threshold-equal element of the block is kept
+        return self.k.eq_limit(base, expert, value, eq_keep)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    # the kernels take a tuple of one array type; reads are bytearrays, so this never copies
+    return a if a.flags.writeable else a.copy()
+
+
 def _units(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> list[list[int]]:
     """Group a tensor's blocks into prefetch units of about UNIT_BYTES."""
     units, cur, size = [], [], 0
@@ -172,8 +330,12 @@ def _units(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> list[list[int]
     return units
 
 
-def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False) -> Realized:
-    """Execute `plan` into `out_dir` (an empty folder, normally a publisher's temp)."""
+def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
+              compiled: bool = True) -> Realized:
+    """Execute `plan` into `out_dir` (an empty folder, normally a publisher's temp).
+
+    `compiled=False` merges every block through the methods' torch code (the
+    reference the compiled kernels are tested against); the bytes are the same."""
     t_start = time.monotonic()
     _keep_freed_memory()
     method = get_method(plan["method"])
@@ -194,6 +356,8 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     exp_rs = {e["name"]: CheckpointReader(inputs.experts[e["name"]], counter=exp_counters[e["name"]])
               for e in experts}
     prog = _Progress(base.total_bytes, progress)
+    kernel = (_CompiledMerge(plan["method"], params, experts, default_density)
+              if plan["method"] in _CompiledMerge.METHODS and compiled else None)
 
     def load(name: str, unit: list[int]) -> tuple[memoryview, dict[str, dict[int, memoryview]]]:
         t = base.tensors[name]
@@ -218,7 +382,9 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
 
     work = [(name, unit) for name in base.tensors for unit in _units(base.tensors[name],
                                                                      inputs.base_index.tensors[name].ranges)]
+    hasher: _OutputHasher | None = None
     try:
+        hasher = _OutputHasher(layout, writers)
         with ThreadPoolExecutor(max(1, threads)) as pool, _one_torch_thread():
             window: deque[Future] = deque()
             ahead = iter(work)
@@ -226,7 +392,6 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
                 nxt = next(ahead, None)
                 if nxt is not None:
                     window.append(pool.submit(load, *nxt))
-            hasher: dict[str, blake3] = {}
             cuts: dict[tuple[str, str], _Cuts] = {}
             for name, unit in work:
                 base_buf, got = window.popleft().result()
@@ -235,20 +400,26 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
                     window.append(pool.submit(load, *nxt))
                 fname, out_t = out_of[name]
                 t = base.tensors[name]
-                h = hasher.setdefault(name, blake3())
                 _merge_unit(t, out_t, unit, base_buf, got, inputs, experts, method, params, plan["seed"],
-                            default_density, default_gamma, writers[fname], h, cuts)
+                            default_density, default_gamma, writers[fname], hasher, cuts, kernel)
                 prog.step(len(base_buf))
                 if unit[-1] == len(inputs.base_index.tensors[name].ranges) - 1:
-                    realized.tensors[name] = hasher.pop(name).hexdigest()
+                    hasher.end_tensor(name)
                     for e in experts:
                         cuts.pop((e["name"], name), None)
-            for name in base.tensors:  # zero-row tensors have no blocks
-                if name not in realized.tensors:
-                    realized.tensors[name] = blake3().hexdigest()
+        file_hashes = hasher.finish()
+        realized.tensors.update(hasher.tensors)
+        for name in base.tensors:  # zero-row tensors have no blocks
+            if name not in realized.tensors:
+                realized.tensors[name] = blake3().hexdigest()
         for w in writers.values():
             w.close()
     except BaseException:
+        if hasher is not None:
+            try:
+                hasher.finish()
+            except BaseException:
+                pass  # the first error is the one to report
         for w in writers.values():
             w.abort()
         raise
@@ -256,7 +427,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         base_r.close()
         for r in exp_rs.values():
             r.close()
-    record_outputs(out_dir, layout, writers, realized)
+    record_outputs(out_dir, layout, writers, realized, file_hashes=file_hashes)
     realized.base_bytes_read = base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(exp_counters.items())}
     realized.seconds = time.monotonic() - t_start
@@ -277,7 +448,7 @@ def _check(buf: memoryview, t: TensorInfo, ranges, unit: list[int], hashes, wher
 def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memoryview,
                 got: dict[str, dict[int, memoryview]], inputs: Inputs, experts: list[dict], method, params,
                 seed: int, default_density: float, default_gamma: float, writer: SafetensorsWriter,
-                hasher: blake3, cuts: dict) -> None:
+                hasher: _OutputHasher, cuts: dict, kernel=None) -> None:
     ranges = inputs.base_index.tensors[t.name].ranges
     row_bytes = t.row_bytes()
     same_dtype = out_t.dtype == t.dtype
@@ -291,6 +462,8 @@ def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memo
         if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e["name"], {}) for e in experts):
             # nothing to merge here: the base rows, cast if the output dtype differs
             out = raw if same_dtype else tensor_bytes(as_tensor(raw, t.dtype, shape).to(DTYPES[out_t.dtype][1]))
+        elif kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16":
+            out = kernel(t, b, raw, got, experts, cuts, inputs)
         else:
             base_block = as_tensor(raw, t.dtype, shape).float()
             blocks = []
@@ -315,7 +488,7 @@ def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memo
             merged = method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), seed), params)
             out = tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
         writer.write_rows(t.name, r0, out)
-        hasher.update(out)
+        hasher.add(t.name, r0, out)
 
 
 def _keep_freed_memory() -> None:

@@ -1,0 +1,146 @@
+"""The compiled bf16 kernels give the torch path's bytes, block by block and end to end."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mergepipe import merge_kernels
+from mergepipe.config import load_config
+from mergepipe.engine import _CompiledMerge, run_merge
+from mergepipe.methods import get_method
+from mergepipe.methods._common import magnitude_rank
+from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
+from mergepipe.pipeline import plan_config
+from mergepipe.store import Store
+from tests.conftest import write_config
+
+EDGE = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5, 2 ** -126, 65504.0, 1e-3],
+                    dtype=torch.float32)
+
+
+def _bf16_block(g: torch.Generator, n: int, scale: float) -> torch.Tensor:
+    x = (torch.randn(n, generator=g) * scale).to(torch.bfloat16)
+    edge = torch.randint(0, len(EDGE), (n,), generator=g)
+    pick = torch.rand(n, generator=g) < 0.05
+    x[pick] = EDGE[edge[pick]].to(torch.bfloat16)
+    return x
+
+
+def _u16(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def _family(seed: int, n: int, k: int):
+    g = torch.Generator().manual_seed(seed)
+    base = _bf16_block(g, n, 1.0)
+    experts = []
+    for _ in range(k):
+        e = (base.float() + torch.randn(n, generator=g) * 0.01).to(torch.bfloat16)
+        same = torch.rand(n, generator=g) < 0.3  # many deltas exactly 0, and many equal |delta|
+        e[same] = base[same]
+        edge = torch.rand(n, generator=g) < 0.02
+        e[edge] = _bf16_block(g, int(edge.sum()), 1.0)
+        experts.append(e)
+    return g, base, experts
+
+
+@given(st.integers(0, 10_000), st.integers(1, 3000), st.integers(1, 5),
+       st.sampled_from([1.0, 0.8, 0.3, 2.5]), st.booleans(),
+       st.lists(st.sampled_from([1.0, 0.5, 0.7, 0.3, -0.4, 0.0]), min_size=5, max_size=5))
+def test_task_arithmetic_kernel_is_bit_identical(seed, n, k, lambda_, normalize, weights):
+    _, base, experts = _family(seed, n, k)
+    method = get_method("task_arithmetic")
+    params = method.params.model_validate({"lambda": lambda_, "normalize": normalize})
+    blocks = tuple(ExpertBlock(f"e{i}", f"{i:064x}", weights[i], experts[i].float() - base.float())
+                   for i in range(k))
+    want = method.fn(BlockInputs("t", 0, n, (n,), base.float(), blocks, 0), params).to(torch.bfloat16)
+    plan_experts = [{"name": f"e{i}", "weight": weights[i]} for i in range(k)]
+    km = _CompiledMerge("task_arithmetic", params, plan_experts, 1.0)
+    out = np.empty(n, np.uint16)
+    merge_kernels.task_arithmetic_bf16(_u16(base), tuple(_u16(e) for e in experts),
+                                       np.array(weights[:k], np.float32), km.divisor, normalize,
+                                       np.float32(lambda_), lambda_ != 1, out)
+    assert out.tobytes() == _u16(want).tobytes()
+
+
+@given(st.integers(0, 10_000), st.integers(1, 3000), st.integers(1, 5),
+       st.sampled_from([1.0, 0.8, 2.5]), st.booleans(),
+       st.lists(st.sampled_from([1.0, 0.5, 0.7, 0.3, -0.4]), min_size=5, max_size=5),
+       st.lists(st.sampled_from(["keep", "drop", "cut"]), min_size=5, max_size=5),
+       st.lists(st.integers(0, 50), min_size=5, max_size=5))
+def test_ties_kernel_is_bit_identical(seed, n, k, lambda_, normalize, weights, modes, eq_keeps):
+    g, base, experts = _family(seed, n, k)
+    method = get_method("ties")
+    params = method.params.model_validate({"lambda": lambda_, "normalize": normalize})
+    tensor_numel = 100 * n  # a cut's rank is somewhere inside the whole tensor
+    blocks, kmodes, values = [], [], []
+    for i in range(k):
+        delta = experts[i].float() - base.float()
+        if modes[i] == "keep":
+            density, cut, mode, value = 1.0, None, merge_kernels.KEEP_ALL, 0.0
+        elif modes[i] == "drop":
+            density, cut, mode, value = 0.0, None, merge_kernels.DROP_ALL, 0.0
+        else:
+            density, mode = 0.5, merge_kernels.CUT
+            mags = delta.abs()
+            value = float(mags[int(torch.randint(0, n, (1,), generator=g))])  # often shared by many elements
+            cut = (lambda v, e: lambda rank: RankCut(rank, v, e))(value, eq_keeps[i])
+        rank = magnitude_rank(density, tensor_numel)
+        assert (rank is None) == (modes[i] == "keep")
+        blocks.append(ExpertBlock(f"e{i}", f"{i:064x}", weights[i], delta, density=density, cut=cut))
+        kmodes.append(mode)
+        values.append(value)
+    want = method.fn(BlockInputs("t", 0, n, (tensor_numel // n, n), base.float(), tuple(blocks), 0),
+                     params).to(torch.bfloat16)
+    limits = np.array([merge_kernels.eq_limit(_u16(base), _u16(experts[i]), np.float32(values[i]), eq_keeps[i])
+                       for i in range(k)], np.int64)
+    out = np.empty(n, np.uint16)
+    merge_kernels.ties_bf16(_u16(base), tuple(_u16(e) for e in experts), np.array(weights[:k], np.float32),
+                            np.array(kmodes, np.int64), np.array(values, np.float32), limits, normalize,
+                            np.float32(lambda_), lambda_ != 1, out)
+    assert out.tobytes() == _u16(want).tobytes()
+
+
+@pytest.mark.parametrize("method,parameters,budget", [
+    ("task_arithmetic", {"lambda": 0.8}, "full"),
+    ("task_arithmetic", {"lambda": 1.0, "normalize": True}, "40%"),
+    ("ties", {"lambda": 1.0, "density": 0.5}, "full"),
+    ("ties", {"lambda": 0.7, "density": 0.3, "normalize": False}, "30%"),
+])
+def test_engine_compiled_equals_torch_path(tmp_path, tiny_family, method, parameters, budget):
+    cfg = load_config(write_config(tmp_path, tiny_family, method=method, parameters=parameters, budget=budget))
+    store = Store(cfg.cache_dir)
+    plan, inputs = plan_config(cfg, store)
+    outs = []
+    for compiled in (True, False):
+        d = Path(tmp_path / f"o{int(compiled)}")
+        d.mkdir()
+        outs.append(run_merge(plan, inputs, d, compiled=compiled))
+    assert outs[0].tensors == outs[1].tensors
+    assert outs[0].files == outs[1].files
+
+
+@pytest.mark.parametrize("output", [{"dtype": None, "shard_bytes": None}, {"dtype": None, "shard_bytes": "1MiB"},
+                                    {"dtype": "float32", "shard_bytes": None}])
+def test_output_hashed_while_writing_equals_the_file(tmp_path, tiny_family, monkeypatch, output):
+    """File hashes come from the bytes as they are written (no reread), and equal a reread."""
+    from mergepipe import engine
+    cfg = load_config(write_config(tmp_path, tiny_family, method="ties", parameters={"density": 0.5},
+                                   budget="50%", output={"dir": str(tmp_path / "out"), **output}))
+    plan, inputs = plan_config(cfg, Store(cfg.cache_dir))
+    rehash = engine.hash_file
+    def no_weight_rereads(path):
+        assert not str(path).endswith(".safetensors"), f"reread {path}"
+        return rehash(path)
+
+    monkeypatch.setattr(engine, "hash_file", no_weight_rereads)
+    d = tmp_path / "o"
+    d.mkdir()
+    realized = run_merge(plan, inputs, d)
+    weight_files = [f for f in realized.files if f.endswith(".safetensors")]
+    assert len(weight_files) == 1 if output["shard_bytes"] is None else len(weight_files) > 1
+    for fname in weight_files:
+        assert realized.files[fname]["blake3"] == rehash(d / fname)
