@@ -25,14 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from blake3 import blake3
 
-from mergepipe import index_kernels as kernels
 from mergepipe.blocks import block_ranges
 from mergepipe.errors import CheckpointError
-from mergepipe.methods import requested_ranks
-from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo, as_tensor
+from mergepipe.ranks import requested_ranks
+from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 
 HI_BINS = 1 << 15  # sign bit is 0 for |x|
 NONFINITE_BIN = 0x7F80  # upper 16 bits of +inf; NaNs sort above it
@@ -141,10 +139,6 @@ def _blocks(t: TensorInfo, block_bytes: int) -> list[tuple[int, int]]:
     return block_ranges(t.shape, t.itemsize, block_bytes)
 
 
-def _block_shape(t: TensorInfo, r: tuple[int, int]) -> tuple[int, ...]:
-    return (r[1] - r[0], *t.shape[1:]) if t.shape else ()
-
-
 def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int) -> TensorEntry:
     ranges = _blocks(t, block_bytes)
     hashes = [blake3(reader.read_rows(t.name, a, b)).hexdigest() for a, b in ranges]
@@ -178,12 +172,25 @@ def check_compatible(base: Checkpoint, expert: Checkpoint) -> None:
         raise CheckpointError(f"{expert.root}: does not match base {base.root}: {'; '.join(problems[:3])}{more}")
 
 
-def _add_sums(sums: list[float], base: torch.Tensor, expert: torch.Tensor) -> None:
+def _as_f32(buf: bytearray, dtype: str) -> np.ndarray:
+    """A block's elements as fp32, exactly as torch's .float() makes them (numpy: no torch import)."""
+    if dtype == "BF16":  # bf16 is the upper half of an fp32
+        return np.left_shift(np.frombuffer(buf, np.uint16), 16, dtype=np.uint32).view(np.float32)
+    if dtype == "F32":
+        return np.frombuffer(buf, np.float32)
+    return np.frombuffer(buf, {"F16": np.float16, "F64": np.float64}[dtype]).astype(np.float32)
+
+
+def _add_sums(sums: list[float], b: np.ndarray, e: np.ndarray) -> None:
     with np.errstate(over="ignore", invalid="ignore"):
-        b, e = base.numpy(), expert.numpy()
         sums[0] += float(np.dot(b, b))
         sums[1] += float(np.dot(e, e))
         sums[2] += float(np.dot(b, e))
+
+
+def _kernels():
+    from mergepipe import index_kernels  # numba: imported only when a delta is computed
+    return index_kernels
 
 
 class _DeltaTensorScan:
@@ -197,14 +204,14 @@ class _DeltaTensorScan:
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
-    def _abs_bits(self, i: int, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None) -> np.ndarray:
-        shape = _block_shape(self.t, self.ranges[i])
-        delta = as_tensor(exp_buf, self.t.dtype, shape).float().reshape(-1)
-        base = as_tensor(base_buf, self.t.dtype, shape).float().reshape(-1)
+    def _abs_bits(self, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None) -> np.ndarray:
+        """int32 patterns of |expert - base| in fp32 (non-negative: integer order is float order)."""
+        e, b = _as_f32(exp_buf, self.t.dtype), _as_f32(base_buf, self.t.dtype)
         if sums is not None:
-            _add_sums(sums, base, delta)
-        delta.sub_(base).abs_()
-        return delta.view(torch.int32).numpy()
+            _add_sums(sums, b, e)
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = np.subtract(e, b)
+        return np.abs(d, out=d).view(np.int32)
 
     def _read(self, i: int) -> tuple[bytearray, bytearray]:
         a, b = self.ranges[i]
@@ -214,7 +221,7 @@ class _DeltaTensorScan:
         if self.keep:
             return self.cache[i]
         base_buf, exp_buf = self._read(i)
-        return self._abs_bits(i, base_buf, exp_buf)
+        return self._abs_bits(base_buf, exp_buf)
 
     def _nonidentical(self) -> Iterator[tuple[int, np.ndarray]]:
         for i in range(len(self.ranges)):
@@ -240,13 +247,13 @@ class _DeltaTensorScan:
                 identical[i] = True
                 hist[0] += block_n[i]
                 self.cache.append(None)
-                base = as_tensor(base_buf, t.dtype, _block_shape(t, self.ranges[i])).float().reshape(-1)
+                base = _as_f32(base_buf, t.dtype)
                 _add_sums(sums, base, base)
                 continue
-            bits = self._abs_bits(i, base_buf, exp_buf, sums)
+            bits = self._abs_bits(base_buf, exp_buf, sums)
             values = bits.view(np.float32)
             finite_before = int(hist[NONFINITE_BIN:].sum())
-            block_nnz[i] = kernels.hist_high(bits, hist)
+            block_nnz[i] = _kernels().hist_high(bits, hist)
             bad = int(hist[NONFINITE_BIN:].sum()) - finite_before  # |x| >= inf in the bit order: Inf and NaN
             nonfinite += bad
             # norms of the finite part (NaN/Inf are counted in `nonfinite`), so that a plan made
@@ -308,7 +315,7 @@ class _DeltaTensorScan:
         self.block_counts: dict[int, tuple[np.ndarray, np.ndarray]] | None = {}
         recorded = 0
         for i, bits in self._nonidentical():
-            n = kernels.count_low(bits, slot_of_bin, table, occupied, 0)
+            n = _kernels().count_low(bits, slot_of_bin, table, occupied, 0)
             j = occupied[:n].copy()
             c = table[j].astype(np.int64)
             table[j] = 0
@@ -382,7 +389,7 @@ class _DeltaTensorScan:
                 continue
             bits = self._bits(i)
             for index_of_bin in tables:
-                kernels.count_equal(bits, index_of_bin, probe, counts[i])
+                _kernels().count_equal(bits, index_of_bin, probe, counts[i])
 
 
 BLOCK_COUNTS_CAP = 4 << 20  # per-block pattern counts kept per tensor (int64 key + count: 64 MiB)
@@ -445,15 +452,10 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
                                     cache_bytes)
             delta = scan.run()
             return tuple(scan.hashes), delta
-        # Parallel across tensors; torch's own intra-op threads would only oversubscribe the cores.
-        saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            # largest first, so that the big embedding does not start last and run alone
-            order = sorted(base.tensors, key=lambda n: -base.tensors[n].numel)
-            with ThreadPoolExecutor(max(1, threads)) as pool:
-                done = dict(zip(order, pool.map(scan, order)))
-        finally:
-            torch.set_num_threads(saved)
+        # parallel across tensors (the kernels, numpy and blake3 release the GIL), largest
+        # first, so that the big embedding does not start last and run alone
+        order = sorted(base.tensors, key=lambda n: -base.tensors[n].numel)
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            done = dict(zip(order, pool.map(scan, order)))
     return ({name: done[name][0] for name in base.tensors},
             {name: done[name][1] for name in base.tensors})

@@ -17,24 +17,33 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
-import torch
-
 from mergepipe.errors import CheckpointError, OutputError
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000
 INDEX_JSON = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
-# safetensors dtype -> (itemsize, torch dtype)
-DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "F64": (8, torch.float64), "F32": (4, torch.float32), "F16": (2, torch.float16),
-    "BF16": (2, torch.bfloat16), "I64": (8, torch.int64), "I32": (4, torch.int32),
-    "I16": (2, torch.int16), "I8": (1, torch.int8), "U8": (1, torch.uint8),
-    "BOOL": (1, torch.bool), "U16": (2, torch.uint16), "U32": (4, torch.uint32),
-    "U64": (8, torch.uint64), "F8_E4M3": (1, torch.float8_e4m3fn),
-    "F8_E5M2": (1, torch.float8_e5m2),
+# safetensors dtype -> (itemsize, torch dtype name). torch is imported only when a
+# tensor is made (as_tensor, DTYPES), so that header work and `mergepipe index` start fast.
+_DTYPE_INFO: dict[str, tuple[int, str]] = {
+    "F64": (8, "float64"), "F32": (4, "float32"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I64": (8, "int64"), "I32": (4, "int32"), "I16": (2, "int16"), "I8": (1, "int8"), "U8": (1, "uint8"),
+    "BOOL": (1, "bool"), "U16": (2, "uint16"), "U32": (4, "uint32"), "U64": (8, "uint64"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"),
 }
-TORCH_TO_ST = {t: name for name, (_, t) in DTYPES.items()}
+ITEMSIZE = {name: size for name, (size, _) in _DTYPE_INFO.items()}
+
+
+def __getattr__(name: str):
+    """DTYPES (safetensors dtype -> (itemsize, torch.dtype)) and TORCH_TO_ST, built on first use."""
+    if name in ("DTYPES", "TORCH_TO_ST"):
+        import torch
+        dtypes = {k: (size, getattr(torch, tname)) for k, (size, tname) in _DTYPE_INFO.items()}
+        globals().update(DTYPES=dtypes, TORCH_TO_ST={t: k for k, (_, t) in dtypes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
@@ -49,7 +58,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][0]
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +188,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**53 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
@@ -188,7 +197,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
         raise CheckpointError(f"{where}: data_offsets {offsets} out of range for {data_len} data bytes")
-    expected = prod(shape) * DTYPES[dtype][0]
+    expected = prod(shape) * ITEMSIZE[dtype]
     if end - begin != expected:
         raise CheckpointError(f"{where}: {end - begin} bytes but shape {shape} x {dtype} needs {expected}")
     return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
@@ -369,7 +378,8 @@ class CheckpointReader:
 
 def as_tensor(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """View raw little-endian bytes as a tensor (no copy when the buffer is writable)."""
-    tdtype = DTYPES[dtype][1]
+    import torch
+    tdtype = getattr(torch, _DTYPE_INFO[dtype][1])
     if len(buf) == 0:
         return torch.empty(shape, dtype=tdtype)
     if isinstance(buf, bytes):
@@ -379,6 +389,7 @@ def as_tensor(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int,
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor (bf16 included) without a copy."""
+    import torch
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -405,7 +416,7 @@ class SafetensorsWriter:
         offset = 0
         self._layout: dict[str, tuple[OutTensor, int]] = {}
         for t in tensors:
-            size = prod(t.shape) * DTYPES[t.dtype][0]
+            size = prod(t.shape) * ITEMSIZE[t.dtype]
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
             self._layout[t.name] = (t, offset)
             offset += size
@@ -429,7 +440,7 @@ class SafetensorsWriter:
 
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         t, offset = self._layout[name]
-        row_bytes = prod(t.shape[1:]) * DTYPES[t.dtype][0] if t.shape else DTYPES[t.dtype][0]
+        row_bytes = prod(t.shape[1:]) * ITEMSIZE[t.dtype] if t.shape else ITEMSIZE[t.dtype]
         try:
             self._pwrite(data, self.data_start + offset + row_start * row_bytes)
         except OSError as e:
