@@ -52,8 +52,9 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
     base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):
-        experts[e.name], expert_indexes[e.name] = store.model_index(e.path, block_bytes=bb, threads=threads)
-        deltas[e.name] = store.delta_index(base, base_index, experts[e.name], expert_indexes[e.name], threads=threads)
+        # one scan per new expert: block hashes and delta statistics from the same reads
+        experts[e.name], expert_indexes[e.name], deltas[e.name] = store.expert_index(
+            e.path, base, base_index, threads=threads)
         plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash, float(e.weight),
                                      e_norm.get("density"), e_norm.get("gamma")))
     budget = budget if budget is not None else cfg.budget
