@@ -9,11 +9,14 @@ and Breadcrumbs thresholds are known without rereading the expert.
 
 Exact rank cuts without holding a tensor: pass 1 histograms |delta| over the upper
 16 bits of its fp32 pattern (monotone for non-negative floats), which locates the
-bin of every target rank; pass 2 histograms the lower 16 bits of just the elements
-in those bins, which gives exact values; pass 3 (only when a cut splits a run of
-equal values) counts, per block, the elements equal to that value. Tensors up to
-`cache_bytes` of fp32 keep |delta| in memory between passes; larger ones are
-reread (counted as index reads).
+bin of every target rank; pass 2 counts the lower 16 bits of just the elements in
+those bins, block by block in a sparse table, which gives exact values and, per
+block, the count of each value, so a cut that splits a run of equal values knows
+how many of them each block holds (a third pass only where that table grows past
+a cap, as fp32 deltas can make it). The counting loops are compiled
+(index_kernels.py). Tensors up to `cache_bytes` of fp32 keep |delta| in memory
+between passes; larger ones are reread (counted as index reads). A new expert is
+hashed in the same scan (build_expert_index): it is read once, not twice.
 """
 from __future__ import annotations
 
