@@ -32,6 +32,7 @@ from blake3 import blake3
 
 from mergepipe.blocks import block_ranges
 from mergepipe.errors import CheckpointError
+from mergepipe.memory import keep_freed_memory
 from mergepipe.ranks import requested_ranks
 from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 
@@ -175,13 +176,19 @@ def check_compatible(base: Checkpoint, expert: Checkpoint) -> None:
         raise CheckpointError(f"{expert.root}: does not match base {base.root}: {'; '.join(problems[:3])}{more}")
 
 
-def _as_f32(buf: bytearray, dtype: str) -> np.ndarray:
-    """A block's elements as fp32, exactly as torch's .float() makes them (numpy: no torch import)."""
-    if dtype == "BF16":  # bf16 is the upper half of an fp32
-        return np.left_shift(np.frombuffer(buf, np.uint16), 16, dtype=np.uint32).view(np.float32)
-    if dtype == "F32":
-        return np.frombuffer(buf, np.float32)
-    return np.frombuffer(buf, {"F16": np.float16, "F64": np.float64}[dtype]).astype(np.float32)
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's three fp32 work buffers of n elements (reused: no allocation per block)."""
+    bufs = getattr(_tables, "scratch", None)
+    if bufs is None or bufs.shape[1] < n:
+        bufs = _tables.scratch = np.empty((3, max(n, 1 << 18)), dtype=np.float32)
+    return bufs[0, :n], bufs[1, :n], bufs[2, :n]
+
+
+def _decode(buf: bytearray, dtype: str, out: np.ndarray) -> np.ndarray:
+    """A block's elements as fp32 in `out`, exactly as torch's .float() makes them."""
+    src = np.frombuffer(buf, {"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype])
+    out[...] = src  # fp16 -> fp32 exact; fp64 -> fp32 round to nearest even, as torch
+    return out
 
 
 def _add_sums(sums: list[float], b: np.ndarray, e: np.ndarray) -> None:
@@ -207,14 +214,24 @@ class _DeltaTensorScan:
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
-    def _abs_bits(self, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None) -> np.ndarray:
-        """int32 patterns of |expert - base| in fp32 (non-negative: integer order is float order)."""
-        e, b = _as_f32(exp_buf, self.t.dtype), _as_f32(base_buf, self.t.dtype)
+    def _abs_bits(self, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None,
+                  keep: bool = False) -> np.ndarray:
+        """int32 patterns of |expert - base| in fp32 (non-negative: integer order is float order),
+        in a scratch buffer, or a new array when `keep` (it is cached between passes)."""
+        n = len(exp_buf) // self.t.itemsize
+        b, e, d = _scratch(n)
+        if keep:
+            d = np.empty(n, dtype=np.float32)
+        if self.t.dtype == "BF16":
+            _kernels().bf16_abs_delta(np.frombuffer(base_buf, np.uint16), np.frombuffer(exp_buf, np.uint16), b, e, d)
+        else:
+            _decode(base_buf, self.t.dtype, b), _decode(exp_buf, self.t.dtype, e)
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.subtract(e, b, out=d)
+            np.abs(d, out=d)
         if sums is not None:
             _add_sums(sums, b, e)
-        with np.errstate(over="ignore", invalid="ignore"):
-            d = np.subtract(e, b)
-        return np.abs(d, out=d).view(np.int32)
+        return d.view(np.int32)
 
     def _read(self, i: int) -> tuple[bytearray, bytearray]:
         a, b = self.ranges[i]
@@ -250,10 +267,14 @@ class _DeltaTensorScan:
                 identical[i] = True
                 hist[0] += block_n[i]
                 self.cache.append(None)
-                base = _as_f32(base_buf, t.dtype)
+                base = _scratch(block_n[i])[0]
+                if t.dtype == "BF16":
+                    np.left_shift(np.frombuffer(base_buf, np.uint16), 16, out=base.view(np.uint32), dtype=np.uint32)
+                else:
+                    _decode(base_buf, t.dtype, base)
                 _add_sums(sums, base, base)
                 continue
-            bits = self._abs_bits(base_buf, exp_buf, sums)
+            bits = self._abs_bits(base_buf, exp_buf, sums, keep=self.keep)
             values = bits.view(np.float32)
             finite_before = int(hist[NONFINITE_BIN:].sum())
             block_nnz[i] = _kernels().hist_high(bits, hist)
@@ -438,6 +459,7 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
           expected: dict[str, tuple[str, ...]] | None) -> tuple[dict, dict[str, TensorDelta]]:
     """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
     check_compatible(base, expert)
+    keep_freed_memory()
     if base_index.block_bytes != block_bytes:
         raise ValueError(f"base index has block_bytes {base_index.block_bytes}, expert {block_bytes}")
     with CheckpointReader(base, counter=counter, random_access=False) as base_r, \
