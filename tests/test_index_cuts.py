@@ -60,7 +60,7 @@ def _family(dtype):
     return {k: v.to(dtype) for k, v in base.items()}, {k: v.to(dtype) for k, v in exp.items()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cache_bytes", [0, 256 << 20])
 @pytest.mark.parametrize("block_counts_cap", [0, index.BLOCK_COUNTS_CAP])  # 0: split counts by a rescan
 def test_cuts_exact_for_dtypes_and_rereads(tmp_path, monkeypatch, dtype, cache_bytes, block_counts_cap):
