@@ -31,11 +31,12 @@ def cmd_index(args: argparse.Namespace) -> int:
     store = Store(args.cache_dir)
     bb = parse_bytes(args.block_bytes, what="--block-bytes")
     t0 = time.monotonic()
+    progress = not args.quiet
     if args.base:
-        base, base_index = store.model_index(args.base, block_bytes=bb, threads=args.threads)
-        ckpt, index, delta = store.expert_index(args.model, base, base_index, threads=args.threads)
+        base, base_index = store.model_index(args.base, block_bytes=bb, threads=args.threads, progress=progress)
+        ckpt, index, delta = store.expert_index(args.model, base, base_index, threads=args.threads, progress=progress)
     else:
-        ckpt, index = store.model_index(args.model, block_bytes=bb, threads=args.threads)
+        ckpt, index = store.model_index(args.model, block_bytes=bb, threads=args.threads, progress=progress)
     out = {"model": str(args.model), "content_hash": index.content_hash, "block_bytes": bb,
            "tensors": len(index.tensors), "bytes": ckpt.total_bytes}
     if args.base:

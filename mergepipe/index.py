@@ -33,6 +33,7 @@ from blake3 import blake3
 from mergepipe.blocks import block_ranges
 from mergepipe.errors import CheckpointError
 from mergepipe.memory import keep_freed_memory
+from mergepipe.progress import Progress
 from mergepipe.ranks import requested_ranks
 from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 
@@ -143,18 +144,25 @@ def _blocks(t: TensorInfo, block_bytes: int) -> list[tuple[int, int]]:
     return block_ranges(t.shape, t.itemsize, block_bytes)
 
 
-def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int) -> TensorEntry:
+def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int,
+                 progress: Progress | None = None) -> TensorEntry:
     ranges = _blocks(t, block_bytes)
-    hashes = [blake3(reader.read_rows(t.name, a, b)).hexdigest() for a, b in ranges]
+    hashes = []
+    for a, b in ranges:
+        buf = reader.read_rows(t.name, a, b)
+        hashes.append(blake3(buf).hexdigest())
+        if progress:
+            progress.step(len(buf))
     return TensorEntry(t.name, t.dtype, t.shape, tuple(ranges), tuple(hashes))
 
 
 def build_model_index(ckpt: Checkpoint, *, block_bytes: int, threads: int = 2,
-                      counter: ReadCounter | None = None) -> ModelIndex:
+                      counter: ReadCounter | None = None, progress: bool = False) -> ModelIndex:
     """Hash every block of a checkpoint (one read of every byte)."""
+    prog = Progress(ckpt.total_bytes, f"hashing {ckpt.root.name}", progress)
     with CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            entries = list(pool.map(lambda t: _hash_tensor(reader, t, block_bytes), ckpt.tensors.values()))
+            entries = list(pool.map(lambda t: _hash_tensor(reader, t, block_bytes, prog), ckpt.tensors.values()))
     tensors = {e.name: e for e in entries}
     return ModelIndex(content_hash(tensors), block_bytes, tensors)
 
@@ -211,6 +219,7 @@ class _DeltaTensorScan:
         self.base_r, self.exp_r, self.t, self.ranges = base_r, exp_r, t, ranges
         self.exp_hashes = exp_hashes  # None: hash the expert's blocks here (its ModelIndex is being built)
         self.hashes: list[str] = []
+        self.progress: Progress | None = None
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
@@ -261,6 +270,8 @@ class _DeltaTensorScan:
             base_buf, exp_buf = self._read(i)
             digest = blake3(exp_buf).hexdigest()
             self.hashes.append(digest)
+            if self.progress:
+                self.progress.step(len(exp_buf))
             if self.exp_hashes is not None and digest != self.exp_hashes[i]:
                 raise CheckpointError(f"{t.file}: tensor {t.name!r} rows {self.ranges[i]} changed while indexing")
             if base_buf == exp_buf:
@@ -432,22 +443,23 @@ def _count_table(name: str, size: int, numel: int) -> np.ndarray:
 
 def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, expert_index: ModelIndex,
                       *, threads: int = 2, cache_bytes: int = 256 << 20,
-                      counter: ReadCounter | None = None) -> DeltaIndex:
+                      counter: ReadCounter | None = None, progress: bool = False) -> DeltaIndex:
     """Delta statistics of `expert` against `base` (reads both once, big tensors more);
     every expert block read is checked against `expert_index`."""
     ranges = {name: e.ranges for name, e in expert_index.tensors.items()}
     _, delta = _scan(base, expert, base_index, ranges, expert_index.block_bytes, threads, cache_bytes, counter,
-                     {name: e.hashes for name, e in expert_index.tensors.items()})
+                     {name: e.hashes for name, e in expert_index.tensors.items()}, progress)
     return DeltaIndex(expert_index.content_hash, base_index.content_hash, expert_index.block_bytes, delta)
 
 
 def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, *, block_bytes: int,
                        threads: int = 2, cache_bytes: int = 256 << 20,
-                       counter: ReadCounter | None = None) -> tuple[ModelIndex, DeltaIndex]:
+                       counter: ReadCounter | None = None, progress: bool = False) -> tuple[ModelIndex, DeltaIndex]:
     """The expert's ModelIndex and its DeltaIndex against `base` in one scan: the block
     hashes come from the same reads as the statistics (one read of the expert, not two)."""
     ranges = {name: tuple(_blocks(t, block_bytes)) for name, t in expert.tensors.items()}
-    hashes, delta = _scan(base, expert, base_index, ranges, block_bytes, threads, cache_bytes, counter, None)
+    hashes, delta = _scan(base, expert, base_index, ranges, block_bytes, threads, cache_bytes, counter, None,
+                          progress)
     tensors = {name: TensorEntry(name, t.dtype, t.shape, ranges[name], hashes[name])
                for name, t in expert.tensors.items()}
     index = ModelIndex(content_hash(tensors), block_bytes, tensors)
@@ -456,9 +468,10 @@ def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIn
 
 def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: dict, block_bytes: int,
           threads: int, cache_bytes: int, counter: ReadCounter | None,
-          expected: dict[str, tuple[str, ...]] | None) -> tuple[dict, dict[str, TensorDelta]]:
+          expected: dict[str, tuple[str, ...]] | None, progress: bool) -> tuple[dict, dict[str, TensorDelta]]:
     """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
     check_compatible(base, expert)
+    prog = Progress(expert.total_bytes, f"indexing {expert.root.name} against {base.root.name}", progress)
     keep_freed_memory()
     if base_index.block_bytes != block_bytes:
         raise ValueError(f"base index has block_bytes {base_index.block_bytes}, expert {block_bytes}")
@@ -469,12 +482,14 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
             if t.dtype not in FLOAT_DTYPES:
                 # integer buffers (position ids) are copied from the base, never merged
                 hashes = expected[name] if expected else _hash_tensor(exp_r, t, block_bytes).hashes
+                prog.step(t.nbytes)
                 n = len(ranges[name])
                 same = base_index.tensors[name].hashes == hashes
                 return hashes, TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
                                            (True,) * n if same else (False,) * n, (), (), (), (), {})
             scan = _DeltaTensorScan(base_r, exp_r, t, list(ranges[name]), expected[name] if expected else None,
                                     cache_bytes)
+            scan.progress = prog
             delta = scan.run()
             return tuple(scan.hashes), delta
         # parallel across tensors (the kernels, numpy and blake3 release the GIL), largest

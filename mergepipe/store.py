@@ -111,27 +111,29 @@ class Store:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
             _atomic_write(self._stat_path(h.path, index.block_bytes), json.dumps(entry, sort_keys=True).encode())
 
-    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2) -> tuple[Checkpoint, ModelIndex]:
+    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2,
+                    progress: bool = False) -> tuple[Checkpoint, ModelIndex]:
         """Open a checkpoint and return its index, from the cache when every file is unchanged."""
         ckpt = open_checkpoint(path)
         index = self._cached_model(ckpt, block_bytes)
         if index is None:
-            index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads)
+            index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads,
+                                      progress=progress)
             self.builds += 1
             self._save_model(ckpt, index)
         return ckpt, index
 
     def expert_index(self, path: str | Path, base: Checkpoint, base_index: ModelIndex, *,
-                     threads: int = 2) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
+                     threads: int = 2, progress: bool = False) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
         """An expert's ModelIndex and DeltaIndex against `base`, from the cache where possible;
         when neither is cached, both come from one scan (the expert is read once)."""
         ckpt = open_checkpoint(path)
         index = self._cached_model(ckpt, base_index.block_bytes)
         if index is not None:
-            return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads)
+            return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
         check_compatible(base, ckpt)
         index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
-                                          threads=threads, counter=self.index_reads)
+                                          threads=threads, counter=self.index_reads, progress=progress)
         self.builds += 1
         self._save_model(ckpt, index)
         _write_gz_json(self._delta_path(index, base_index), delta.to_json())
@@ -143,13 +145,14 @@ class Store:
         return self.root / "deltas" / name
 
     def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
-                    *, threads: int = 2) -> DeltaIndex:
+                    *, threads: int = 2, progress: bool = False) -> DeltaIndex:
         path = self._delta_path(expert_index, base_index)
         d = _read_gz_json(path)
         if d is not None:
             self.hits += 1
             return DeltaIndex.from_json(d)
-        delta = build_delta_index(base, expert, base_index, expert_index, threads=threads, counter=self.index_reads)
+        delta = build_delta_index(base, expert, base_index, expert_index, threads=threads, counter=self.index_reads,
+                                  progress=progress)
         self.builds += 1
         _write_gz_json(path, delta.to_json())
         return delta
