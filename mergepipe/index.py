@@ -212,7 +212,7 @@ def _kernels():
 
 
 class _DeltaTensorScan:
-    """All three passes for one (expert, base, tensor)."""
+    """The passes for one (expert, base, tensor): stats and histogram, exact cuts, (rarely) split counts."""
 
     def __init__(self, base_r: CheckpointReader, exp_r: CheckpointReader, t: TensorInfo,
                  ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...] | None, cache_bytes: int) -> None:
@@ -345,7 +345,7 @@ class _DeltaTensorScan:
         slot_of_bin[bins] = np.arange(m)
         table = _count_table("block", stride << 16, self.t.numel)
         total = _count_table("tensor", stride << 16, self.t.numel)
-        occupied = np.empty(min(max(block_n), stride << 16) + 1, dtype=np.int64)
+        occupied = np.empty(min(max(block_n, default=0), stride << 16) + 1, dtype=np.int64)
         seen: list[np.ndarray] = []
         self.block_counts: dict[int, tuple[np.ndarray, np.ndarray]] | None = {}
         recorded = 0

@@ -30,7 +30,7 @@ def _check(delta, base: dict, exp: dict, index) -> None:
         n = a.numel()
         assert list(td.ranks) == [0, *requested_ranks(n)]
         srt = torch.sort(a.view(torch.int32), descending=True).values.view(torch.float32)  # NaN bits sort first
-        rows = a.reshape(base[name].shape[0] if base[name].dim() else 1, -1)
+        rows = a.reshape(base[name].shape[0] if base[name].dim() else 1, -1) if n else None
         for j, r in enumerate(td.ranks):
             if r == 0:
                 continue
@@ -52,7 +52,7 @@ def _check(delta, base: dict, exp: dict, index) -> None:
 def _family(dtype):
     g = torch.Generator().manual_seed(1)
     base = {"w": torch.randn(257, 96, generator=g), "v": torch.randn(1000, generator=g),
-            "flat": torch.zeros(64, 40), "one": torch.tensor(2.0)}
+            "flat": torch.zeros(64, 40), "one": torch.tensor(2.0), "empty": torch.zeros(0, 8)}
     exp = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in base.items()}
     exp["w"][:100] = base["w"][:100]  # identical rows: exact zeros in whole blocks
     exp["w"][200:] = base["w"][200:] + 0.25  # a long run of one tied value
