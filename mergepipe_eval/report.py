@@ -384,7 +384,8 @@ def seed_check(results_dir: Path, *, recipe: str, seeds: list[int]) -> list[str]
             else:
                 cells.append("–")
         mean = f"{sum(deltas) / len(deltas):+.2f}" if len(deltas) == len(all_seeds) else "–"
-        out.append(f"| {name} | {tag} | " + " | ".join(cells) + f" | {mean} |")
+        label = {"b05": "5%", "b10": "10%", "b25": "25%", "b50": "50%"}.get(tag, tag)
+        out.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {mean} |")
     return out + [""]
 
 
