@@ -37,6 +37,8 @@ def test_demo_through_the_slurm_profile(slurm, tmp_path):
     # accounting database (so squeue for job states), small jobs, and quick first status checks.
     proc = smk(ws, "--profile", "profiles/slurm", "--slurm-no-account", "--slurm-status-command", "squeue",
                "--slurm-init-seconds-before-status-checks", "2", "--default-resources", "mem_mb=500", "runtime=10",
+               # small enough for a node sized from MemAvailable/2 on a busy machine
+               "--set-resources", "merge_part:mem_mb=500",
                "--config", "merge_parts=3", "--", MODEL, timeout=1500)
     print(f"\nsnakemake --profile profiles/slurm on the tiny demo: {time.monotonic() - t0:.0f} s")
     counts = job_counts(proc)
