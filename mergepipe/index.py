@@ -402,7 +402,8 @@ class _DeltaTensorScan:
         else:
             self._scan_equal(wanted, identical, counts)
         slot = {int(v): k for k, v in enumerate(wanted)}
-        return {j: tuple(counts[:, slot[int(split[j])]].tolist()) for j in positions}
+        columns = counts.T.tolist()
+        return {j: tuple(columns[slot[int(split[j])]]) for j in positions}
 
     def _scan_equal(self, wanted: np.ndarray, identical: list[bool], counts: np.ndarray) -> None:
         """counts[block, k] = elements equal to wanted[k], by one more pass over the tensor."""
