@@ -214,8 +214,9 @@ def write_report(results: dict, out: Path) -> dict:
                 total_b = ten[0]["expert_file_bytes"] / max(1, _med(metric(ten, "expert_bytes_read")))
                 wr = _med(metric(full_w, "wall_s")) / _med(metric(ten, "wall_s"))
                 targets[f"{method} at 10%: ≥10× fewer expert bytes than full"] = {
-                    "value": f"{total_b:.1f}× fewer than a full read of the experts; {br:.1f}× fewer than our "
-                             "full-budget merge, which already skips byte-identical blocks", "met": br >= 10}
+                    "value": f"{br:.1f}× fewer than our full-budget merge (a relative budget is a share of the "
+                             f"full merge's reads, which skip byte-identical blocks); {total_b:.1f}× fewer than a "
+                             "full read of the experts", "met": br >= 10}
                 targets[f"{method} at 10%: ≥5× less wall than full"] = {"value": f"{wr:.2f}×", "met": wr >= 5}
         lines.append("")
         # budget soundness, counters and residency
