@@ -67,7 +67,7 @@ def _group(tensor: str) -> str:
                 else "norms")
         return f"layers {first}-{first + 4} {part}"
     if tensor.startswith("model.norm"):
-        return "layers 25-29 norms"
+        return "final norm"
     if tensor.startswith("embeddings.word_embeddings"):
         return "word embeddings"
     if tensor.startswith("embeddings."):
