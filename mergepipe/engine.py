@@ -8,10 +8,8 @@ memory is O(window x (K+1) x block_bytes), never O(model).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -27,12 +25,14 @@ import torch
 from blake3 import blake3
 
 from mergepipe.errors import IntegrityError, MethodError
+from mergepipe.memory import keep_freed_memory
+from mergepipe.progress import Progress
 from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
 from mergepipe.methods import get_method
 from mergepipe.methods._common import magnitude_rank, sequential_sum
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
-from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, TORCH_TO_ST, Checkpoint, CheckpointReader,
+from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, Checkpoint, CheckpointReader,
                                       OutTensor, ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -58,24 +58,6 @@ class Realized:
     files: dict[str, dict] = field(default_factory=dict)  # name -> {blake3, size}
     tensors: dict[str, str] = field(default_factory=dict)  # name -> blake3 of output bytes
     seconds: float = 0.0
-
-
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled and sys.stderr.isatty()
-        self.t0 = self.last = time.monotonic()
-
-    def step(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self.last > 0.2 or self.done >= self.total):
-            self.last = now
-            mb = self.done / 2**20
-            pct = 100 * self.done / max(1, self.total)
-            sys.stderr.write(f"\rmerging {pct:5.1f}%  {mb:,.0f} MiB  {mb / max(1e-9, now - self.t0):,.0f} MiB/s")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
@@ -337,7 +319,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     `compiled=False` merges every block through the methods' torch code (the
     reference the compiled kernels are tested against); the bytes are the same."""
     t_start = time.monotonic()
-    _keep_freed_memory()
+    keep_freed_memory()  # every block allocates and frees MiB-sized temporaries
     method = get_method(plan["method"])
     params = method.params.model_validate(plan["parameters"])
     experts = plan["experts"]  # canonical order (content hash)
@@ -355,7 +337,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     base_r = CheckpointReader(base, counter=base_counter, random_access=False)
     exp_rs = {e["name"]: CheckpointReader(inputs.experts[e["name"]], counter=exp_counters[e["name"]])
               for e in experts}
-    prog = _Progress(base.total_bytes, progress)
+    prog = Progress(base.total_bytes, "merging", progress)
     kernel = (_CompiledMerge(plan["method"], params, experts, default_density)
               if plan["method"] in _CompiledMerge.METHODS and compiled else None)
 
@@ -489,19 +471,6 @@ def _merge_unit(t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memo
             out = tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
         writer.write_rows(t.name, r0, out)
         hasher.add(t.name, r0, out)
-
-
-def _keep_freed_memory() -> None:
-    # Every block allocates and frees MiB-sized fp32 temporaries. glibc hands such chunks
-    # back to the kernel (mmap / heap trim) and the next block faults them in again: a
-    # quarter of the merge's wall went to page faults (BENCHMARKS.md). Keep them in the
-    # heap; the working set is bounded by the prefetch window anyway. glibc only.
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (glibc's maximum)
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 @contextmanager

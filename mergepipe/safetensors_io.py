@@ -16,8 +16,12 @@ import threading
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergepipe.errors import CheckpointError, OutputError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000
 INDEX_JSON = "model.safetensors.index.json"
