@@ -403,11 +403,12 @@ def write_report(results_dir: Path, markdown: Path, plot: Path, summary_path: Pa
     summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     _plot(summary, plot)
     rel_plot = os.path.relpath(plot, markdown.parent)
-    text = render(summary, notes=notes.read_text() if notes else "", plot_name=rel_plot)
+    text = render(summary, notes=notes.read_text() if notes else "")
     if seed_check_recipe and seeds is not None:
         check = seed_check(results_dir, recipe=seed_check_recipe, seeds=seeds)
         if check:
             text = text.rstrip("\n") + "\n\n" + "\n".join(check)
+    text = text.rstrip("\n") + f"\n\n![mean accuracy against expert bytes read]({rel_plot})\n"
     if smollm is not None:
         sm_dir, sm_plot, sm_summary_path, sm_notes = smollm
         sm_summary = summarize(sm_dir)
