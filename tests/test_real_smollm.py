@@ -18,6 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+# ~40-60 s of CPU (most of it the GGUF conversion); 1.5-3 min wall on the shared 2-core machine
+pytestmark = pytest.mark.slow
+
 TASKS = ("noun_cat", "pos")
 RECIPE = {"lr": 1e-4, "steps": 2, "batch_size": 2, "weight_decay": 0.01, "max_text_tokens": 16}
 
