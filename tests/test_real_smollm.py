@@ -21,6 +21,7 @@ from safetensors import safe_open
 # ~40-60 s of CPU (most of it the GGUF conversion); 1.5-3 min wall on the shared 2-core machine
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("noun_cat", "pos")
 RECIPE = {"lr": 1e-4, "steps": 2, "batch_size": 2, "weight_decay": 0.01, "max_text_tokens": 16}
 
@@ -37,7 +38,12 @@ def family(tmp_path_factory):
     from mergepipe_eval.tasks import Sizes, write_task
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("smollm")
-    smollm.convert_base(root / "base")
+    # a fresh interpreter: transformers decides at import whether it can read GGUF, so a
+    # gguf/accelerate installed by ensure() above is only seen by a new process
+    proc = subprocess.run([sys.executable, "-m", "mergepipe_eval", "smollm-base",
+                           "--out", str(root / "base")], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     for task in TASKS:
         write_task(task, root / "tasks" / task, Sizes(4, 2))
         smollm.train_expert(root / "base", root / "tasks" / task, root / "experts" / task,
