@@ -90,7 +90,7 @@ def cmd_merge_config(a) -> int:
 
 def cmd_score(a) -> int:
     """Score one encoder on every task; add bytes/bound from its manifest if any."""
-    from mergepipe_eval.minilm import Scorer, relative_deviation
+    from mergepipe_eval.minilm import Scorer
     tasks = {k: Path(v) for k, v in _pairs(a.task).items()}
     heads = {k: Path(v) for k, v in _pairs(a.head).items()}
     scorer = Scorer(Path(a.base), tasks, max_len=a.max_len)
@@ -99,20 +99,8 @@ def cmd_score(a) -> int:
     result = {"model": a.label or model.as_posix(), "accuracy": acc,
               "mean_accuracy": sum(acc.values()) / len(acc), "n_test": scorer.n_test(),
               **json.loads(a.meta or "{}")}
-    manifest = model / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
-        result["expert_bytes_read"] = m["bytes"]["expert_bytes_read"]
-        result["total_expert_bytes"] = m["bytes"]["total_expert_bytes"]
-        result["budget_bytes"] = m["budget"]["bytes"]
-        result["bound"] = m["bound"]
-        result["plan_hash"] = m["plan_hash"]
-    if a.reference:
-        result["realized_relative_deviation"] = relative_deviation(model, Path(a.reference),
-                                                                   Path(a.base))
-    _write_json(Path(a.out), result)
-    print(json.dumps({"model": result["model"], "accuracy": acc}, sort_keys=True))
-    return 0
+    _add_manifest(result, model)
+    return _finish(result, model, a)
 
 
 def cmd_smollm_base(a) -> int:
@@ -131,7 +119,7 @@ def cmd_smollm_train(a) -> int:
 
 def cmd_smollm_score(a) -> int:
     """Score one causal LM on every task; add bytes/bound from its manifest if any."""
-    from mergepipe_eval.smollm import Scorer, relative_deviation
+    from mergepipe_eval.smollm import Scorer
     tasks = {k: Path(v) for k, v in _pairs(a.task).items()}
     per_class = {k: int(v) for k, v in _pairs(a.per_class or []).items()}
     scorer = Scorer(Path(a.base), tasks, max_text_tokens=a.max_text_tokens,
@@ -142,11 +130,16 @@ def cmd_smollm_score(a) -> int:
               "mean_accuracy": sum(acc.values()) / len(acc), "n_test": scorer.n_test(),
               **json.loads(a.meta or "{}")}
     _add_manifest(result, model)
+    return _finish(result, model, a)
+
+
+def _finish(result: dict, model: Path, a) -> int:
+    """Shared tail of the score commands: deviation from the reference merge, write, print."""
+    from mergepipe_eval.deviation import relative_deviation
     if a.reference:
-        result["realized_relative_deviation"] = relative_deviation(model, Path(a.reference),
-                                                                   Path(a.base))
+        result["realized_relative_deviation"] = relative_deviation(model, Path(a.reference), Path(a.base))
     _write_json(Path(a.out), result)
-    print(json.dumps({"model": result["model"], "accuracy": acc}, sort_keys=True))
+    print(json.dumps({"model": result["model"], "accuracy": result["accuracy"]}, sort_keys=True))
     return 0
 
 

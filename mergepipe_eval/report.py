@@ -276,11 +276,8 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
                 "| reference | " + " | ".join(tasks) + " | mean |",
                 "|---|" + "---|" * (len(tasks) + 1)]
 
-        def ref(label, acc):
-            vals = [acc.get(t) for t in tasks]
-            mean = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
-            return f"| {label} | " + " | ".join("–" if v is None else _pct(v) for v in vals) \
-                + f" | {_pct(mean)} |"
+        def ref(label, acc, tasks=tasks):
+            return _ref_row(label, acc, tasks)
 
         out.append(ref("base encoder + expert heads", fam["base"]))
         out.append(ref("base linear probe", probes))
@@ -309,6 +306,13 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
     return "\n".join(out)
 
 
+def _ref_row(label: str, acc: dict, tasks: list[str]) -> str:
+    """One references-table row: accuracy per task (– where missing) and their mean."""
+    vals = [acc.get(t) for t in tasks]
+    mean = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
+    return f"| {label} | " + " | ".join("–" if v is None else _pct(v) for v in vals) + f" | {_pct(mean)} |"
+
+
 def render_smollm(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
     """The SmolLM2 section: references without heads or probes (the LM answers by itself)."""
     out = ["# SmolLM2-135M-Instruct: generative classification", ""]
@@ -323,11 +327,8 @@ def render_smollm(summary: dict, *, notes: str = "", plot_name: str = "") -> str
                 "| reference | " + " | ".join(tasks) + " | mean |",
                 "|---|" + "---|" * (len(tasks) + 1)]
 
-        def ref(label, acc):
-            vals = [acc.get(t) for t in tasks]
-            mean = sum(v for v in vals if v is not None) / max(1, sum(v is not None for v in vals))
-            return f"| {label} | " + " | ".join("–" if v is None else _pct(v) for v in vals) \
-                + f" | {_pct(mean)} |"
+        def ref(label, acc, tasks=tasks):
+            return _ref_row(label, acc, tasks)
 
         out.append(ref("base (zero-shot)", fam["base"]))
         out.append(ref("each expert on its own task", fam["own_expert"]))
