@@ -17,7 +17,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.errors import OutputError
+from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import (DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index,
                              check_compatible)
 from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
@@ -104,7 +104,12 @@ class Store:
         self.hits += 1
         return ModelIndex.from_json(d)
 
-    def _save_model(self, ckpt: Checkpoint, index: ModelIndex) -> None:
+    def _save_model(self, ckpt: Checkpoint, index: ModelIndex, stats: dict[Path, dict]) -> None:
+        """Record `index` for `ckpt`, whose files had `stats` before they were read: a file
+        that changed meanwhile was hashed half old, half new, so nothing is recorded."""
+        for h in ckpt.files:
+            if self._stat(h.path) != stats[h.path]:
+                raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
         fingerprints = file_fingerprints(ckpt, index)
         _write_gz_json(self._model_key(fingerprints, index.block_bytes), index.to_json())
         for h in ckpt.files:
@@ -117,10 +122,11 @@ class Store:
         ckpt = open_checkpoint(path)
         index = self._cached_model(ckpt, block_bytes)
         if index is None:
+            stats = {h.path: self._stat(h.path) for h in ckpt.files}
             index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads,
                                       progress=progress)
             self.builds += 1
-            self._save_model(ckpt, index)
+            self._save_model(ckpt, index, stats)
         return ckpt, index
 
     def expert_index(self, path: str | Path, base: Checkpoint, base_index: ModelIndex, *,
@@ -132,10 +138,11 @@ class Store:
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
         check_compatible(base, ckpt)
+        stats = {h.path: self._stat(h.path) for h in ckpt.files}
         index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
                                           threads=threads, counter=self.index_reads, progress=progress)
         self.builds += 1
-        self._save_model(ckpt, index)
+        self._save_model(ckpt, index, stats)
         _write_gz_json(self._delta_path(index, base_index), delta.to_json())
         return ckpt, index, delta
 

@@ -99,3 +99,29 @@ def test_one_scan_expert_build_equals_two_step(tmp_path):
     index, one_scan = build_expert_index(bc, ec, bi, block_bytes=2048, threads=1)
     assert index == ei
     assert one_scan == two_step
+
+
+def test_a_file_changed_while_indexing_is_not_recorded(tmp_path, monkeypatch):
+    import os
+
+    from mergepipe import store as store_mod
+    from mergepipe.errors import CheckpointError
+    base, exp = _family(torch.bfloat16)
+    _pair(tmp_path, base, exp)
+    st = store_mod.Store(tmp_path / "cache")
+    bc, bi = st.model_index(tmp_path / "base", block_bytes=2048)
+    real = store_mod.build_expert_index
+
+    def touching(*a, **kw):  # the expert's file is rewritten while it is scanned
+        out = real(*a, **kw)
+        f = tmp_path / "exp" / "model.safetensors"
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))
+        return out
+
+    monkeypatch.setattr(store_mod, "build_expert_index", touching)
+    with pytest.raises(CheckpointError, match="changed while it was being indexed"):
+        st.expert_index(tmp_path / "exp", bc, bi)
+    monkeypatch.setattr(store_mod, "build_expert_index", real)
+    assert not (tmp_path / "cache" / "deltas").exists()
+    _, index, _ = st.expert_index(tmp_path / "exp", bc, bi)  # a rerun indexes it
+    assert index == build_model_index(open_checkpoint(tmp_path / "exp"), block_bytes=2048)
