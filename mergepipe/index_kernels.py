@@ -1,7 +1,8 @@
 """Compiled counting loops of the delta index (numba, nogil: index threads run them in parallel).
 
-Every kernel reads `bits`, the int32 patterns of |delta| in fp32 (non-negative, so
-integer order is float order, NaN above +inf) and scatters counts into a table.
+bf16_abs_delta makes `bits`, the int32 patterns of |delta| in fp32 (non-negative, so
+integer order is float order, NaN above +inf); the counting kernels read them and
+scatter counts into a table.
 numpy would gather, compress and bincount into fresh arrays for the same result;
 one compiled pass with no temporaries is ~10x faster. Results are exact integer
 counts, so they do not depend on how or where the loop runs. Compiled code is
