@@ -25,14 +25,15 @@ import torch
 from blake3 import blake3
 
 from mergepipe.errors import IntegrityError, MethodError
-from mergepipe.memory import keep_freed_memory
-from mergepipe.progress import Progress
 from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
+from mergepipe.memory import keep_freed_memory
 from mergepipe.methods import get_method
-from mergepipe.methods._common import magnitude_rank, sequential_sum
+from mergepipe.methods._common import sequential_sum
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
-from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, Checkpoint, CheckpointReader,
+from mergepipe.progress import Progress
+from mergepipe.ranks import magnitude_rank
+from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, ITEMSIZE, Checkpoint, CheckpointReader,
                                       OutTensor, ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -75,7 +76,7 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
     size = 0
     for t in tensors:
         o = out(t)
-        nbytes = DTYPES[o.dtype][0] * t.numel
+        nbytes = ITEMSIZE[o.dtype] * t.numel
         if groups[-1] and size + nbytes > shard_bytes:
             groups.append([])
             size = 0
@@ -89,7 +90,7 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
 
 def shard_index_json(layout: dict[str, list[OutTensor]]) -> bytes:
     """model.safetensors.index.json for a sharded layout (sorted, stable bytes)."""
-    total = sum(prod(t.shape) * DTYPES[t.dtype][0] for ts in layout.values() for t in ts)
+    total = sum(prod(t.shape) * ITEMSIZE[t.dtype] for ts in layout.values() for t in ts)
     weight_map = {t.name: fname for fname, ts in layout.items() for t in ts}
     doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
@@ -124,21 +125,11 @@ class _OutputHasher:
 
     def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], *,
                  depth: int = 16) -> None:
-        self.where: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, absolute offset, row bytes)
-        self.files: dict[str, blake3 | None] = {}
-        self.next: dict[str, int] = {}
+        self.writers = writers
+        self.file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
+        self.files: dict[str, blake3 | None] = {fname: blake3(w.header) for fname, w in writers.items()}
+        self.next = {fname: w.data_start for fname, w in writers.items()}
         self.size = {fname: w.size for fname, w in writers.items()}
-        for fname, ts in layout.items():
-            w = writers[fname]
-            offset = w.data_start
-            for t in ts:
-                itemsize = DTYPES[t.dtype][0]
-                self.where[t.name] = (fname, offset, prod(t.shape[1:]) * itemsize if t.shape else itemsize)
-                offset += prod(t.shape) * itemsize
-            with open(w.path, "rb", buffering=0) as f:  # the header, written by the writer's constructor
-                header = f.read(w.data_start)
-            self.files[fname] = blake3(header) if len(header) == w.data_start else None
-            self.next[fname] = w.data_start
         self.tensors: dict[str, str] = {}
         self._open: dict[str, blake3] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -174,10 +165,10 @@ class _OutputHasher:
             self.tensors[name] = self._open.pop(name, blake3()).hexdigest()
             return
         self._open.setdefault(name, blake3()).update(data)
-        fname, start, row_bytes = self.where[name]
+        fname = self.file_of[name]
         h = self.files[fname]
         if h is not None:
-            if start + row_start * row_bytes == self.next[fname]:
+            if self.writers[fname].offset_of(name, row_start) == self.next[fname]:
                 h.update(data)
                 self.next[fname] += memoryview(data).nbytes
             else:
@@ -277,7 +268,6 @@ class _CompiledMerge:
         self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
                          self.apply_lambda, out)
         return memoryview(out).cast("B")
-
 
     def _eq_limit(self, cuts: _Cuts, b: int, rank: int, n: int, eq_keep: int, base: np.ndarray,
                   expert: np.ndarray, value: np.float32) -> int:

@@ -194,6 +194,9 @@ def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _decode(buf: bytearray, dtype: str, out: np.ndarray) -> np.ndarray:
     """A block's elements as fp32 in `out`, exactly as torch's .float() makes them."""
+    if dtype == "BF16":  # bf16 is the upper half of an fp32
+        np.left_shift(np.frombuffer(buf, np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+        return out
     src = np.frombuffer(buf, {"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype])
     out[...] = src  # fp16 -> fp32 exact; fp64 -> fp32 round to nearest even, as torch
     return out
@@ -278,11 +281,7 @@ class _DeltaTensorScan:
                 identical[i] = True
                 hist[0] += block_n[i]
                 self.cache.append(None)
-                base = _scratch(block_n[i])[0]
-                if t.dtype == "BF16":
-                    np.left_shift(np.frombuffer(base_buf, np.uint16), 16, out=base.view(np.uint32), dtype=np.uint32)
-                else:
-                    _decode(base_buf, t.dtype, base)
+                base = _decode(base_buf, t.dtype, _scratch(block_n[i])[0])
                 _add_sums(sums, base, base)
                 continue
             bits = self._abs_bits(base_buf, exp_buf, sums, keep=self.keep)

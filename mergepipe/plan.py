@@ -23,7 +23,7 @@ from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError
 from mergepipe.index import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
-from mergepipe.safetensors_io import DTYPES, FLOAT_DTYPES
+from mergepipe.safetensors_io import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.units import Budget, parse_budget
 
 PLAN_SCHEMA = 1
@@ -182,7 +182,7 @@ def _row_bytes(shape: tuple[int, ...], dtype: str) -> int:
     n = 1
     for d in shape[1:]:
         n *= d
-    return n * DTYPES[dtype][0]
+    return n * ITEMSIZE[dtype]
 
 
 def check_plan_inputs(plan: dict, base_index: ModelIndex, expert_indexes: dict[str, ModelIndex]) -> None:

@@ -426,12 +426,13 @@ class SafetensorsWriter:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
-        self.data_start = 8 + len(raw)
+        self.header = len(raw).to_bytes(8, "little") + raw  # the file's first data_start bytes
+        self.data_start = len(self.header)
         self.size = self.data_start + offset
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             os.ftruncate(self._fd, self.size)
-            self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+            self._pwrite(self.header, 0)
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write: {e.strerror}") from None
         self.bytes_written = self.data_start
@@ -442,11 +443,15 @@ class SafetensorsWriter:
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + done)
 
-    def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
+    def offset_of(self, name: str, row_start: int) -> int:
+        """Absolute file offset of row `row_start` of tensor `name`."""
         t, offset = self._layout[name]
         row_bytes = prod(t.shape[1:]) * ITEMSIZE[t.dtype] if t.shape else ITEMSIZE[t.dtype]
+        return self.data_start + offset + row_start * row_bytes
+
+    def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         try:
-            self._pwrite(data, self.data_start + offset + row_start * row_bytes)
+            self._pwrite(data, self.offset_of(name, row_start))
         except OSError as e:
             raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
         self.bytes_written += len(memoryview(data).cast("B"))

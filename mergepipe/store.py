@@ -18,8 +18,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe.errors import CheckpointError, OutputError
-from mergepipe.index import (DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index,
-                             check_compatible)
+from mergepipe.index import DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index
 from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
 
 
@@ -137,7 +136,6 @@ class Store:
         index = self._cached_model(ckpt, base_index.block_bytes)
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
-        check_compatible(base, ckpt)
         stats = {h.path: self._stat(h.path) for h in ckpt.files}
         index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
                                           threads=threads, counter=self.index_reads, progress=progress)

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mergepipe.errors import MethodError
-from mergepipe.ranks import GRID, breadcrumbs_ranks, magnitude_rank, requested_ranks  # noqa: F401
+from mergepipe.ranks import breadcrumbs_ranks, magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut, block_rng
 
 F32 = torch.float32
@@ -31,15 +31,20 @@ DENSITY_DOC = ("default density for experts that set none; the engine resolves i
                "ExpertBlock.density, which is what the method reads")
 
 
-class MagnitudeParams(BaseModel):
-    """Parameters shared by the magnitude-pruning methods (TIES, Breadcrumbs)."""
+class DensityParams(BaseModel):
+    """Parameters shared by the sparsifying methods (TIES, Breadcrumbs, DARE)."""
 
     model_config = PARAMS_CONFIG
     lambda_: float = Field(1.0, alias="lambda")
     normalize: bool = False
     density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
-    rescale: bool = False
     int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
+
+
+class MagnitudeParams(DensityParams):
+    """Parameters shared by the magnitude-pruning methods (TIES, Breadcrumbs)."""
+
+    rescale: bool = False
 
     @field_validator("rescale")
     @classmethod

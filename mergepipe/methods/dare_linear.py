@@ -18,21 +18,14 @@ leaves the delta untouched in both.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, Field
-
-from mergepipe.methods._common import DENSITY_DOC, PARAMS_CONFIG, canonical, combine, sparsify_dare
+from mergepipe.methods._common import DensityParams, canonical, combine, sparsify_dare
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
 
-class DareLinearParams(BaseModel):
-    model_config = PARAMS_CONFIG
-    lambda_: float = Field(1.0, alias="lambda")
-    normalize: bool = False
-    density: float = Field(1.0, ge=0.0, le=1.0, description=DENSITY_DOC)
+class DareLinearParams(DensityParams):
     # true: divide kept elements by density (paper); false: keep them unscaled
     rescale: bool = True
-    int8_mask: bool = False  # accepted for mergekit configs; a memory option there, no effect on values
 
 
 @register("dare_linear", params=DareLinearParams, additive=False,
