@@ -276,17 +276,7 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
                 "| reference | " + " | ".join(tasks) + " | mean |",
                 "|---|" + "---|" * (len(tasks) + 1)]
 
-        def ref(label, acc, tasks=tasks):
-            return _ref_row(label, acc, tasks)
-
-        out.append(ref("base encoder + expert heads", fam["base"]))
-        out.append(ref("base linear probe", probes))
-        out.append(ref("each expert on its own task", fam["own_expert"]))
-        b = fam["best_single_expert"]
-        if fam["experts"]:
-            out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
-        for name, acc in sorted(fam["experts"].items()):
-            out.append(ref(f"expert {name} on all tasks", acc))
+        out += _reference_rows(fam, [("base encoder + expert heads", fam["base"]), ("base linear probe", probes)])
         out += ["", *_merge_table(fam)]
         out += ["", "Targets (mean accuracy against the full read, points):", "",
                 "| merge | budget | Δ full | target | |", "|---|---|---|---|---|", *_targets(fam)]
@@ -304,6 +294,19 @@ def render(summary: dict, *, notes: str = "", plot_name: str = "") -> str:
     if plot_name:
         out += [f"![mean accuracy against expert bytes read]({plot_name})", ""]
     return "\n".join(out)
+
+
+def _reference_rows(fam: dict, leading: list[tuple[str, dict]]) -> list[str]:
+    """References table rows: `leading` (label, accuracy) first, then each expert on its own
+    task, the best single expert and every expert on all tasks."""
+    tasks = fam["tasks"]
+    rows = [_ref_row(label, acc, tasks) for label, acc in leading]
+    rows.append(_ref_row("each expert on its own task", fam["own_expert"], tasks))
+    if fam["experts"]:
+        b = fam["best_single_expert"]
+        rows.append(_ref_row(f"best single expert ({b['expert']}) on all tasks", b["accuracy"], tasks))
+    rows += [_ref_row(f"expert {name} on all tasks", acc, tasks) for name, acc in sorted(fam["experts"].items())]
+    return rows
 
 
 def _ref_row(label: str, acc: dict, tasks: list[str]) -> str:
@@ -327,16 +330,7 @@ def render_smollm(summary: dict, *, notes: str = "", plot_name: str = "") -> str
                 "| reference | " + " | ".join(tasks) + " | mean |",
                 "|---|" + "---|" * (len(tasks) + 1)]
 
-        def ref(label, acc, tasks=tasks):
-            return _ref_row(label, acc, tasks)
-
-        out.append(ref("base (zero-shot)", fam["base"]))
-        out.append(ref("each expert on its own task", fam["own_expert"]))
-        b = fam["best_single_expert"]
-        if fam["experts"]:
-            out.append(ref(f"best single expert ({b['expert']}) on all tasks", b["accuracy"]))
-        for name, acc in sorted(fam["experts"].items()):
-            out.append(ref(f"expert {name} on all tasks", acc))
+        out += _reference_rows(fam, [("base (zero-shot)", fam["base"])])
         out += ["", *_merge_table(fam)]
         out += ["", "Against the full read, with the MiniLM targets for reference "
                 "(mean accuracy, points):", "",
