@@ -27,11 +27,13 @@ T0 = time.perf_counter()
 import torch  # noqa: E402,F401  (import cost is a phase of its own)
 
 import mergepipe.cli  # noqa: E402,F401
-from mergepipe import engine, manifest, pipeline  # noqa: E402
-from mergepipe.config import load_config  # noqa: E402
+from mergepipe.engine import merge as engine  # noqa: E402
+from mergepipe.output import manifest  # noqa: E402
+from mergepipe.commands import pipeline  # noqa: E402
+from mergepipe.config.params import load_config  # noqa: E402
 from mergepipe.methods import registry  # noqa: E402
-from mergepipe.safetensors_io import SafetensorsWriter  # noqa: E402
-from mergepipe.store import Store  # noqa: E402
+from mergepipe.checkpoint.safetensors import SafetensorsWriter  # noqa: E402
+from mergepipe.index.store import Store  # noqa: E402
 
 IMPORT_S = time.perf_counter() - T0
 spent: dict[str, float] = defaultdict(float)

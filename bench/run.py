@@ -443,7 +443,7 @@ def section_sweep(env: Env) -> None:
 def section_equivalence(env: Env) -> None:
     """How far each tool's full merge is from mergekit's (relative to mergekit's update)."""
     sys.path.insert(0, str(ROOT))
-    from mergepipe.sweep import deviation
+    from mergepipe.commands.sweep import deviation
     k = env.suite.head_k
     base, _ = model_dirs(env, k)
     out = {}

@@ -4,7 +4,7 @@
     .venv/bin/python fuzz/fuzz_header.py -runs=1000000 -dict=fuzz/header.dict
 
 Every input is written to a file on /dev/shm and parsed with
-`mergepipe.safetensors_io.parse_header`. Allowed outcomes: a CheckpointError (one
+`mergepipe.checkpoint.safetensors.parse_header`. Allowed outcomes: a CheckpointError (one
 line, naming the file) or a header whose invariants hold (tensors tile the data
 region exactly, sizes match shapes x itemsize, names unique and valid Unicode,
 metadata str -> str). Anything else is a crash: libFuzzer stops and writes the
@@ -53,7 +53,7 @@ def make_seeds(folder: Path) -> Path:
 
 def check(data: bytes) -> None:
     from mergepipe.errors import CheckpointError
-    from mergepipe.safetensors_io import DTYPES, parse_header
+    from mergepipe.checkpoint.safetensors import DTYPES, parse_header
     SCRATCH.write_bytes(data)
     try:
         h = parse_header(SCRATCH)
@@ -121,7 +121,7 @@ def main() -> None:
         import atheris
         import torch  # noqa: F401 - imported first so that only mergepipe is instrumented
         with atheris.instrument_imports(include=["mergepipe"]):
-            import mergepipe.safetensors_io  # noqa: F401
+            import mergepipe.checkpoint.safetensors  # noqa: F401
         argv = list(sys.argv)
         if not [a for a in argv[1:] if not a.startswith("-")]:
             argv.append(str(make_seeds(Path(tempfile.mkdtemp(prefix="mergepipe-seeds-")))))

@@ -26,7 +26,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from mergepipe.store import Store
+    from mergepipe.index.store import Store
     from mergepipe.units import parse_bytes
     store = Store(args.cache_dir)
     bb = parse_bytes(args.block_bytes, what="--block-bytes")
@@ -80,7 +80,7 @@ def _write_record(path: Path, obj: dict) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from mergepipe.config import load_config
+    from mergepipe.config.params import load_config
     overrides = {}
     if getattr(args, "budget", None) is not None:
         overrides["budget"] = args.budget
@@ -90,9 +90,9 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mergepipe.pipeline import plan_config
-    from mergepipe.plan import canonical_json
-    from mergepipe.store import Store
+    from mergepipe.commands.pipeline import plan_config
+    from mergepipe.plan.planner import canonical_json
+    from mergepipe.index.store import Store
     cfg = _load(args)
     plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads)
     data = canonical_json(plan) + b"\n"
@@ -125,7 +125,7 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
 
 
 def _load_plan(path: str) -> dict:
-    from mergepipe.plan import plan_hash
+    from mergepipe.plan.planner import plan_hash
     try:
         plan = json.loads(Path(path).read_text())
         intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
@@ -138,8 +138,8 @@ def _load_plan(path: str) -> dict:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mergepipe.pipeline import merge_plan, open_inputs
-    from mergepipe.store import Store
+    from mergepipe.commands.pipeline import merge_plan, open_inputs
+    from mergepipe.index.store import Store
     plan = _load_plan(args.plan)
     if args.part:
         return _merge_part(args, plan)
@@ -152,9 +152,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _merge_part(args: argparse.Namespace, plan: dict) -> int:
-    from mergepipe.parts import merge_part, parse_part, part_paths
-    from mergepipe.pipeline import open_inputs
-    from mergepipe.store import Store
+    from mergepipe.commands.parts import merge_part, parse_part, part_paths
+    from mergepipe.commands.pipeline import open_inputs
+    from mergepipe.index.store import Store
     i, n = parse_part(args.part)
     store = Store(args.cache_dir)
     t0 = time.monotonic()
@@ -168,9 +168,9 @@ def _merge_part(args: argparse.Namespace, plan: dict) -> int:
 
 
 def cmd_gather(args: argparse.Namespace) -> int:
-    from mergepipe.parts import gather
-    from mergepipe.pipeline import open_inputs
-    from mergepipe.store import Store
+    from mergepipe.commands.parts import gather
+    from mergepipe.commands.pipeline import open_inputs
+    from mergepipe.index.store import Store
     plan = _load_plan(args.plan)
     if args.parts < 1:
         raise ConfigError(f"--parts {args.parts}: must be at least 1")
@@ -184,7 +184,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from mergepipe.gc import collect, plan_hash_of, remove
+    from mergepipe.commands.gc import collect, plan_hash_of, remove
     keep = {plan_hash_of(p) for p in args.keep}
     removals = collect(args.cache_dir, keep, indexes=args.indexes)
     for r in removals:
@@ -196,9 +196,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mergepipe.manifest import verify_outputs
-    from mergepipe.pipeline import merge_plan, plan_config, up_to_date
-    from mergepipe.store import Store
+    from mergepipe.output.manifest import verify_outputs
+    from mergepipe.commands.pipeline import merge_plan, plan_config, up_to_date
+    from mergepipe.index.store import Store
     t0 = time.monotonic()
     cfg = _load(args)
     store = Store(cfg.cache_dir)
@@ -215,20 +215,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from mergepipe.manifest import verify_outputs
+    from mergepipe.output.manifest import verify_outputs
     out_dir = Path(args.outdir)
     man = verify_outputs(out_dir)
     checked = [f"{len(man['outputs']['files'])} files"]
     if args.inputs or args.replay:
-        from mergepipe.pipeline import open_inputs
-        from mergepipe.store import Store
+        from mergepipe.commands.pipeline import open_inputs
+        from mergepipe.index.store import Store
         plan = man["plan"]
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
             store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
             inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
             checked.append(f"{1 + len(plan['experts'])} inputs")
             if args.replay:
-                from mergepipe.pipeline import merge_plan
+                from mergepipe.commands.pipeline import merge_plan
                 replay_dir = Path(tmp) / "replay"
                 again = merge_plan(plan, inputs, replay_dir, store, threads=args.threads, progress=False)
                 if again["outputs"] != man["outputs"]:
@@ -242,13 +242,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from mergepipe.explain import explain
+    from mergepipe.commands.explain import explain
     print(explain(Path(args.target)))
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from mergepipe.mergekit_import import import_mergekit, write_params
+    from mergepipe.config.mergekit import import_mergekit, write_params
     params = import_mergekit(args.config)
     write_params(params, args.o)
     _log(args, f"wrote {args.o}")
@@ -256,8 +256,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from mergepipe.config import load_config
-    from mergepipe.sweep import parse_budgets, plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
+    from mergepipe.config.params import load_config
+    from mergepipe.commands.sweep import parse_budgets, plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
     cfg = load_config(args.config)
     budgets = parse_budgets(args.budgets)
     if not budgets:
@@ -281,7 +281,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mergepipe.demo import main as demo_main
+    from mergepipe.commands.demo import main as demo_main
     return demo_main(args.rest)
 
 

@@ -89,7 +89,7 @@ def _header(path: Path) -> dict:
 
 def read_shares(manifest: Path, base_model: Path) -> dict[str, float]:
     """Share of each tensor group's expert bytes that a merge read, from its manifest's plan."""
-    from mergepipe.blocks import block_ranges
+    from mergepipe.checkpoint.blocks import block_ranges
     plan = json.loads(manifest.read_text())["plan"]
     header = _header(base_model)
     n_experts = len(plan["experts"])

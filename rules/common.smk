@@ -95,8 +95,8 @@ def _output_weights() -> list[str]:
     if shard_bytes is None:
         files = _weight_files(Path(BASE))
         return [p.name for p in files] if len(files) > 1 else ["model.safetensors"]
-    from mergepipe.engine import output_layout  # needs the headers (and torch): only here
-    from mergepipe.safetensors_io import open_checkpoint
+    from mergepipe.engine.merge import output_layout  # needs the headers (and torch): only here
+    from mergepipe.checkpoint.safetensors import open_checkpoint
 
     try:
         base = open_checkpoint(BASE)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate schemas/params.schema.yaml from mergepipe.config (the one source).
+"""Regenerate schemas/params.schema.yaml from mergepipe.config.params (the one source).
 
 Usage: python scripts/gen_schema.py [--check]
   --check  exit 1 without writing if the committed schema is stale (for CI).
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mergepipe.config import render_schema_yaml
+from mergepipe.config.params import render_schema_yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "params.schema.yaml"
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from mergepipe.blocks import row_numel
+from mergepipe.checkpoint.blocks import row_numel
 from mergepipe.methods.base import RankCut
 
 CutFn = Callable[[int], RankCut]

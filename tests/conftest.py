@@ -8,7 +8,7 @@ import pytest
 import yaml
 from hypothesis import settings
 
-from mergepipe.demo import make_family
+from mergepipe.commands.demo import make_family
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=40)
 settings.register_profile("dev", deadline=None, max_examples=40)

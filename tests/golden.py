@@ -145,7 +145,8 @@ def weights_hash(out: Path) -> str:
 
 
 def run_cases(root: Path, *, threads: int, torch_path: bool) -> dict[str, dict[str, str]]:
-    from mergepipe import engine, pipeline
+    from mergepipe.engine import merge as engine
+    from mergepipe.commands import pipeline
     from mergepipe.cli import main
     if torch_path:  # every block through the methods' torch code instead of the compiled kernels
         real = pipeline.run_merge

@@ -17,8 +17,8 @@ import pytest
 
 from mergepipe.cli import main
 from mergepipe.errors import OutputError
-from mergepipe.manifest import load_manifest
-from mergepipe.publish import Publisher
+from mergepipe.output.manifest import load_manifest
+from mergepipe.output.publish import Publisher
 from tests.corpus.procs import Warm, leftovers, params, small_family  # noqa: F401 (fixture)
 from tests.test_crash import published
 
@@ -79,8 +79,8 @@ def test_one_plan_to_two_targets_shares_the_store(small_family, tmp_path):
 def test_store_saves_and_restores_race_safely(tmp_path):
     """Two runs of one plan saving to and restoring from the store at once (threads, many times):
     no exception, and the entry left is complete."""
-    from mergepipe.manifest import MANIFEST, dumps, manifest_hash, verify_outputs
-    from mergepipe.pipeline import _restore, _save_to_store
+    from mergepipe.output.manifest import MANIFEST, dumps, manifest_hash, verify_outputs
+    from mergepipe.commands.pipeline import _restore, _save_to_store
     from blake3 import blake3
     man = {"plan_hash": "plan", "outputs": {"tensors": {}, "files": {
         f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}}}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergepipe.config import (
+from mergepipe.config.params import (
     ExpertConfig,
     MergeConfig,
     OutputConfig,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.manifest import MANIFEST, RUN_INFO, load_manifest, verify_outputs
+from mergepipe.output.manifest import MANIFEST, RUN_INFO, load_manifest, verify_outputs
 from tests.corpus.procs import REPO, Warm, leftovers, params, small_family, tiny_cache  # noqa: F401 (fixtures)
 
 N_KILLS = 20

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mergepipe.demo import NEW_TOKENS, PRESETS, main, make_family
+from mergepipe.commands.demo import NEW_TOKENS, PRESETS, main, make_family
 
 
 def load(folder: str | Path) -> dict[str, torch.Tensor]:

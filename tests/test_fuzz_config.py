@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mergepipe.cli import one_line
-from mergepipe.config import config_from_dict, load_config
+from mergepipe.config.params import config_from_dict, load_config
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS
-from mergepipe.plan import canonical_json
+from mergepipe.plan.planner import canonical_json
 
 SETTINGS = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mergepipe.errors import CheckpointError
-from mergepipe.safetensors_io import DTYPES, INDEX_JSON, MAX_HEADER_BYTES, open_checkpoint, parse_header
+from mergepipe.checkpoint.safetensors import DTYPES, INDEX_JSON, MAX_HEADER_BYTES, open_checkpoint, parse_header
 
 SETTINGS = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

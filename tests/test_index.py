@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergepipe.methods import requested_ranks
-from mergepipe.store import Store
+from mergepipe.index.store import Store
 
 
 def _family_tensors(tmp_path, dtype=torch.bfloat16):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe import index
-from mergepipe.index import build_delta_index, build_expert_index, build_model_index
+from mergepipe.index import build as index
+from mergepipe.index.build import build_delta_index, build_expert_index, build_model_index
 from mergepipe.methods import requested_ranks
-from mergepipe.safetensors_io import open_checkpoint
+from mergepipe.checkpoint.safetensors import open_checkpoint
 
 
 def _pair(tmp_path, base: dict, exp: dict):
@@ -104,7 +104,7 @@ def test_one_scan_expert_build_equals_two_step(tmp_path):
 def test_a_file_changed_while_indexing_is_not_recorded(tmp_path, monkeypatch):
     import os
 
-    from mergepipe import store as store_mod
+    from mergepipe.index import store as store_mod
     from mergepipe.errors import CheckpointError
     base, exp = _family(torch.bfloat16)
     _pair(tmp_path, base, exp)

@@ -7,14 +7,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergepipe import merge_kernels
-from mergepipe.config import load_config
-from mergepipe.engine import _CompiledMerge, run_merge
+from mergepipe.engine import kernels as merge_kernels
+from mergepipe.config.params import load_config
+from mergepipe.engine.merge import _CompiledMerge, run_merge
 from mergepipe.methods import get_method
 from mergepipe.methods._common import magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
-from mergepipe.pipeline import plan_config
-from mergepipe.store import Store
+from mergepipe.commands.pipeline import plan_config
+from mergepipe.index.store import Store
 from tests.conftest import write_config
 
 EDGE = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5, 2 ** -126, 65504.0, 1e-3],
@@ -127,7 +127,7 @@ def test_engine_compiled_equals_torch_path(tmp_path, tiny_family, method, parame
                                     {"dtype": "float32", "shard_bytes": None}])
 def test_output_hashed_while_writing_equals_the_file(tmp_path, tiny_family, monkeypatch, output):
     """File hashes come from the bytes as they are written (no reread), and equal a reread."""
-    from mergepipe import engine
+    from mergepipe.engine import merge as engine
     cfg = load_config(write_config(tmp_path, tiny_family, method="ties", parameters={"density": 0.5},
                                    budget="50%", output={"dir": str(tmp_path / "out"), **output}))
     plan, inputs = plan_config(cfg, Store(cfg.cache_dir))

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergepipe.config import load_config
+from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError
-from mergepipe.mergekit_import import dump_params, import_mergekit, mergekit_to_params, write_params
+from mergepipe.config.mergekit import dump_params, import_mergekit, mergekit_to_params, write_params
 from mergepipe.methods import METHODS
 
 

@@ -7,9 +7,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mergepipe.blocks import block_ranges
+from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.cli import main
-from mergepipe.safetensors_io import CheckpointReader, as_tensor, open_checkpoint
+from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_checkpoint
 from tests.conftest import write_config
 
 
@@ -142,7 +142,7 @@ def test_bad_config_is_one_line_and_nonzero(tmp_path, tiny_family, capsys):
 
 
 def test_sharded_base_gives_sharded_output_that_loads(tmp_path):
-    from mergepipe.demo import make_family
+    from mergepipe.commands.demo import make_family
     fam = make_family(tmp_path / "fam", preset="tiny", n_experts=2, shard_expert=-1)  # the base is sharded
     info = dict(fam, root=tmp_path / "fam")
     cfg = write_config(tmp_path, info, budget="60%")

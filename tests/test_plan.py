@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mergepipe.cli import main
-from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
-from mergepipe.plan import PlanInput, make_plan
+from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
+from mergepipe.plan.planner import PlanInput, make_plan
 from mergepipe.units import parse_budget
 from tests.conftest import write_config
 from tests.test_pipeline import _load_model

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from mergepipe.errors import OutputError
-from mergepipe.publish import Publisher
+from mergepipe.output.publish import Publisher
 
 
 def test_publish_replaces_atomically(tmp_path):
@@ -40,7 +40,7 @@ def test_lock_blocks_second_writer_and_stale_lock_is_cleaned(tmp_path):
             with Publisher(target):
                 pass
     # a writer killed with -9 leaves its lock and temp folder behind
-    code = ("import os; from mergepipe.publish import Publisher; p = Publisher(%r); t = p.__enter__(); "
+    code = ("import os; from mergepipe.output.publish import Publisher; p = Publisher(%r); t = p.__enter__(); "
             "(t / 'x').write_text('partial'); os._exit(0)") % str(target)
     subprocess.run([sys.executable, "-c", code], check=True)
     assert any(".tmp-" in p.name for p in tmp_path.iterdir())

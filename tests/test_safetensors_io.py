@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe.errors import CheckpointError
-from mergepipe.safetensors_io import (CheckpointReader, OutTensor, SafetensorsWriter, as_tensor, open_checkpoint,
+from mergepipe.checkpoint.safetensors import (CheckpointReader, OutTensor, SafetensorsWriter, as_tensor, open_checkpoint,
                                       parse_header, tensor_bytes)
 
 

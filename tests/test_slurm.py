@@ -12,7 +12,7 @@ import time
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.manifest import verify_outputs
+from mergepipe.output.manifest import verify_outputs
 from tests.test_workflow import MODEL, REPO, job_counts, make_workspace, output_bytes, smk
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import pytest
 
 from conftest import write_config
 from mergepipe.cli import main
-from mergepipe.config import load_config
+from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError
-from mergepipe.pipeline import merge_plan, plan_config
-from mergepipe.store import Store
-from mergepipe.sweep import deviation, parse_budgets, require_matplotlib
+from mergepipe.commands.pipeline import merge_plan, plan_config
+from mergepipe.index.store import Store
+from mergepipe.commands.sweep import deviation, parse_budgets, require_matplotlib
 from mergepipe.units import Budget
 
 

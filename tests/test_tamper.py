@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.manifest import MANIFEST, dumps, load_manifest, manifest_hash
-from mergepipe.safetensors_io import open_checkpoint
-from mergepipe.store import Store
+from mergepipe.output.manifest import MANIFEST, dumps, load_manifest, manifest_hash
+from mergepipe.checkpoint.safetensors import open_checkpoint
+from mergepipe.index.store import Store
 from tests.corpus.procs import leftovers, params, tiny_cache  # noqa: F401 (fixture)
 
 BB = 16 << 10
@@ -205,7 +205,7 @@ def test_forged_manifest_is_caught_by_replay(published_out, capsys):
     flip(model, t.begin + 1, hide=False)
     man = json.loads((out / MANIFEST).read_text())
     from blake3 import blake3
-    from mergepipe.engine import hash_file
+    from mergepipe.engine.merge import hash_file
     man["outputs"]["files"]["model.safetensors"]["blake3"] = hash_file(model)
     man["outputs"]["tensors"][t.name] = blake3(model.read_bytes()[t.begin:t.end]).hexdigest()
     man["manifest_hash"] = manifest_hash(man)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.demo import make_family
-from mergepipe.manifest import RUN_INFO, verify_outputs
+from mergepipe.commands.demo import make_family
+from mergepipe.output.manifest import RUN_INFO, verify_outputs
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

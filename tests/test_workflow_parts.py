@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.manifest import RUN_INFO
-from mergepipe.parts import parse_part, partition
+from mergepipe.output.manifest import RUN_INFO
+from mergepipe.commands.parts import parse_part, partition
 from mergepipe.errors import ConfigError
-from mergepipe.safetensors_io import open_checkpoint
+from mergepipe.checkpoint.safetensors import open_checkpoint
 from tests.conftest import write_config
 
 

@@ -9,5 +9,5 @@ from mergepipe.methods import (  # noqa: F401
     task_arithmetic,
     ties,
 )
-from mergepipe.ranks import requested_ranks  # noqa: F401
+from mergepipe.index.ranks import requested_ranks  # noqa: F401
 from mergepipe.methods.registry import METHODS, Method, get_method, register  # noqa: F401

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mergepipe.errors import MethodError
-from mergepipe.ranks import breadcrumbs_ranks, magnitude_rank
+from mergepipe.index.ranks import breadcrumbs_ranks, magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut, block_rng
 
 F32 = torch.float32
@@ -94,7 +94,7 @@ def changed_mask(block: BlockInputs) -> torch.Tensor | None:
 
 # --- magnitude sparsification (TIES, Breadcrumbs) ---------------------------------
 
-# magnitude_rank, breadcrumbs_ranks, GRID and requested_ranks live in mergepipe.ranks
+# magnitude_rank, breadcrumbs_ranks, GRID and requested_ranks live in mergepipe.index.ranks
 # (torch-free: the index needs them without importing torch)
 
 

@@ -29,7 +29,7 @@ import math
 import torch
 from pydantic import BaseModel
 
-from mergepipe.blocks import num_rows
+from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import F32, PARAMS_CONFIG
 from mergepipe.methods.base import BlockInputs

@@ -6,7 +6,7 @@ under `work`, and returns the `mergepipe` command line that must fail on it, the
 output path that must stay absent (or untouched), and the names (file, tensor,
 key) that the one error line must contain. `tests/test_corpus.py` runs them all.
 
-Inputs are copies of a seeded demo family (`mergepipe.demo.make_family`, preset
+Inputs are copies of a seeded demo family (`mergepipe.commands.demo.make_family`, preset
 "tiny"): the hostile expert is `ctx.experts[1]` (one file) or `ctx.experts[0]`
 (sharded, with an index json), copied into `work/bad` and then damaged.
 """

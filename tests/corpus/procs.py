@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.demo import make_family
-from mergepipe.store import Store
+from mergepipe.commands.demo import make_family
+from mergepipe.index.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 _ZYGOTE = """\
 import json, os, resource, signal, sys, traceback
-import mergepipe.cli, mergepipe.config, mergepipe.engine, mergepipe.manifest, mergepipe.pipeline, mergepipe.store
+import mergepipe.cli, mergepipe.config.params, mergepipe.engine.merge, mergepipe.output.manifest, mergepipe.commands.pipeline, mergepipe.index.store
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)

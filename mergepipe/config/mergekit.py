@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from mergepipe.config import DEFAULT_OUTPUT_DIR, config_from_dict, read_yaml
+from mergepipe.config.params import DEFAULT_OUTPUT_DIR, config_from_dict, read_yaml
 from mergepipe.errors import ConfigError
 
 METHOD_NAMES = {

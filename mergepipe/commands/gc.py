@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.errors import ConfigError
-from mergepipe.manifest import MANIFEST
+from mergepipe.output.manifest import MANIFEST
 
 
 @dataclass

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 from blake3 import blake3
 
-from mergepipe.blocks import block_ranges
+from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.errors import CheckpointError
-from mergepipe.memory import keep_freed_memory
-from mergepipe.progress import Progress
-from mergepipe.ranks import requested_ranks
-from mergepipe.safetensors_io import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
+from mergepipe.util.memory import keep_freed_memory
+from mergepipe.util.progress import Progress
+from mergepipe.index.ranks import requested_ranks
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 
 HI_BINS = 1 << 15  # sign bit is 0 for |x|
 NONFINITE_BIN = 0x7F80  # upper 16 bits of +inf; NaNs sort above it
@@ -210,7 +210,7 @@ def _add_sums(sums: list[float], b: np.ndarray, e: np.ndarray) -> None:
 
 
 def _kernels():
-    from mergepipe import index_kernels  # numba: imported only when a delta is computed
+    from mergepipe.index import kernels as index_kernels  # numba: imported only when a delta is computed
     return index_kernels
 
 

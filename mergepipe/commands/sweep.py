@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from mergepipe.errors import ConfigError
-from mergepipe.pipeline import merge_plan, plan_config
-from mergepipe.safetensors_io import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
-from mergepipe.store import Store
+from mergepipe.commands.pipeline import merge_plan, plan_config
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
+from mergepipe.index.store import Store
 from mergepipe.units import Budget, parse_budget
 
 CHUNK_BYTES = 16 << 20

@@ -14,12 +14,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from mergepipe.engine import Inputs, hash_file, run_merge
+from mergepipe.engine.merge import Inputs, hash_file, run_merge
 from mergepipe.errors import IntegrityError, OutputError
-from mergepipe.manifest import MANIFEST, RUN_INFO, build_manifest, dumps, load_manifest, verify_outputs
-from mergepipe.plan import PlanInput, check_plan_inputs, make_plan
-from mergepipe.publish import Publisher
-from mergepipe.store import Store
+from mergepipe.output.manifest import MANIFEST, RUN_INFO, build_manifest, dumps, load_manifest, verify_outputs
+from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
+from mergepipe.output.publish import Publisher
+from mergepipe.index.store import Store
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -96,7 +96,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
-    split merge, mergepipe.parts); everything else is the same, so the bytes are too.
+    split merge, mergepipe.commands.parts); everything else is the same, so the bytes are too.
     """
     _check_output_target(out_dir, inputs)
     cached = store.root / "merges" / plan["plan_hash"]

@@ -15,9 +15,9 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe import __version__
-from mergepipe.engine import hash_file
+from mergepipe.engine.merge import hash_file
 from mergepipe.errors import IntegrityError
-from mergepipe.plan import canonical_json
+from mergepipe.plan.planner import canonical_json
 
 MANIFEST_SCHEMA = 1
 MANIFEST = "manifest.json"
@@ -111,7 +111,7 @@ def verify_outputs(out_dir: str | Path) -> dict:
 
 def _first_bad_tensor(path: Path, man: dict) -> str:
     # Imported here: naming the tensor is the rare path, and manifest otherwise needs no weights layer.
-    from mergepipe.safetensors_io import CheckpointError, CheckpointReader, open_checkpoint
+    from mergepipe.checkpoint.safetensors import CheckpointError, CheckpointReader, open_checkpoint
     try:
         ckpt = open_checkpoint(path)
     except CheckpointError as e:

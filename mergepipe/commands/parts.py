@@ -25,11 +25,11 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.engine import Inputs, Realized, hash_file, output_layout, record_outputs, run_merge
+from mergepipe.engine.merge import Inputs, Realized, hash_file, output_layout, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
-from mergepipe.manifest import load_manifest
-from mergepipe.safetensors_io import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
-from mergepipe.store import Store
+from mergepipe.output.manifest import load_manifest
+from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
+from mergepipe.index.store import Store
 
 PART_SCHEMA = 1
 ONE_FILE = 1 << 62  # shard_bytes that keeps a part's tensors in one file
@@ -131,7 +131,7 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
 def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
            threads: int = 2, progress: bool = False) -> dict:
     """Assemble the n parts into out_dir and publish it as `merge_plan` does; returns the manifest."""
-    from mergepipe.pipeline import merge_plan  # pipeline imports the engine; keep this module light
+    from mergepipe.commands.pipeline import merge_plan  # pipeline imports the engine; keep this module light
     parts_dir = Path(parts_dir)
     infos = [_read_part(parts_dir, plan, i, n) for i in range(1, n + 1)]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe.errors import CheckpointError, OutputError
-from mergepipe.index import DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index
-from mergepipe.safetensors_io import Checkpoint, ReadCounter, open_checkpoint
+from mergepipe.index.build import DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index
+from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

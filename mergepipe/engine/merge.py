@@ -25,15 +25,15 @@ import torch
 from blake3 import blake3
 
 from mergepipe.errors import IntegrityError, MethodError
-from mergepipe.index import DeltaIndex, ModelIndex, TensorDelta
-from mergepipe.memory import keep_freed_memory
+from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta
+from mergepipe.util.memory import keep_freed_memory
 from mergepipe.methods import get_method
 from mergepipe.methods._common import sequential_sum
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
-from mergepipe.progress import Progress
-from mergepipe.ranks import magnitude_rank
-from mergepipe.safetensors_io import (DTYPES, FLOAT_DTYPES, INDEX_JSON, ITEMSIZE, Checkpoint, CheckpointReader,
+from mergepipe.util.progress import Progress
+from mergepipe.index.ranks import magnitude_rank
+from mergepipe.checkpoint.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_JSON, ITEMSIZE, Checkpoint, CheckpointReader,
                                       OutTensor, ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -209,14 +209,14 @@ class _Cuts:
 
 
 class _CompiledMerge:
-    """bf16 blocks of task_arithmetic and TIES through mergepipe.merge_kernels: the
+    """bf16 blocks of task_arithmetic and TIES through mergepipe.engine.kernels: the
     torch path's fp32 arithmetic in its operation order, fused, so the same bytes
     (tests/test_merge_kernels.py). Other methods and dtypes keep the torch path."""
 
     METHODS = ("task_arithmetic", "ties")
 
     def __init__(self, method: str, params, experts: list[dict], default_density: float) -> None:
-        from mergepipe import merge_kernels
+        from mergepipe.engine import kernels as merge_kernels
         self.k = merge_kernels
         self.ties = method == "ties"
         self.normalize = bool(params.normalize)

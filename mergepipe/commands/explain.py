@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from mergepipe.errors import ConfigError
-from mergepipe.manifest import MANIFEST, load_manifest
+from mergepipe.output.manifest import MANIFEST, load_manifest
 
 
 def _mib(n: int) -> str:

@@ -21,9 +21,9 @@ from blake3 import blake3
 
 from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError
-from mergepipe.index import DeltaIndex, ModelIndex
+from mergepipe.index.build import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
-from mergepipe.safetensors_io import FLOAT_DTYPES, ITEMSIZE
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.units import Budget, parse_budget
 
 PLAN_SCHEMA = 1

@@ -262,7 +262,7 @@ def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mergepipe.demo",
+    parser = argparse.ArgumentParser(prog="python -m mergepipe.commands.demo",
                                      description="Write a seeded demo family: base + experts.")
     parser.add_argument("out", help="folder to write base/ and expert_*/ into")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

@@ -1,0 +1,1 @@
+"""Step 3, merge: stream the planned blocks through a method into safetensors shards."""

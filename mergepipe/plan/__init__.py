@@ -1,0 +1,1 @@
+"""Step 2, plan: which (expert, block) pairs to read under the expert-I/O budget."""
