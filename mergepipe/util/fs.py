@@ -1,0 +1,87 @@
+"""File-system helpers shared by every step: atomic writes, canonical JSON, file hashes.
+
+One implementation of each, so every file mergepipe writes is either absent or
+complete (never a torn or half-renamed file), and every JSON document it writes or
+hashes is spelled the same way for the same content.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from blake3 import blake3
+
+FILE_MODE = 0o644  # mkstemp creates 0600, which would hide written files from other users
+
+
+def fsync_dir(path: Path | str) -> None:
+    """fsync a folder so a rename inside it survives a crash (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on folders; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write `data` to `path` atomically: a uniquely named temp file in the same folder,
+    fsynced, renamed over `path`, then the folder fsynced.
+
+    Readers see the old file or the new one, never a partial one; concurrent writers do
+    not share a temp name. Creates missing parent folders. OSError propagates (the temp
+    file is removed first); callers turn it into their own one-line error.
+    """
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(parent)
+
+
+def canonical_json(obj, *, indent: int | None = None) -> bytes:
+    """The one JSON spelling: sorted keys, ASCII, no NaN/Infinity (ValueError).
+
+    indent=None: compact (`,` and `:` separators, no trailing newline) -- what is hashed
+    (plan hashes, cache keys) and stored compressed. indent=N: pretty-printed with a
+    trailing newline -- what people read (plans, manifests, records, shard indexes).
+    """
+    if indent is None:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return (json.dumps(obj, sort_keys=True, indent=indent, allow_nan=False) + "\n").encode()
+
+
+def hash_file(path: Path | str, *, chunk_bytes: int = 16 << 20) -> str:
+    """blake3 hex digest of a file's bytes."""
+    # Chunked reads, not update_mmap: a mapping's touched pages count in the
+    # process's RSS, which then grew with the output size (BENCHMARKS.md).
+    h = blake3(max_threads=blake3.AUTO)
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
