@@ -5,9 +5,10 @@ DARE and Breadcrumbs share.
 
 Pure per-block math: no I/O, no logging, no global state, inputs never modified.
 Arithmetic follows mergekit 0.1.5's fp32 operation order (weights as fp32
-tensors, sums taken expert by expert) so that a full-budget merge matches it bit
-for bit wherever mergekit's own result is deterministic; see DESIGN.md
-"Methods" and "Ties at a magnitude threshold".
+tensors, sums taken expert by expert), so a full-budget merge equals it by the
+rule of docs/design.md "Equivalence with mergekit" (bit for bit wherever
+mergekit's own reduction order agrees with ours); see also "Methods" and "Ties at
+a magnitude threshold" there.
 """
 from __future__ import annotations
 

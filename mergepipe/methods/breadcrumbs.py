@@ -11,7 +11,7 @@ delta untouched (gamma is ignored then); when int(gamma*n) + int(density*n) > n
 fewer outliers are dropped so that int(density*n) remain; int(gamma*n) == 0
 drops nothing (0.1.5 keeps the band correctly there; older mergekit's
 `indices[n_bot:-n_top]` kept nothing). At a tie with a band edge, mergekit keeps
-an arbitrary subset and we keep the first in flat order (DESIGN.md "Ties at a
+an arbitrary subset and we keep the first in flat order (docs/design.md "Ties at a
 magnitude threshold"); the band holds exactly int(density*n) either way.
 mergekit's `rescale: true` (L1 rescaling) is not supported.
 """

@@ -6,8 +6,8 @@ plain (1-t)*W0 + t*W1 where |cos(phi)| > 0.9995.
 
 mergekit 0.1.5 `slerp` takes one angle per output tensor: its kernel flattens
 everything but the leading axis, and that axis is the batch of packed weights
-("[output, *weight_shape]"), not the tensor's rows. (DESIGN.md's "per row" reads
-the batch axis as rows.) A block therefore cannot find the angle alone: the
+("[output, *weight_shape]"), not the tensor's rows. (The original design's "per row" read
+the batch axis as rows; docs/design.md says "per whole tensor".) A block therefore cannot find the angle alone: the
 engine supplies ExpertBlock.cosine, computed once per (expert, tensor) by
 `cosine_from_sums` from three whole-tensor sums: sum W0^2, sum W1^2 and
 sum W0*W1 (W1 = W0 + delta). When the block is the whole tensor and no cosine is

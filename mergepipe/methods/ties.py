@@ -8,7 +8,7 @@ that agree: theta = W0 + lambda * sum_k m_k w_k trimmed_k / sum_k m_k w_k
 Same as mergekit 0.1.5 `ties` (consensus "sum", normalize default true) except
 at a tie: where several |delta| equal the k-th largest, mergekit keeps an
 arbitrary subset (unstable argsort) and we keep the first in flat order, so the
-count kept is exactly k either way (DESIGN.md "Ties at a magnitude threshold").
+count kept is exactly k either way (docs/design.md "Ties at a magnitude threshold").
 A density that rounds to k == 0 keeps the single largest element, as mergekit
 does; density 0 keeps nothing. mergekit's `rescale: true` (L1 rescaling of the
 trimmed delta) is not supported.
