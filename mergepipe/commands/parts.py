@@ -25,7 +25,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.engine.merge import Inputs, Realized, hash_file, output_layout, record_outputs, run_merge
+from mergepipe.engine.layout import output_layout
+from mergepipe.engine.merge import Inputs, Realized, hash_file, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint

@@ -8,7 +8,6 @@ memory is O(window x (K+1) x block_bytes), never O(model).
 """
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -17,7 +16,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from blake3 import blake3
 
 from mergepipe.errors import IntegrityError, MethodError
 from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta
+from mergepipe.engine.layout import OUT_DTYPES, output_layout, shard_index_json  # noqa: F401 (re-exported)
 from mergepipe.util.memory import keep_freed_memory
 from mergepipe.methods import get_method
 from mergepipe.methods._common import sequential_sum
@@ -33,10 +32,9 @@ from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.methods.slerp import cosine_from_sums
 from mergepipe.util.progress import Progress
 from mergepipe.index.ranks import magnitude_rank
-from mergepipe.checkpoint.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_JSON, ITEMSIZE, Checkpoint, CheckpointReader,
+from mergepipe.checkpoint.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_JSON, Checkpoint, CheckpointReader,
                                       OutTensor, ReadCounter, SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 
-OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 UNIT_BYTES = 4 << 20  # base bytes per prefetch unit: adjacent blocks read with one pread
 
 
@@ -59,41 +57,6 @@ class Realized:
     files: dict[str, dict] = field(default_factory=dict)  # name -> {blake3, size}
     tensors: dict[str, str] = field(default_factory=dict)  # name -> blake3 of output bytes
     seconds: float = 0.0
-
-
-def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
-    """Output file name -> tensors, mirroring the base's sharding unless shard_bytes is set."""
-    def out(t: TensorInfo) -> OutTensor:
-        d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
-        return OutTensor(t.name, d, t.shape)
-
-    tensors = list(base.tensors.values())
-    if shard_bytes is None:
-        if len(base.files) == 1:
-            return {"model.safetensors": [out(t) for t in tensors]}
-        return {h.path.name: [out(t) for t in h.tensors] for h in base.files}
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        o = out(t)
-        nbytes = ITEMSIZE[o.dtype] * t.numel
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(o)
-        size += nbytes
-    if len(groups) == 1:
-        return {"model.safetensors": groups[0]}
-    n = len(groups)
-    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
-
-
-def shard_index_json(layout: dict[str, list[OutTensor]]) -> bytes:
-    """model.safetensors.index.json for a sharded layout (sorted, stable bytes)."""
-    total = sum(prod(t.shape) * ITEMSIZE[t.dtype] for ts in layout.values() for t in ts)
-    weight_map = {t.name: fname for fname, ts in layout.items() for t in ts}
-    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
 def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter],
