@@ -12,7 +12,6 @@ that tests never check mergepipe's I/O against itself. Nothing in the merge path
 import this module. Same arguments give byte-identical files.
 """
 import argparse
-import json
 import math
 import sys
 import time
@@ -24,6 +23,7 @@ from blake3 import blake3
 from safetensors.torch import save_file
 
 from mergepipe.errors import ConfigError, MergepipeError
+from mergepipe.util.fs import canonical_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,7 @@ def _base_tensor(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 
 
 def _json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    path.write_bytes(canonical_json(obj, indent=2))
 
 
 def _write_metadata(folder: Path, p: Preset, *, tied: bool, dtype: str) -> None:

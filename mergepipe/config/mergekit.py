@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -33,6 +32,7 @@ import yaml
 
 from mergepipe.config.params import DEFAULT_OUTPUT_DIR, config_from_dict, read_yaml
 from mergepipe.errors import ConfigError
+from mergepipe.util.fs import atomic_write_bytes
 
 METHOD_NAMES = {
     "linear": "linear",
@@ -345,16 +345,4 @@ def write_params(params: dict[str, Any], path: str | os.PathLike[str], *,
     text = dump_params(params)
     if comment:
         text = "".join(f"# {line}\n" for line in comment.splitlines()) + text
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                               dir=target.parent if str(target.parent) else ".")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -15,9 +15,8 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe import __version__
-from mergepipe.engine.merge import hash_file
 from mergepipe.errors import IntegrityError
-from mergepipe.plan.planner import canonical_json
+from mergepipe.util.fs import canonical_json, hash_file
 
 MANIFEST_SCHEMA = 1
 MANIFEST = "manifest.json"
@@ -63,7 +62,7 @@ def manifest_hash(man: dict) -> str:
 
 
 def dumps(man: dict) -> bytes:
-    return json.dumps(man, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+    return canonical_json(man, indent=1)
 
 
 def load_manifest(out_dir: str | Path) -> dict:

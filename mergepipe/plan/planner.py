@@ -13,7 +13,6 @@ squares); for the others it is reported as a heuristic.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from mergepipe.index.build import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.units import Budget, parse_budget
+from mergepipe.util.fs import canonical_json
 
 PLAN_SCHEMA = 1
 
@@ -37,10 +37,6 @@ class PlanInput:
     weight: float
     density: float | None = None
     gamma: float | None = None
-
-
-def canonical_json(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def hash_json(obj: object) -> str:
