@@ -2,8 +2,8 @@
 
 `python -m tests.golden OUT [--threads N] [--torch-path]` writes the family under OUT,
 runs each case of CASES through `mergepipe run` (in process) and prints one JSON object:
-case -> {"weights": blake3 over the output's weight files, "manifest": blake3 of its
-manifest.json}. tests/test_golden.py runs it under different CPU settings and compares.
+case -> {"weights": blake3 over the output's weight files, "plan": the manifest's
+version-free digest, "manifest": blake3 of its manifest.json}. tests/test_golden.py runs it under different CPU settings and compares.
 
 The family is built from integers only (numpy's PCG64 integers, exact fp32 scaling, a
 bf16 rounding written with integer ops, safetensors written by hand), so its bytes are
@@ -144,6 +144,17 @@ def weights_hash(out: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_digest(out: Path) -> str:
+    """blake3 of the manifest without what names the version (versions, plan hash, model
+    card): pins plans, bytes, bounds and hashes across refactors, not across releases."""
+    man = json.loads((out / "manifest.json").read_text())
+    for key in ("versions", "plan_hash", "manifest_hash"):
+        man.pop(key)
+    man["plan"] = {k: v for k, v in man["plan"].items() if k not in ("mergepipe_version", "plan_hash")}
+    man["outputs"]["files"].pop("README.md")
+    return blake3(json.dumps(man, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def run_cases(root: Path, *, threads: int, torch_path: bool) -> dict[str, dict[str, str]]:
     from mergepipe.engine import merge as engine
     from mergepipe.commands import pipeline
@@ -161,7 +172,7 @@ def run_cases(root: Path, *, threads: int, torch_path: bool) -> dict[str, dict[s
         _config(work / "params.yaml", case)
         if main(["run", str(work / "params.yaml"), "-q", "--threads", str(threads)]) != 0:
             raise SystemExit(f"golden case {name} failed")
-        result[name] = {"weights": weights_hash(work / "out"),
+        result[name] = {"weights": weights_hash(work / "out"), "plan": manifest_digest(work / "out"),
                         "manifest": blake3((work / "out" / "manifest.json").read_bytes()).hexdigest()}
     return result
 

@@ -3,7 +3,7 @@
 tests/golden.py builds a family from integers only and merges it with every method
 (bf16 and fp32, a sharded base, a partial budget, a dtype change). Each setting below
 runs it in a fresh interpreter; every one must give the committed weight hashes and
-the same manifest bytes. A hash that changes means the output bytes changed: a change
+the same manifest bytes, and the manifests (less their version fields) are pinned too. A hash that changes means the output bytes changed: a change
 of behaviour, to be made on purpose (and the hashes updated in the same commit), never
 by a refactor.
 """
@@ -40,6 +40,28 @@ GOLDEN = {
     "f32-ties": "6beaff44c3cb7bd60c9655d5239b28d141bc17e4a66cf63908496b92e302416e",
     "sharded-base-ties": "3594945755653a455a90e980641ca71065168750b69e51efb9cba3fd7bf6ff9e",
 }
+# the manifests without their version fields (tests/golden.py::manifest_digest): plans,
+# access sets, byte counts, bounds and output hashes
+PLANS = {
+PLANS = {
+    "bf16-breadcrumbs": "4f55f07f64471334b34b90384da1117479a706cd9a35d38b13d0001be847c64a",
+    "bf16-breadcrumbs_ties": "d804cb47f78046edc8bc030ea2003cedc3d53c16ddc61e8dbabaacfe6a68974f",
+    "bf16-dare_linear": "6bcc506854666e31073a8a21e4e1ee001e0bda812877d978231998325c89046c",
+    "bf16-dare_ties": "fa56c38a8ae2008ee70b1b86ecc4fb601b3a772bd10b752e21fea9f027701b39",
+    "bf16-linear": "f534e528fb720cb6f04353970df21761ec1e24d7d8e4912a1dcf3f8605520816",
+    "bf16-slerp": "d30a0a60440021cbb4b71cc8283c050109d1f60f0fc5cc91e55c1d2e2067ec15",
+    "bf16-ta-30pct": "04501579d21d1f2b6782539158c914e633a5a240759aa20756ca6090e1fe14a8",
+    "bf16-ta-to-f32": "fc19626891158c7acd3c1ae3a4dcb538512f5f605f465a2c591acfa5712d6eb4",
+    "bf16-task_arithmetic": "3c5ba64574f1bcaab11b04f0dbb9b1023480cff87c59b91830f04e70d252bde9",
+    "bf16-ties": "06cd5c4d0b610042a1cfcb8ab739d1c9758ba34bf3b2cbdc12f5c00bb335101b",
+    "bf16-ties-30pct": "85b18fd1608090c24d3141262e7a3ac260a8ff3d7b5a5c58989c0a70d24b1aba",
+    "f32-breadcrumbs_ties": "c9074af9934d18d311d2e6e156f2b2d25c2ab510093763d30ccf017378e5b6ee",
+    "f32-dare_ties": "49bce395f372e6f7c6a70fd7d66a52ea8714a55af9a9c119ffab75086794792a",
+    "f32-slerp": "4f7a2c5ff137c3abadde759e30335472f39a5263fee991d9e00daa0c061b4b72",
+    "f32-task_arithmetic": "b7a1598748d56c7c2a668df244c60f5e470d665ce59126b78f7b69928f4902fc",
+    "f32-ties": "acffdf587fb0d5a8ff73361f8f1b53645bdf4b2910e9a2b308d0b90e518f62c5",
+    "sharded-base-ties": "02fe345ed280847ed9d02a1d1d72e8aa1d7d99063af65dee7b12139cb3f0e45a",
+}
 
 # numpy's runtime-dispatched SIMD paths that this CPU has, all turned off in one setting
 NUMPY_SIMD = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
@@ -65,7 +87,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_cases_have_golden_hashes():
-    assert sorted(GOLDEN) == sorted(CASES)
+    assert sorted(GOLDEN) == sorted(CASES) == sorted(PLANS)
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
@@ -73,6 +95,12 @@ def test_golden_weights(runs, setting):
     got = {case: r["weights"] for case, r in runs[setting].items()}
     wrong = sorted(case for case in GOLDEN if got.get(case) != GOLDEN[case])
     assert not wrong, f"{setting}: output bytes changed for {wrong}"
+
+
+def test_golden_plans_and_manifests(runs):
+    got = {case: r["plan"] for case, r in runs["default"].items()}
+    wrong = sorted(case for case in PLANS if got.get(case) != PLANS[case])
+    assert not wrong, f"plans or manifests changed for {wrong}"
 
 
 def test_manifests_identical_across_settings(runs):
