@@ -43,7 +43,6 @@ GOLDEN = {
 # the manifests without their version fields (tests/golden.py::manifest_digest): plans,
 # access sets, byte counts, bounds and output hashes
 PLANS = {
-PLANS = {
     "bf16-breadcrumbs": "4f55f07f64471334b34b90384da1117479a706cd9a35d38b13d0001be847c64a",
     "bf16-breadcrumbs_ties": "d804cb47f78046edc8bc030ea2003cedc3d53c16ddc61e8dbabaacfe6a68974f",
     "bf16-dare_linear": "6bcc506854666e31073a8a21e4e1ee001e0bda812877d978231998325c89046c",
