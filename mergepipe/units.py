@@ -1,8 +1,9 @@
 """Byte sizes and budgets as users write them ("1MiB", "25%", "full").
 
-Owns parsing and canonical printing of sizes and of the expert-I/O budget. The
-canonical budget string goes into plan hashes, so equal budgets must print the
-same ("25%", 0.25 and "25.0%" all print "25%"). Pure functions; no I/O.
+Owns the one size and budget grammar: parsing, the regex patterns the JSON schema
+publishes, budget lists, canonical printing, and the bounded repr of one-line
+errors. The canonical budget string goes into plan hashes, so equal budgets must
+print the same ("25%", 0.25 and "25.0%" all print "25%"). Pure functions; no I/O.
 
 Errors are `UnitError`, a `ConfigError` that is also a `ValueError`, so the
 same functions serve the CLI (which prints MergepipeErrors) and pydantic
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -31,13 +33,28 @@ class UnitError(ConfigError, ValueError):
         self.detail = detail
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def short_repr(value: object) -> str:
+    """A bounded repr: an error line must stay one short line whatever the user wrote."""
+    return _REPR.repr(value)
+
+
 _BINARY = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
 _DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
 _UNITS: dict[str, int] = {"": 1, "b": 1, **_BINARY, **_DECIMAL}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+# The grammar, written once. The patterns are plain enough for JSON schema (ECMA-262)
+# too: config/schema.py publishes SIZE_PATTERN and BUDGET_PATTERN in
+# schemas/params.schema.yaml, so Snakemake's check and this parser read the same text.
+_NUMBER = r"(\d+(\.\d*)?|\.\d+)"  # group 1: the number (group 2: its fraction part)
+SIZE_PATTERN = rf"^\s*{_NUMBER}\s*[A-Za-z]*\s*$"
+BUDGET_PATTERN = rf"^\s*([Ff][Uu][Ll][Ll]|{_NUMBER}\s*(%|[A-Za-z]*))\s*$"
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([A-Za-z]*)\s*$")  # group 3: the unit
 _PLAIN_INT_RE = re.compile(r"^\s*\d+\s*$")
 _PLAIN_DECIMAL_RE = re.compile(r"^\s*(\d+\.\d*|\.\d+)\s*$")
-_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+_PERCENT_RE = re.compile(rf"^\s*{_NUMBER}\s*%\s*$")
 _SIZE_HELP = "use a byte count (4096) or a size like '512KiB', '1MiB', '2GiB', '500MB'"
 
 
@@ -74,9 +91,9 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     match = _SIZE_RE.match(value)
     if match is None:
         raise UnitError(what, f"cannot parse {value!r}; {_SIZE_HELP}")
-    number, unit = match.group(1), match.group(2).lower()
+    number, unit = match.group(1), match.group(3).lower()
     if unit not in _UNITS:
-        raise UnitError(what, f"unknown unit {match.group(2)!r} in {value!r}; use B, KiB, MiB, "
+        raise UnitError(what, f"unknown unit {match.group(3)!r} in {value!r}; use B, KiB, MiB, "
                               "GiB, TiB, PiB (x1024) or KB, MB, GB, TB, PB (x1000)")
     exact = Fraction(Decimal(number)) * _UNITS[unit]
     if exact.denominator != 1:
@@ -235,3 +252,18 @@ def parse_budget(value: Budget | str | int | float) -> Budget:
         numeric = False
     hint = " (write it without an exponent)" if numeric else ""
     raise UnitError("budget", f"cannot parse {value!r}{hint}; {_BUDGET_HELP}")
+
+
+def parse_budget_list(text: str) -> list[Budget]:
+    """'5%,10%,full' -> budgets, deduplicated by meaning, in the order given; empty items skipped.
+
+    Raises:
+        UnitError: a budget that does not parse (names it).
+    """
+    out: list[Budget] = []
+    for part in text.split(","):
+        if part.strip():
+            b = parse_budget(part.strip())
+            if b not in out:
+                out.append(b)
+    return out

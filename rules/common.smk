@@ -10,6 +10,7 @@ from snakemake.utils import validate
 
 import mergepipe
 from mergepipe.errors import MergepipeError
+from mergepipe.checkpoint.blocks import parse_block_bytes
 from mergepipe.units import parse_bytes
 
 INDEX_JSON = "model.safetensors.index.json"
@@ -51,7 +52,7 @@ def from_root(path: str) -> str:
 
 BASE = from_root(config["base"])
 EXPERTS = {e["name"]: from_root(e["path"]) for e in config["experts"]}
-BLOCK_BYTES = parse_bytes(config["block_bytes"])
+BLOCK_BYTES = parse_block_bytes(config["block_bytes"])
 CACHE = from_root(config["cache_dir"])
 OUT = from_root(OUTPUT["dir"])
 PLAN = "plans/plan.json"

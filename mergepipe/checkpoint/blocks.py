@@ -1,18 +1,31 @@
-"""Row-range block layout. A block is a range of whole rows of one tensor, so its
-bytes are one contiguous range in the file. Pure arithmetic, no I/O."""
+"""Row-range block layout and the block size. A block is a range of whole rows of one
+tensor, so its bytes are one contiguous range in the file. Owns the block-size default,
+range and parser (params.yaml, `mergepipe index --block-bytes`, the Snakemake rules) and
+the row-bytes arithmetic. Pure arithmetic, no I/O."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import prod
+from typing import Any
+
+from mergepipe.units import UnitError, parse_bytes, short_repr
 
 DEFAULT_BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 1 << 30
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
-    tensor: str
-    row_start: int
-    row_end: int
+def parse_block_bytes(value: Any, *, what: str = "block_bytes") -> int:
+    """A block size as written ("1MiB", 65536), within [4KiB, 1GiB].
+
+    Raises:
+        UnitError: not a size, or out of range (`detail` reads well after a key path).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise UnitError(what, f"must be a byte count or size like '1MiB', got {short_repr(value)}")
+    size = parse_bytes(value, what=what)
+    if not MIN_BLOCK_BYTES <= size <= MAX_BLOCK_BYTES:
+        raise UnitError(what, f"must be between 4KiB and 1GiB, got {short_repr(value)} ({size} bytes)")
+    return size
 
 
 def num_rows(shape: tuple[int, ...] | list[int]) -> int:
@@ -25,6 +38,11 @@ def row_numel(shape: tuple[int, ...] | list[int]) -> int:
     return prod(shape[1:]) if len(shape) >= 1 else 1
 
 
+def row_bytes(shape: tuple[int, ...] | list[int], itemsize: int) -> int:
+    """Bytes per row: `row_numel(shape) * itemsize`."""
+    return row_numel(shape) * itemsize
+
+
 def block_ranges(shape: tuple[int, ...] | list[int], itemsize: int,
                  block_bytes: int) -> list[tuple[int, int]]:
     """Split a tensor into whole-row ranges of about `block_bytes` each.
@@ -35,6 +53,5 @@ def block_ranges(shape: tuple[int, ...] | list[int], itemsize: int,
     rows = num_rows(shape)
     if len(shape) <= 1:
         return [(0, rows)] if rows > 0 else []
-    row_bytes = row_numel(shape) * itemsize
-    per_block = max(1, block_bytes // max(1, row_bytes))
+    per_block = max(1, block_bytes // max(1, row_bytes(shape, itemsize)))
     return [(start, min(rows, start + per_block)) for start in range(0, rows, per_block)]

@@ -18,6 +18,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.errors import CheckpointError, OutputError
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class TensorInfo:
         return prod(self.shape)
 
     def row_bytes(self) -> int:
-        return prod(self.shape[1:]) * self.itemsize if self.shape else self.itemsize
+        return row_bytes(self.shape, self.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,8 +447,7 @@ class SafetensorsWriter:
     def offset_of(self, name: str, row_start: int) -> int:
         """Absolute file offset of row `row_start` of tensor `name`."""
         t, offset = self._layout[name]
-        row_bytes = prod(t.shape[1:]) * ITEMSIZE[t.dtype] if t.shape else ITEMSIZE[t.dtype]
-        return self.data_start + offset + row_start * row_bytes
+        return self.data_start + offset + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])
 
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         try:

@@ -30,7 +30,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.commands.pipeline import merge_plan, plan_config
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.index.store import Store
-from mergepipe.units import Budget, parse_budget
+from mergepipe.units import Budget, parse_budget_list
 
 CHUNK_BYTES = 16 << 20
 
@@ -69,18 +69,8 @@ class SweepResult:
 
 
 def parse_budgets(text: str) -> list[Budget]:
-    """'5%,10%,full' -> budgets, deduplicated, in the order given.
-
-    Raises:
-        UnitError: a budget that does not parse (names it).
-    """
-    out: list[Budget] = []
-    for part in text.split(","):
-        if part.strip():
-            b = parse_budget(part.strip())
-            if b not in out:
-                out.append(b)
-    return out
+    """'5%,10%,full' -> budgets (units.parse_budget_list, the one budget grammar)."""
+    return parse_budget_list(text)
 
 
 def _label(budget: Budget) -> str:

@@ -22,6 +22,7 @@ from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError
 from mergepipe.index.build import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
+from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.units import Budget, parse_budget
 from mergepipe.util.fs import canonical_json
@@ -90,9 +91,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             if td.nonfinite and nonfinite == "error":
                 raise CheckpointError(f"{e.path}: tensor {name!r} has {td.nonfinite} NaN/Inf values "
                                       "(set nonfinite: allow to merge anyway)")
-            row_bytes = _row_bytes(entry.shape, entry.dtype)
+            entry_row_bytes = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
             for b, (r0, r1) in enumerate(entry.ranges):
-                cost = (r1 - r0) * row_bytes
+                cost = (r1 - r0) * entry_row_bytes
                 total_expert_bytes += cost
                 if td.identical[b]:
                     skipped_identical[e.name] += cost
@@ -172,13 +173,6 @@ def _input_json(e: PlanInput) -> dict:
     if e.gamma is not None:
         d["gamma"] = e.gamma
     return d
-
-
-def _row_bytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n * ITEMSIZE[dtype]
 
 
 def check_plan_inputs(plan: dict, base_index: ModelIndex, expert_indexes: dict[str, ModelIndex]) -> None:

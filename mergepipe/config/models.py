@@ -1,0 +1,178 @@
+"""The params.yaml models: ExpertConfig, OutputConfig, MergeConfig (extra keys forbidden
+everywhere), method parameters validated by the registered method's own params model,
+and the canonical `normalized()` form that plans and manifests hash.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES
+from mergepipe.config.checks import (
+    check_density_gamma,
+    check_expert_overrides,
+    check_unique_names,
+    check_weight_sum,
+    effective,
+)
+from mergepipe.config.fields import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_OUTPUT_DIR,
+    MAX_SEED,
+    MODEL_CONFIG,
+    BlockBytes,
+    BudgetField,
+    ConfigPath,
+    Density,
+    Gamma,
+    Name,
+    OutputDtype,
+    ShardBytes,
+    Weight,
+)
+from mergepipe.config.messages import describe
+from mergepipe.methods import METHODS
+
+
+class ExpertConfig(BaseModel):
+    """One expert checkpoint. density/gamma override the method's parameters."""
+
+    model_config = MODEL_CONFIG
+    name: Name = Field(description="unique, filename-safe label (letters, digits, . _ -)")
+    path: ConfigPath = Field(description="Hugging Face model folder, relative to params.yaml")
+    weight: Weight = Field(description="w_k; finite, may be negative")
+    density: Density | None = Field(None, description="per-expert density in (0, 1]")
+    gamma: Gamma | None = Field(None, description="per-expert gamma in [0, 1) (breadcrumbs)")
+
+    @model_validator(mode="after")
+    def _density_plus_gamma(self) -> ExpertConfig:
+        if self.density is not None and self.gamma is not None:
+            check_density_gamma(self.density, self.gamma, "")
+        return self
+
+
+class OutputConfig(BaseModel):
+    model_config = MODEL_CONFIG
+    dir: ConfigPath = Field(Path(DEFAULT_OUTPUT_DIR),
+                            description="output model folder, relative to params.yaml")
+    dtype: OutputDtype | None = Field(
+        None, description="output dtype; null keeps the base's dtypes")
+    shard_bytes: ShardBytes | None = Field(
+        None, description="shard size; null mirrors the base's sharding")
+
+
+class MergeConfig(BaseModel):
+    """A validated params.yaml.
+
+    After `load_config`/`config_from_dict`, `base`, `experts[i].path`,
+    `output.dir` and `cache_dir` are absolute; `normalized()` shows them as
+    written. `parameters` is what the user wrote; `method_params` is the typed,
+    defaults-filled parameters object of the method.
+    """
+
+    model_config = MODEL_CONFIG
+    base: ConfigPath = Field(description="base model folder (W0), relative to params.yaml")
+    experts: list[ExpertConfig] = Field(min_length=1, description="the experts W1..WK")
+    method: Annotated[str, Field(strict=True)] = Field(description="registered merge method")
+    parameters: Annotated[dict[str, Any], Field(strict=True)] = Field(
+        default_factory=dict, description="method parameters (checked by the method)")
+    seed: Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)] = Field(
+        0, description="seed for randomized methods (DARE)")
+    budget: BudgetField = Field("full", validate_default=True,
+                                description="most expert bytes to read: 'full', a "
+                                "percentage or fraction of what a full merge reads (the "
+                                "expert blocks that differ from the base), or a size")
+    block_bytes: BlockBytes = Field(DEFAULT_BLOCK_BYTES, description="target block size")
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    cache_dir: ConfigPath = Field(Path(DEFAULT_CACHE_DIR),
+                                  description="indexes, plans and store, relative to params.yaml")
+    nonfinite: Literal["error", "allow"] = Field(
+        "error", description="what to do with NaN/Inf in an expert")
+
+    _method_params: BaseModel | None = PrivateAttr(None)
+    _written: dict[str, str] = PrivateAttr(default_factory=dict)
+    _source: str = PrivateAttr("<dict>")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"unknown merge method {method!r}; known: {', '.join(sorted(METHODS))}")
+        return method
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> MergeConfig:
+        check_unique_names(self.experts)
+        method = METHODS[self.method]
+        try:
+            params = method.params.model_validate(self.parameters)
+        except ValidationError as err:
+            raise ValueError(describe(err, method.params, ("parameters",))) from None
+        self._method_params = params
+        if method.max_experts is not None and len(self.experts) > method.max_experts:
+            limit = "exactly 1 expert" if method.max_experts == 1 else \
+                f"at most {method.max_experts} experts"
+            raise ValueError(f"experts: method {self.method!r} takes {limit}, "
+                             f"got {len(self.experts)}")
+        check_expert_overrides(self.experts, self.method, method.params, params)
+        check_weight_sum(self.experts, self.method, params)
+        return self
+
+    # -------------------------------------------------------- derived values
+
+    @property
+    def method_params(self) -> BaseModel:
+        """The method's typed parameters, defaults filled (e.g. `.lambda_`)."""
+        if self._method_params is None:  # built by model_construct, never validated
+            self._method_params = METHODS[self.method].params.model_validate(self.parameters)
+        return self._method_params
+
+    @property
+    def source(self) -> str:
+        """The file (or "<dict>") this config came from, for error messages."""
+        return self._source
+
+    def expert_density(self, expert: ExpertConfig) -> float | None:
+        """The expert's density, else the method's; None if the method has none."""
+        return effective(expert, "density", self.method_params)
+
+    def expert_gamma(self, expert: ExpertConfig) -> float | None:
+        """The expert's gamma, else the method's; None if the method has none."""
+        return effective(expert, "gamma", self.method_params)
+
+    def normalized(self) -> dict[str, Any]:
+        """Canonical JSON-able form for plan hashes and manifests.
+
+        Defaults filled, paths as written (relative to params.yaml), budget in
+        its canonical string, sizes as ints, method parameters under their
+        canonical (alias) names with defaults, each expert's effective density
+        and gamma. Feeding it back to `config_from_dict` gives the same form.
+        """
+        def written(key: str, path: Path) -> str:
+            return self._written.get(key, path.as_posix())
+
+        experts = [{
+            "name": e.name,
+            "path": written(f"experts[{i}].path", e.path),
+            "weight": e.weight,
+            "density": self.expert_density(e),
+            "gamma": self.expert_gamma(e),
+        } for i, e in enumerate(self.experts)]
+        return {
+            "base": written("base", self.base),
+            "experts": experts,
+            "method": self.method,
+            "parameters": self.method_params.model_dump(mode="json", by_alias=True),
+            "seed": self.seed,
+            "budget": str(self.budget),
+            "block_bytes": self.block_bytes,
+            "output": {
+                "dir": written("output.dir", self.output.dir),
+                "dtype": self.output.dtype,
+                "shard_bytes": self.output.shard_bytes,
+            },
+            "cache_dir": written("cache_dir", self.cache_dir),
+            "nonfinite": self.nonfinite,
+        }

@@ -1,0 +1,53 @@
+"""Path resolution: params.yaml paths made absolute against its folder (as written kept
+for `normalized()`), and the output folder refused where it overlaps an input or the cache."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mergepipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mergepipe.config.models import MergeConfig
+
+
+def _absolute(root: Path, path: Path) -> Path:
+    return Path(os.path.normpath(root / path.expanduser()))
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
+    written = {"base": cfg.base.as_posix(), "output.dir": cfg.output.dir.as_posix(),
+               "cache_dir": cfg.cache_dir.as_posix()}
+    experts = []
+    for i, expert in enumerate(cfg.experts):
+        written[f"experts[{i}].path"] = expert.path.as_posix()
+        experts.append(expert.model_copy(update={"path": _absolute(root, expert.path)}))
+    resolved = cfg.model_copy(update={
+        "base": _absolute(root, cfg.base),
+        "experts": experts,
+        "output": cfg.output.model_copy(update={"dir": _absolute(root, cfg.output.dir)}),
+        "cache_dir": _absolute(root, cfg.cache_dir),
+    })
+    resolved._written = written
+    resolved._source = source
+    resolved._method_params = cfg._method_params
+
+    inputs = [("base", resolved.base)] + [
+        (f"experts[{i}].path", e.path) for i, e in enumerate(resolved.experts)]
+    out = resolved.output.dir
+    for key, path in inputs:
+        if _overlaps(out, path):
+            raise ConfigError(
+                f"{source}: output.dir: {written['output.dir']!r} overlaps the input model "
+                f"{key} ({written[key]!r}); write the merge to a separate folder")
+    if _overlaps(resolved.cache_dir, out):
+        raise ConfigError(
+            f"{source}: cache_dir: {written['cache_dir']!r} overlaps output.dir "
+            f"({written['output.dir']!r}); publishing the output would replace the cache")
+    return resolved
