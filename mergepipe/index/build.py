@@ -88,7 +88,7 @@ class TensorDelta:
     # rank position -> per-block count of elements == value; only where a cut
     # splits a run of equal values (0 < rank - count_gt < count_eq)
     block_eq: dict[int, tuple[int, ...]]
-    # whole-tensor sums (fp32 per block, fp64 across blocks) that give slerp its angle
+    # whole-tensor sums (fp64, in a fixed order: kernels.slerp_sums) that give slerp its angle
     base_sq: float = 0.0
     expert_sq: float = 0.0
     dot: float = 0.0
@@ -203,10 +203,10 @@ def _decode(buf: bytearray, dtype: str, out: np.ndarray) -> np.ndarray:
 
 
 def _add_sums(sums: list[float], b: np.ndarray, e: np.ndarray) -> None:
-    with np.errstate(over="ignore", invalid="ignore"):
-        sums[0] += float(np.dot(b, b))
-        sums[1] += float(np.dot(e, e))
-        sums[2] += float(np.dot(b, e))
+    bb, ee, be = _kernels().slerp_sums(b, e)  # fixed summation order: the same on every CPU
+    sums[0] += bb
+    sums[1] += ee
+    sums[2] += be
 
 
 def _kernels():
@@ -291,15 +291,11 @@ class _DeltaTensorScan:
             bad = int(hist[NONFINITE_BIN:].sum()) - finite_before  # |x| >= inf in the bit order: Inf and NaN
             nonfinite += bad
             # norms of the finite part (NaN/Inf are counted in `nonfinite`), so that a plan made
-            # with `nonfinite: allow` stays finite JSON; fp64 where fp32 squares overflow
-            fin = values if not bad else np.where(np.isfinite(values), values, np.float32(0))
-            with np.errstate(over="ignore"):
-                sq = float(np.dot(fin, fin))
-            if not math.isfinite(sq):
-                sq = float(np.dot(fin.astype(np.float64), fin.astype(np.float64)))
+            # with `nonfinite: allow` stays finite JSON; fp64 sums in a fixed order (kernels.py)
+            sq, block_l1 = _kernels().finite_norms(values)
             block_l2[i] = math.sqrt(sq)
             block_max[i] = float(values.max()) if values.size else 0.0
-            l1 += float(fin.sum())
+            l1 += block_l1
             l2sq += block_l2[i] ** 2
             self.cache.append(bits if self.keep else None)
         self.identical = identical

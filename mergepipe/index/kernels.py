@@ -82,3 +82,43 @@ def bf16_abs_delta(base: np.ndarray, expert: np.ndarray, base_f32: np.ndarray, e
         base_f32[i] = b
         expert_f32[i] = e
         out[i] = abs(e - b)
+
+
+# Sums of the delta index. BLAS (np.dot) picks its kernel, and so its summation order, by
+# CPU (OpenBLAS Haswell, SkylakeX and Prescott kernels give different last bits), which
+# made block norms, plan bounds and slerp angles machine-dependent. These loops fix the
+# order: 8 fp64 lanes (fp32 products are exact in fp64), element i in lane i % 8, lanes
+# combined pairwise. LLVM may vectorize the lanes but cannot reorder them (no fastmath).
+LANES = 8
+
+
+@njit(inline="always")
+def _combine(acc: np.ndarray) -> float:
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+
+@njit(nogil=True, cache=True)
+def finite_norms(values: np.ndarray) -> tuple[float, float]:
+    """(sum x^2, sum |x|) over the finite elements of an fp32 array, in fp64."""
+    sq = np.zeros(LANES, dtype=np.float64)
+    l1 = np.zeros(LANES, dtype=np.float64)
+    for i in range(values.size):
+        x = np.float64(values[i])
+        if np.isfinite(x):
+            sq[i % LANES] += x * x
+            l1[i % LANES] += abs(x)
+    return _combine(sq), _combine(l1)
+
+
+@njit(nogil=True, cache=True)
+def slerp_sums(b: np.ndarray, e: np.ndarray) -> tuple[float, float, float]:
+    """(sum b^2, sum e^2, sum b*e) of two fp32 arrays, in fp64."""
+    bb = np.zeros(LANES, dtype=np.float64)
+    ee = np.zeros(LANES, dtype=np.float64)
+    be = np.zeros(LANES, dtype=np.float64)
+    for i in range(b.size):
+        x, y = np.float64(b[i]), np.float64(e[i])
+        bb[i % LANES] += x * x
+        ee[i % LANES] += y * y
+        be[i % LANES] += x * y
+    return _combine(bb), _combine(ee), _combine(be)

@@ -64,7 +64,7 @@ def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
     return out
 
 
-DELTA_FORMAT = 2  # bump when DeltaIndex changes meaning: old cache entries are then ignored
+DELTA_FORMAT = 3  # bump when DeltaIndex changes meaning: old cache entries are then ignored
 
 
 class Store:
