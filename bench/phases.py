@@ -27,11 +27,12 @@ T0 = time.perf_counter()
 import torch  # noqa: E402,F401  (import cost is a phase of its own)
 
 import mergepipe.cli  # noqa: E402,F401
+from mergepipe.engine import hashing  # noqa: E402
 from mergepipe.engine import merge as engine  # noqa: E402
 from mergepipe.output import manifest  # noqa: E402
 from mergepipe.commands import pipeline  # noqa: E402
 from mergepipe.config.params import load_config  # noqa: E402
-from mergepipe.methods import registry  # noqa: E402
+from mergepipe.methods import _compiled as compiled, registry  # noqa: E402
 from mergepipe.checkpoint.safetensors import SafetensorsWriter  # noqa: E402
 from mergepipe.index.store import Store  # noqa: E402
 
@@ -80,8 +81,8 @@ def main() -> int:
     Future.result = result
     for m in registry.METHODS.values():
         object.__setattr__(m, "fn", timed("method math", m.fn))
-    engine._CompiledMerge.__call__ = timed("method math", engine._CompiledMerge.__call__)
-    engine._OutputHasher.finish = timed("wait for output hashing", engine._OutputHasher.finish)
+    compiled.CompiledCombine.__call__ = timed("method math", compiled.CompiledCombine.__call__)
+    hashing.OutputHasher.finish = timed("wait for output hashing", hashing.OutputHasher.finish)
     SafetensorsWriter.write_rows = timed("write (pwrite)", SafetensorsWriter.write_rows)
     SafetensorsWriter.close = timed("fsync + close", SafetensorsWriter.close)
     engine.hash_file = timed("hash output files", engine.hash_file)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergepipe.engine import kernels as merge_kernels
+from mergepipe.methods import _kernels as merge_kernels
 from mergepipe.config.params import load_config
-from mergepipe.engine.merge import _CompiledMerge, run_merge
+from mergepipe.engine.merge import run_merge
 from mergepipe.methods import get_method
 from mergepipe.methods._common import magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
@@ -58,7 +58,7 @@ def test_task_arithmetic_kernel_is_bit_identical(seed, n, k, lambda_, normalize,
                    for i in range(k))
     want = method.fn(BlockInputs("t", 0, n, (n,), base.float(), blocks, 0), params).to(torch.bfloat16)
     plan_experts = [{"name": f"e{i}", "weight": weights[i]} for i in range(k)]
-    km = _CompiledMerge("task_arithmetic", params, plan_experts, 1.0)
+    km = method.compiled(params, plan_experts)
     out = np.empty(n, np.uint16)
     merge_kernels.task_arithmetic_bf16(_u16(base), tuple(_u16(e) for e in experts),
                                        np.array(weights[:k], np.float32), km.divisor, normalize,

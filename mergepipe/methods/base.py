@@ -1,6 +1,6 @@
 """What a merge method sees: one block of the base and of each expert's delta,
-plus what the whole tensor contributes (exact top-k cuts from the index).
-Pure data; no I/O."""
+plus what the whole tensor contributes (exact top-k cuts from the index); the raw
+block a compiled kernel sees; each expert's density/gamma. Pure data; no I/O."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,6 +23,9 @@ class RankCut:
     rank: int
     value: float
     eq_keep: int
+    # True when `eq_keep` covers every element of this block with |delta| == value, so a
+    # compiled kernel need not scan the block for where to stop keeping them
+    eq_all: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,30 @@ class BlockInputs:
         for d in self.tensor_shape:
             n *= d
         return n
+
+
+@dataclass(frozen=True, slots=True)
+class RawBlock:
+    """One block as stored bytes, for a method's compiled kernel (`Method.compiled`)."""
+
+    tensor: str
+    tensor_numel: int
+    base: memoryview  # the base rows, in the tensor's dtype
+    experts: tuple[tuple[str, memoryview], ...]  # (name, rows) of the experts read, canonical order
+    cut: Callable[[str, int], RankCut]  # (expert, rank) -> the whole tensor's cut seen from this block
+
+
+def expert_knobs(params, expert: dict) -> dict[str, float]:
+    """An expert's density and gamma: its own (plan entry), else the method's parameter of
+    that name; absent when neither has one (ExpertBlock's defaults then apply, unused)."""
+    knobs = {}
+    for key in ("density", "gamma"):
+        value = expert.get(key)
+        if value is None:
+            value = getattr(params, key, None)
+        if value is not None:
+            knobs[key] = float(value)
+    return knobs
 
 
 def block_rng(seed: int, expert_hash: str, tensor: str, row_start: int) -> torch.Generator:

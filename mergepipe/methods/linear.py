@@ -28,7 +28,16 @@ class LinearParams(BaseModel):
     base_weight: float = 0.0
 
 
-@register("linear", params=LinearParams, additive=True,
+def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, float]:
+    """|w_k / (b + sum_j w_j)| when normalized, else |w_k|."""
+    lam = float(params.get("lambda", 1.0))
+    if params.get("normalize", True):
+        total = sum(weights.values()) + float(params.get("base_weight", 0.0))
+        lam = 1.0 / total if total else 0.0
+    return {name: abs(lam * w) for name, w in weights.items()}
+
+
+@register("linear", params=LinearParams, additive=True, effective_weights=effective_weights,
           paper="Wortsman et al. 2022, Model soups: averaging weights of multiple fine-tuned "
                 "models improves accuracy without increasing inference time, arXiv:2203.05482")
 def merge(block: BlockInputs, p: LinearParams) -> torch.Tensor:

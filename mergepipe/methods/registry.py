@@ -1,16 +1,33 @@
-"""Method registry: one decorator per method file; a duplicate name is an error."""
+"""Method registry: one decorator per method file; a duplicate name is an error.
+
+A Method carries everything the plan and the engine need to know about it, so neither
+names a method: its params model (defaults), its torch `fn`, what it needs from the
+index (`magnitude`, `cosine`), how it scales each delta for the plan's bound
+(`effective_weights`) and, optionally, a compiled bf16 kernel (`compiled`).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pydantic import BaseModel
 
 from mergepipe.errors import ConfigError
-from mergepipe.methods.base import BlockInputs
+from mergepipe.methods.base import BlockInputs, RawBlock
 
 MergeFn = Callable[[BlockInputs, BaseModel], torch.Tensor]
+# (normalized parameters dict, expert name -> weight) -> expert name -> |scale of delta_k|
+EffectiveWeights = Callable[[dict[str, Any], dict[str, float]], dict[str, float]]
+# (typed params, plan experts) -> kernel: RawBlock -> output bytes (bf16 in, bf16 out)
+KernelFactory = Callable[[BaseModel, list[dict]], Callable[[RawBlock], memoryview]]
+
+
+def scaled_weights(params: dict[str, Any], weights: dict[str, float]) -> dict[str, float]:
+    """|lambda * w_k|: how much delta_k is scaled in the output (the default)."""
+    lam = float(params.get("lambda", 1.0))
+    return {name: abs(lam * w) for name, w in weights.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,18 +44,24 @@ class Method:
     max_experts: int | None = None
     # cosine: needs ExpertBlock.cosine, the whole-tensor angle between base and expert (slerp)
     cosine: bool = False
+    # |scale| of each expert's delta in the output, for the plan's priorities and bound
+    effective_weights: EffectiveWeights = scaled_weights
+    # compiled kernel for bf16 blocks written as bf16, same bytes as `fn`; None: `fn` only
+    compiled: KernelFactory | None = None
 
 
 METHODS: dict[str, Method] = {}
 
 
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
-             magnitude: bool = False, max_experts: int | None = None,
-             cosine: bool = False) -> Callable[[MergeFn], MergeFn]:
+             magnitude: bool = False, max_experts: int | None = None, cosine: bool = False,
+             effective_weights: EffectiveWeights = scaled_weights,
+             compiled: KernelFactory | None = None) -> Callable[[MergeFn], MergeFn]:
     def wrap(fn: MergeFn) -> MergeFn:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} registered twice")
-        METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine)
+        METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
+                               effective_weights, compiled)
         return fn
     return wrap
 

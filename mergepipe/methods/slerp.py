@@ -89,7 +89,14 @@ def slerp_coefficients(t: float, cosine: float) -> tuple[torch.Tensor, torch.Ten
     return coef_a, coef_b, bool(linear)
 
 
+def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, float]:
+    """|t|, or |w| when t is unset: the expert's share of the interpolation."""
+    t = params.get("t")
+    return {name: abs(float(w if t is None else t)) for name, w in weights.items()}
+
+
 @register("slerp", params=SlerpParams, additive=False, max_experts=1, cosine=True,
+          effective_weights=effective_weights,
           paper="Shoemake 1985, Animating Rotation with Quaternion Curves, SIGGRAPH '85")
 def merge(block: BlockInputs, p: SlerpParams) -> torch.Tensor:
     if len(block.experts) != 1:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, combine
 from mergepipe.methods.base import BlockInputs
+from mergepipe.methods._compiled import task_arithmetic_kernel
 from mergepipe.methods.registry import register
 
 
@@ -23,7 +24,7 @@ class TaskArithmeticParams(BaseModel):
     int8_mask: bool = False
 
 
-@register("task_arithmetic", params=TaskArithmeticParams, additive=True,
+@register("task_arithmetic", params=TaskArithmeticParams, additive=True, compiled=task_arithmetic_kernel,
           paper="Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089")
 def merge(block: BlockInputs, p: TaskArithmeticParams) -> torch.Tensor:
     experts = canonical(block.experts)

@@ -19,6 +19,7 @@ import torch
 
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_magnitude
 from mergepipe.methods.base import BlockInputs
+from mergepipe.methods._compiled import ties_kernel
 from mergepipe.methods.registry import register
 
 
@@ -26,7 +27,7 @@ class TiesParams(MagnitudeParams):
     normalize: bool = True
 
 
-@register("ties", params=TiesParams, additive=False, magnitude=True,
+@register("ties", params=TiesParams, additive=False, magnitude=True, compiled=ties_kernel,
           paper="Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
                 "arXiv:2306.01708")
 def merge(block: BlockInputs, p: TiesParams) -> torch.Tensor:

@@ -45,16 +45,8 @@ def hash_json(obj: object) -> str:
 
 
 def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> dict[str, float]:
-    """|lambda * w_k| as it scales delta_k in the output (normalized linear divides by sum w)."""
-    lam = float(params.get("lambda", 1.0))
-    weights = {e.name: e.weight for e in experts}
-    if method == "linear" and params.get("normalize", True):
-        total = sum(weights.values()) + float(params.get("base_weight", 0.0))
-        lam = 1.0 / total if total else 0.0
-    if method == "slerp":
-        t = params.get("t")
-        return {e.name: abs(float(e.weight if t is None else t)) for e in experts}
-    return {name: abs(lam * w) for name, w in weights.items()}
+    """|scale of delta_k| in the output, as the method defines it (Method.effective_weights)."""
+    return get_method(method).effective_weights(params, {e.name: e.weight for e in experts})
 
 
 def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],

@@ -1,6 +1,7 @@
-"""Compiled per-block merge loops for bf16 task arithmetic and TIES (numba, nogil).
+"""Compiled per-block merge loops for bf16 task arithmetic and TIES (numba, nogil);
+methods/_compiled.py wraps them as those methods' `compiled` kernels.
 
-The torch path (methods/) makes a dozen full passes over each block: bf16 ->
+The torch path (the methods' `fn`) makes a dozen full passes over each block: bf16 ->
 fp32, the delta, the weighting, the sums, the sign election, the cast back, each
 into a fresh temporary. These kernels do the same fp32 arithmetic, in the same
 order, per element and chunk by chunk in L1, straight from the bf16 bytes to the

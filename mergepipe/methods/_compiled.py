@@ -1,0 +1,92 @@
+"""Compiled bf16 kernels of the methods that have one (task_arithmetic, ties), behind
+`Method.compiled`: a factory (params, plan experts) -> a callable RawBlock -> bytes.
+
+They run the torch path's fp32 arithmetic in its operation order, fused
+(methods/_kernels.py), so the bytes are the same (tests/test_merge_kernels.py). The
+engine uses a method's kernel for bf16 blocks written as bf16 and the method's `fn`
+for everything else; it knows no method by name. numba is imported on first use.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from mergepipe.errors import MethodError
+from mergepipe.index.ranks import magnitude_rank
+from mergepipe.methods._common import sequential_sum
+from mergepipe.methods.base import RawBlock, expert_knobs
+
+
+class CompiledCombine:
+    """Weighted delta sums of bf16 blocks (task arithmetic), with TIES's magnitude trim
+    and sign election when `consensus`."""
+
+    def __init__(self, params: BaseModel, experts: list[dict], *, consensus: bool) -> None:
+        from mergepipe.methods import _kernels as kernels
+        self.k = kernels
+        self.ties = consensus
+        self.normalize = bool(params.normalize)
+        self.lambda_ = np.float32(params.lambda_)
+        self.apply_lambda = params.lambda_ != 1
+        self.weight = {e["name"]: np.float32(float(e["weight"])) for e in experts}
+        self.density = {e["name"]: expert_knobs(params, e).get("density", 1.0) for e in experts}
+        # task arithmetic divides by the sum of every expert's weight, read or not
+        # (methods._common.combine), summed left to right in fp32 like the torch path
+        divisor = sequential_sum([torch.tensor(float(e["weight"]), dtype=torch.float32) for e in experts],
+                                 torch.zeros((), dtype=torch.float32))
+        if divisor.abs() < 1e-8:
+            divisor = torch.ones((), dtype=torch.float32)
+        self.divisor = np.float32(divisor.item())
+
+    def __call__(self, block: RawBlock) -> memoryview:
+        present = [name for name, _ in block.experts]
+        base = _writable(np.frombuffer(block.base, dtype=np.uint16))
+        n = base.shape[0]
+        stacked = tuple(_writable(np.frombuffer(buf, dtype=np.uint16)) for _, buf in block.experts)
+        weights = np.array([self.weight[name] for name in present], dtype=np.float32)
+        out = np.empty(n, dtype=np.uint16)
+        if not self.ties:
+            self.k.task_arithmetic_bf16(base, stacked, weights, self.divisor, self.normalize, self.lambda_,
+                                        self.apply_lambda, out)
+            return memoryview(out).cast("B")
+        modes = np.empty(len(present), dtype=np.int64)
+        values = np.zeros(len(present), dtype=np.float32)
+        limits = np.zeros(len(present), dtype=np.int64)
+        numel = block.tensor_numel
+        for i, name in enumerate(present):
+            rank = magnitude_rank(self.density[name], numel)
+            if rank is None or rank >= numel:
+                modes[i] = self.k.KEEP_ALL
+            elif rank <= 0:
+                modes[i] = self.k.DROP_ALL
+            else:
+                cut = block.cut(name, rank)
+                if cut.rank != rank:
+                    raise MethodError(f"tensor {block.tensor!r}, expert {name!r}: asked for the rank cut at {rank} "
+                                      f"and got one at {cut.rank}; the delta index is stale, rebuild it")
+                modes[i], values[i] = self.k.CUT, cut.value
+                # where this block stops keeping threshold-equal elements; scans the block
+                # only when the cut splits its run of equal values
+                if cut.eq_keep <= 0:
+                    limits[i] = 0
+                elif cut.eq_all:
+                    limits[i] = n
+                else:
+                    limits[i] = self.k.eq_limit(base, stacked[i], values[i], cut.eq_keep)
+        self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
+                         self.apply_lambda, out)
+        return memoryview(out).cast("B")
+
+
+def task_arithmetic_kernel(params: BaseModel, experts: list[dict]) -> CompiledCombine:
+    return CompiledCombine(params, experts, consensus=False)
+
+
+def ties_kernel(params: BaseModel, experts: list[dict]) -> CompiledCombine:
+    return CompiledCombine(params, experts, consensus=True)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    # the kernels take a tuple of one array type; reads are bytearrays, so this never copies
+    return a if a.flags.writeable else a.copy()
