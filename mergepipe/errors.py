@@ -1,5 +1,10 @@
-"""Error types. Only `cli.main` catches these; each maps to an exit code and
-prints as one line that says what went wrong, where, and how to fix it."""
+"""Error types: each maps to an exit code and prints as one line that says what went
+wrong, where, and how to fix it.
+
+`cli.main` (and `mergepipe demo`'s own main, and the Snakemake rules) print them;
+below the CLI they are caught only to turn one into another with more context
+(a unit error into a config key's error) or to treat a damaged cache entry or
+stored merge as absent."""
 
 
 class MergepipeError(Exception):
@@ -19,7 +24,7 @@ class CheckpointError(MergepipeError):
 
 
 class BudgetError(MergepipeError):
-    """The budget cannot be honoured or parsed."""
+    """The budget cannot be honoured (a budget that does not parse is a ConfigError: units.UnitError)."""
 
     exit_code = 4
 

@@ -1,10 +1,16 @@
-"""Manifest: what a merge read, computed and wrote, with hashes; and its checks.
+"""Manifest: what a merge read, computed and wrote, with hashes; and its checks
+(`load_manifest`, `verify_outputs`).
 
-Canonical JSON (sorted keys, no timestamps, no host), so the same inputs, config
-and version give a byte-identical manifest; `manifest_hash` is blake3 of the
-canonical JSON without that field. Timings, host and cache statistics go to
-run.json, outside the hash. The manifest is written last: its presence means the
-merge finished.
+Canonical JSON (util.fs.canonical_json: sorted keys, no timestamps, no host), so the
+same inputs, config and version give a byte-identical manifest; `manifest_hash` is
+blake3 of the canonical JSON without that field. Timings, host, cache statistics and
+the stat keys of the published files go to run.json, outside the hash. The manifest
+is written after the weights and aux files, into the publisher's temp folder, so a
+published folder with a manifest is a finished merge.
+
+Format note (kept for compatibility: changing it changes every manifest): the budget
+is stored twice, as `budget.spec`/`budget.bytes` and inside `plan` as
+`budget`/`budget_bytes`.
 """
 from __future__ import annotations
 
