@@ -85,7 +85,8 @@ def _load(args: argparse.Namespace):
     if getattr(args, "budget", None) is not None:
         overrides["budget"] = args.budget
     if getattr(args, "output", None) is not None:
-        overrides["output"] = {"dir": str(Path(args.output).absolute())}
+        from mergepipe.output.publish import check_output_path
+        overrides["output"] = {"dir": str(check_output_path(args.output))}
     return load_config(args.config, overrides=overrides or None)
 
 
@@ -134,19 +135,24 @@ def _load_plan(path: str) -> dict:
     if not intact:  # hand-edited or truncated: its fields cannot be trusted
         raise ConfigError(f"{path}: plan_hash does not match the plan's content (edited, or not made by "
                           "`mergepipe plan`); make it again with `mergepipe plan`")
+    from mergepipe.plan.record import validate_plan
+    validate_plan(plan, path)  # the hash has no key: an edit with a recomputed hash is checked field by field
     return plan
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import merge_plan, open_inputs
     from mergepipe.index.store import Store
+    from mergepipe.output.publish import check_output_path
     plan = _load_plan(args.plan)
+    check_output_path(args.o, what="-o")
     if args.part:
         return _merge_part(args, plan)
     store = Store(args.cache_dir)
     t0 = time.monotonic()
-    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
-    man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet)
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
+    man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet,
+                     force=args.force)
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -158,7 +164,7 @@ def _merge_part(args: argparse.Namespace, plan: dict) -> int:
     i, n = parse_part(args.part)
     store = Store(args.cache_dir)
     t0 = time.monotonic()
-    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     info = merge_part(plan, inputs, Path(args.o), i, n, store, threads=args.threads, progress=not args.quiet)
     what = ("plan is in the store; nothing to merge" if info["from_store"] else
             f"{len(info['tensors'])} tensors, expert bytes read {_mib(sum(info['expert_bytes_read'].values()))}")
@@ -171,14 +177,16 @@ def cmd_gather(args: argparse.Namespace) -> int:
     from mergepipe.commands.parts import gather
     from mergepipe.commands.pipeline import open_inputs
     from mergepipe.index.store import Store
+    from mergepipe.output.publish import check_output_path
     plan = _load_plan(args.plan)
+    check_output_path(args.o, what="-o")
     if args.parts < 1:
         raise ConfigError(f"--parts {args.parts}: must be at least 1")
     store = Store(args.cache_dir)
     t0 = time.monotonic()
-    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+    inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     man = gather(plan, inputs, Path(args.parts_dir), args.parts, Path(args.o), store, threads=args.threads,
-                 progress=not args.quiet)
+                 progress=not args.quiet, force=args.force)
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -208,7 +216,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _log(args, f"{out_dir}: up to date (plan {plan['plan_hash'][:16]}); nothing to do "
                    f"({time.monotonic() - t0:.2f} s)")
         return 0
-    man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet)
+    man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
+                     force=args.force)
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0
@@ -222,10 +231,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.inputs or args.replay:
         from mergepipe.commands.pipeline import open_inputs
         from mergepipe.index.store import Store
+        from mergepipe.plan.planner import plan_hash
+        from mergepipe.plan.record import validate_plan
         plan = man["plan"]
+        where = f"{out_dir / 'manifest.json'}: plan"
+        if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) or plan_hash(plan) != man.get(
+                "plan_hash"):
+            raise IntegrityError(f"{where}: plan_hash does not match the recorded plan")
+        validate_plan(plan, where)
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
             store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
-            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads)
+            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=where)
             checked.append(f"{1 + len(plan['experts'])} inputs")
             if args.replay:
                 from mergepipe.commands.pipeline import merge_plan
@@ -314,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", required=True, help="output folder")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
+                   "not write it (never /, home, the current folder or one above it, or an input)")
     s.add_argument("--part", metavar="I/N", help="merge only part I of N (tensor groups) into folder -o; "
                    "`mergepipe gather` assembles the parts")
     s.set_defaults(fn=cmd_merge)
@@ -323,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("parts_dir", help="the folder the part jobs wrote to")
     s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
     s.add_argument("-o", required=True, help="output folder")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
+                   "not write it (never /, home, the current folder or one above it, or an input)")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
     s.set_defaults(fn=cmd_gather)
@@ -339,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config")
     s.add_argument("--budget")
     s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
+                   "not write it (never /, home, the current folder or one above it, or an input)")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("verify", parents=[common], help="rehash an output against its manifest")
@@ -376,14 +398,18 @@ def one_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mergepipe.output.publish import terminate_unwinds
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with terminate_unwinds():  # SIGTERM/SIGHUP clean up (temp folders, locks) like Ctrl-C
+            return args.fn(args)
     except MergepipeError as e:
         if args.debug:
             raise
         print(f"mergepipe: error: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("mergepipe: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        import signal
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"mergepipe: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum

@@ -82,7 +82,7 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     from mergepipe.output.manifest import MANIFEST, dumps, manifest_hash, verify_outputs
     from mergepipe.commands.pipeline import _restore, _save_to_store
     from blake3 import blake3
-    man = {"plan_hash": "plan", "outputs": {"tensors": {}, "files": {
+    man = {"plan_hash": "plan", "plan": {"plan_hash": "plan"}, "outputs": {"tensors": {}, "files": {
         f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}}}
     man["manifest_hash"] = manifest_hash(man)
     outs = []

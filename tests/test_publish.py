@@ -11,7 +11,7 @@ from mergepipe.output.publish import Publisher
 def test_publish_replaces_atomically(tmp_path):
     target = tmp_path / "out"
     for version in ("one", "two"):
-        pub = Publisher(target)
+        pub = Publisher(target, force=True)
         with pub as tmp:
             (tmp / "f").write_text(version)
             pub.commit()
@@ -21,12 +21,12 @@ def test_publish_replaces_atomically(tmp_path):
 
 def test_failure_before_commit_leaves_target_untouched(tmp_path):
     target = tmp_path / "out"
-    pub = Publisher(target)
+    pub = Publisher(target, force=True)
     with pub as tmp:
         (tmp / "f").write_text("good")
         pub.commit()
     with pytest.raises(RuntimeError):
-        with Publisher(target) as tmp:
+        with Publisher(target, force=True) as tmp:
             (tmp / "f").write_text("half")
             raise RuntimeError("crash")
     assert (target / "f").read_text() == "good"
@@ -44,7 +44,7 @@ def test_lock_blocks_second_writer_and_stale_lock_is_cleaned(tmp_path):
             "(t / 'x').write_text('partial'); os._exit(0)") % str(target)
     subprocess.run([sys.executable, "-c", code], check=True)
     assert any(".tmp-" in p.name for p in tmp_path.iterdir())
-    pub = Publisher(target)
+    pub = Publisher(target, force=True)
     with pub as tmp:
         (tmp / "f").write_text("ok")
         pub.commit()

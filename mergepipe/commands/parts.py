@@ -130,7 +130,7 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
 
 
 def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
-           threads: int = 2, progress: bool = False) -> dict:
+           threads: int = 2, progress: bool = False, force: bool = False) -> dict:
     """Assemble the n parts into out_dir and publish it as `merge_plan` does; returns the manifest."""
     from mergepipe.commands.pipeline import merge_plan  # pipeline imports the engine; keep this module light
     parts_dir = Path(parts_dir)
@@ -171,7 +171,8 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
         return realized
 
-    return merge_plan(plan, inputs, Path(out_dir), store, threads=threads, progress=progress, realize=realize)
+    return merge_plan(plan, inputs, Path(out_dir), store, threads=threads, progress=progress, realize=realize,
+                      force=force)
 
 
 def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str]) -> None:

@@ -18,7 +18,8 @@ from mergepipe.engine.merge import Inputs, hash_file, run_merge
 from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.output.manifest import MANIFEST, RUN_INFO, build_manifest, dumps, load_manifest, verify_outputs
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
-from mergepipe.output.publish import Publisher
+from mergepipe.plan.record import check_plan_reads
+from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -30,8 +31,9 @@ def resolve(path: str, root: Path) -> Path:
     return p if p.is_absolute() else root / p
 
 
-def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2) -> Inputs:
-    """Open and index (cached) every input of a plan; check they are the planned bytes."""
+def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where: str = "plan") -> Inputs:
+    """Open and index (cached) every input of a plan (a plan from disk: `validate_plan` first);
+    check they are the planned bytes and that the plan's reads are inside them and its budget."""
     bb = plan["block_bytes"]
     base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas = {}, {}, {}
@@ -42,6 +44,7 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2) -> In
     for e in plan["experts"]:
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
+    check_plan_reads(plan, base_index, expert_indexes, deltas, where)
     return Inputs(base, base_index, experts, expert_indexes, deltas)
 
 
@@ -92,15 +95,16 @@ def _check_output_target(out_dir: Path, inputs: Inputs) -> None:
 
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
-               progress: bool = False, realize=None) -> dict:
+               progress: bool = False, realize=None, force: bool = False) -> dict:
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
     split merge, mergepipe.commands.parts); everything else is the same, so the bytes are too.
     """
+    check_output_path(out_dir)
     _check_output_target(out_dir, inputs)
     cached = store.root / "merges" / plan["plan_hash"]
-    publisher = Publisher(out_dir)
+    publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
         if _restore(cached, tmp, plan):
             man = json.loads((tmp / MANIFEST).read_text())
@@ -109,9 +113,11 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             realized = (realize(tmp) if realize is not None
                         else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
             aux = {}
+            weight_files = {os.path.realpath(h.path) for h in inputs.base.files}
             for name in AUX_FILES:
                 src = inputs.base.root / name
-                if src.is_file():
+                # a base weight shard may be named config.json (legal in a weight_map): never a config
+                if src.is_file() and os.path.realpath(src) not in weight_files:
                     shutil.copyfile(src, tmp / name)
                     aux[name] = hash_file(tmp / name)
             (tmp / "README.md").write_text(_model_card(plan))
@@ -121,6 +127,9 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
             _save_to_store(tmp, cached)
+        # stat keys of the files as published (renaming their folder changes none of them):
+        # `up_to_date` compares them, so an output edited in place is rebuilt
+        run_info["stat"] = {name: stat_key(tmp / name) for name in [*man["outputs"]["files"], MANIFEST]}
         (tmp / RUN_INFO).write_text(json.dumps(run_info, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return man
@@ -132,12 +141,12 @@ def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
         man = load_manifest(cached)
     except IntegrityError:
         return False
-    if man.get("plan_hash") != plan["plan_hash"]:
+    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
         return False
     try:
         for name in [*man["outputs"]["files"], MANIFEST]:
             _link_or_copy(cached / name, tmp / name)
-        verify_outputs(tmp)
+        verify_outputs(tmp)  # rehashes every file: a store entry is untrusted until then
     except (IntegrityError, OSError):  # damaged, or removed by a concurrent run's save meanwhile
         for p in tmp.iterdir():
             p.unlink()
@@ -169,19 +178,39 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+def stat_key(path: Path) -> list[int]:
+    """What changes whenever a file's bytes may have: size, mtime_ns, ctime_ns (which
+    os.utime cannot set back), inode, device."""
+    st = os.stat(path, follow_symlinks=False)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def up_to_date(out_dir: Path, plan: dict) -> bool:
-    """The published output is this plan's, and its files are the recorded ones."""
+    """The published output is this plan's, and its files are untouched since publication.
+
+    Fast path: every file's stat key equals the one recorded in run.json when it was
+    published, and no file was added. A stat key also changes when a file only gains or
+    loses a hard link (the store, `gc`), so a mismatch is settled by rehashing every file
+    against the manifest (`verify_outputs`): an edited output is rebuilt, a relinked one is not.
+    """
     try:
         man = load_manifest(out_dir)
-    except IntegrityError:
-        return False
-    if man.get("plan_hash") != plan["plan_hash"]:
-        return False
-    for name, rec in man["outputs"]["files"].items():
-        p = out_dir / name
-        if not p.is_file() or ("size" in rec and p.stat().st_size != rec["size"]):
+        if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
             return False
-    return True
+        files = [*man["outputs"]["files"], MANIFEST]
+        present = {p.name for p in out_dir.iterdir()} - {RUN_INFO}
+        if present != set(files):
+            return False
+        try:
+            recorded = json.loads((out_dir / RUN_INFO).read_text()).get("stat")
+            if all(stat_key(out_dir / name) == recorded[name] for name in files):
+                return True
+        except (OSError, ValueError, TypeError, AttributeError, KeyError):
+            pass  # no or damaged record: rehash
+        verify_outputs(out_dir)
+        return True
+    except (IntegrityError, OSError, ValueError, TypeError, AttributeError, KeyError):
+        return False  # anything unexpected: rebuild
 
 
 def log(msg: str, *, quiet: bool = False) -> None:

@@ -6,17 +6,31 @@ Kept apart from the engine (merge.py) so that the writer of a split merge
 from __future__ import annotations
 
 import json
+import re
 from math import prod
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE, Checkpoint, OutTensor, TensorInfo
 
-__all__ = ["OUT_DTYPES", "OutTensor", "output_layout", "shard_index_json"]
+__all__ = ["OUT_DTYPES", "OutTensor", "output_layout", "shard_index_json", "usable_shard_names"]
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
+_SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
+
+
+def usable_shard_names(names: list[str]) -> bool:
+    """Whether the base's shard file names can name the output's shards too: each a plain
+    `*.safetensors` name (so never one of the output's own files: README.md, config.json,
+    manifest.json, run.json, tokenizer files, the index json), and no two alike (shards
+    in different subfolders may share a name). Otherwise the output names its shards
+    `model-0000i-of-0000n.safetensors`."""
+    return len(set(names)) == len(names) and all(_SHARD_NAME.fullmatch(n) for n in names)
+
+
 def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
-    """Output file name -> tensors, mirroring the base's sharding unless shard_bytes is set."""
+    """Output file name -> tensors, mirroring the base's sharding (and its shard names, where
+    `usable_shard_names`) unless shard_bytes is set."""
     def out(t: TensorInfo) -> OutTensor:
         d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
         return OutTensor(t.name, d, t.shape)
@@ -25,7 +39,11 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
     if shard_bytes is None:
         if len(base.files) == 1:
             return {"model.safetensors": [out(t) for t in tensors]}
-        return {h.path.name: [out(t) for t in h.tensors] for h in base.files}
+        names = [h.path.name for h in base.files]
+        if not usable_shard_names(names):  # README.md, config.json, a/x + b/x, ...: names of our own
+            n = len(names)
+            names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        return {name: [out(t) for t in h.tensors] for name, h in zip(names, base.files)}
     groups: list[list[OutTensor]] = [[]]
     size = 0
     for t in tensors:

@@ -1,7 +1,7 @@
 """The cache folder: stat cache, model indexes, delta indexes, plans, merged outputs.
 
 Layout under `cache_dir` (default `.mergepipe/`):
-  stat/<key>.json        (path, size, mtime_ns, inode, block_bytes) -> file fingerprint
+  stat/<key>.json        (path, size, mtime_ns, ctime_ns, inode, device, block_bytes) -> file fingerprint
   models/<key>.json.gz   ModelIndex, keyed by the files' fingerprints and block size
   deltas/<expert>-<base>-<block_bytes>.json.gz   DeltaIndex
 Everything is keyed by content, so an unchanged model is never reread and a
@@ -80,8 +80,10 @@ class Store:
 
     @staticmethod
     def _stat(path: Path) -> dict:
+        # ctime_ns: an in-place edit that restores size and mtime (os.utime) cannot restore it
         st = path.stat()
-        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+        return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
 
     def _model_key(self, fingerprints: dict[str, str], block_bytes: int) -> Path:
         key = blake3(json.dumps([sorted(fingerprints.items()), block_bytes]).encode()).hexdigest()[:40]

@@ -4,16 +4,30 @@ Files are written into a temp folder beside the target, fsynced, then renamed
 into place, so a reader (or a crash) sees either the previous complete folder or
 the new one, never a partial one. A lock file beside the target stops a second
 writer; a lock or temp folder left by a dead process is detected and removed.
+
+Only what mergepipe published before (a folder with a valid manifest.json and
+nothing it did not write) or an empty folder is ever replaced; anything else is
+refused unless `force`. Paths whose replacement would destroy far more than a
+model (/, the home folder, the working directory or any folder above it) are
+refused even with `force`. Temp and lock names are `.NAME.tmp-<12 hex>`,
+`.NAME.old-<12 hex>` and `.NAME.lock`, matched exactly (never by a prefix glob),
+so the writers of `m` and `m.v2` never touch each other's files. SIGTERM and
+SIGHUP unwind like Ctrl-C, so the temp folder and the lock are removed.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import re
 import shutil
+import signal
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.errors import OutputError
@@ -70,15 +84,112 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextmanager
+def terminate_unwinds() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise `Terminated` (like SIGINT raises
+    KeyboardInterrupt); outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        prev = signal.getsignal(sig)
+        if prev is signal.SIG_IGN:  # e.g. nohup: the user asked to survive a hangup
+            continue
+        old[sig] = prev
+        signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, prev in old.items():
+            signal.signal(sig, prev)
+
+
+def _leftover_re(name: str) -> re.Pattern:
+    return re.compile(rf"\.{re.escape(name)}\.(?:tmp|old)-[0-9a-f]{{12}}")
+
+
 def _remove_leftovers(target: Path) -> list[Path]:
-    """Remove temp/old folders beside `target`; only called while holding its lock,
-    so anything found belongs to a writer that died."""
+    """Remove temp/old folders of `target` (exact names, never another target's); only
+    called while holding its lock, so anything found belongs to a writer that died."""
     removed = []
-    for p in target.parent.glob(f".{target.name}.*"):
-        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
+    pattern = _leftover_re(target.name)
+    for p in target.parent.iterdir():
+        if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _protected(target: Path) -> str | None:
+    """Why replacing `target` would destroy more than an output (even with --force), or None."""
+    real = Path(os.path.realpath(target))
+    if real == Path(real.anchor):
+        return "is the root folder"
+    try:
+        home = Path(os.path.realpath(Path.home()))
+    except (RuntimeError, KeyError):
+        home = None
+    if home is not None and real == home:
+        return "is your home folder"
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if real == cwd:
+        return "is the current folder"
+    if real in cwd.parents:
+        return "contains the current folder"
+    return None
+
+
+def check_output_path(target: str | Path, *, what: str = "output") -> Path:
+    """Refuse output paths that must never be replaced (even with --force): empty, ".",
+    /, home, the working folder or a folder above it; returns the absolute path."""
+    if str(target).strip() == "":
+        raise OutputError(f"{what} path is empty (an unset shell variable?); give the folder to write")
+    path = Path(target).absolute()
+    why = _protected(path)
+    if why is not None:
+        raise OutputError(f"{target}: {what} path {why} ({os.path.realpath(path)}); refusing to replace it, "
+                          "even with --force; give a new folder")
+    return path
+
+
+def _not_ours(target: Path) -> str | None:
+    """None if `target` may be replaced: an empty folder, or a complete mergepipe output
+    (a manifest whose hash holds, and no file it does not record). Else the reason."""
+    try:
+        entries = sorted(p.name for p in target.iterdir())
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    if not entries:
+        return None
+    from mergepipe.errors import IntegrityError
+    from mergepipe.output.manifest import MANIFEST, RUN_INFO, load_manifest  # publish stays generic otherwise
+    if MANIFEST not in entries:
+        return f"is a folder that mergepipe did not write (no {MANIFEST}; holds {entries[0]!r}"+ (
+            f" and {len(entries) - 1} more" if len(entries) > 1 else "") + ")"
+    try:
+        man = load_manifest(target)
+        files = man["outputs"]["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (IntegrityError, KeyError, TypeError):
+        return f"holds a {MANIFEST} that is not a valid mergepipe manifest"
+    foreign = [n for n in entries if n not in files and n not in (MANIFEST, RUN_INFO)]
+    if foreign:
+        return f"holds {foreign[0]!r}, which the mergepipe output there does not record"
+    return None
 
 
 class Publisher:
@@ -88,15 +199,38 @@ class Publisher:
     leaves the target untouched.
     """
 
-    def __init__(self, target: str | Path) -> None:
-        self.target = Path(target).absolute()
+    def __init__(self, target: str | Path, *, force: bool = False) -> None:
+        self.target = check_output_path(target)
+        self.force = force
         self.lock = self.target.parent / f".{self.target.name}.lock"
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
         self._committed = False
+        self._signals = terminate_unwinds()
+
+    def _check_target(self) -> None:
+        t = self.target
+        if t.is_symlink():
+            where = os.readlink(t)
+            state = "a dangling symbolic link" if not t.exists() else "a symbolic link"
+            raise OutputError(f"{t}: output path is {state} (to {where}); give the real folder instead")
+        if t.exists() and not t.is_dir():
+            raise OutputError(f"{t}: output path exists and is not a folder")
+        if t.is_dir() and not self.force:
+            why = _not_ours(t)
+            if why is not None:
+                raise OutputError(f"{t}: output folder {why}; refusing to replace it (choose a new folder, "
+                                  "or pass --force to replace it)")
 
     def __enter__(self) -> Path:
-        if self.target.exists() and not self.target.is_dir():
-            raise OutputError(f"{self.target}: output path exists and is not a folder")
+        self._check_target()
+        self._signals.__enter__()
+        try:
+            return self._enter()
+        except BaseException:
+            self._signals.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> Path:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file in the way, permissions
@@ -116,10 +250,15 @@ class Publisher:
                                   "lock if that process is gone") from None
             except OSError as e:  # read-only folder, ...
                 raise OutputError(f"{self.target}: cannot create the lock {self.lock}: {e.strerror}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        self.stale_removed = _remove_leftovers(self.target)
-        self.tmp.mkdir()
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self._check_target()  # again under the lock: another writer may have changed it meanwhile
+            self.stale_removed = _remove_leftovers(self.target)
+            self.tmp.mkdir()
+        except BaseException:
+            self.lock.unlink(missing_ok=True)
+            raise
         return self.tmp
 
     def commit(self) -> None:
@@ -144,9 +283,12 @@ class Publisher:
         self._committed = True
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if not self._committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        self.lock.unlink(missing_ok=True)
+        try:
+            if not self._committed:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.lock.unlink(missing_ok=True)
+        finally:
+            self._signals.__exit__(None, None, None)
         err = exc[0] if exc else None
         if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:  # aux files, manifest, fsync: one clean line
             raise OutputError(f"{self.target}: not published: writing {err.filename or 'the output'} failed: "

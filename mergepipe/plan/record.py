@@ -1,0 +1,199 @@
+"""A plan file read back from disk, checked as untrusted input.
+
+`plan_hash` has no key, so a hand-edited plan with a recomputed hash is as easy to
+make as a typo: `mergepipe merge`, `gather` and `verify --replay` re-validate a
+plan completely before a byte of weights is read.
+
+1. `validate_plan(plan, where)`: the typed record (`PlanRecord`): schema, method
+   and its parameters (through the method registry's params model), per-expert
+   density/gamma, output dtype and shard_bytes, block_bytes range, budget and
+   byte counts, reads keyed by the plan's experts with sorted, distinct block
+   numbers, the bound's numbers finite.
+2. `check_plan_reads(plan, base_index, expert_indexes, deltas, where)`: against
+   the inputs' indexes: every (tensor, block) read lies inside its tensor, is a
+   float tensor and differs from the base; the bytes of the planned reads,
+   recomputed from the index, equal the plan's counts and fit in budget_bytes.
+
+Every failure is a ConfigError naming the plan file and the key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from mergepipe.errors import ConfigError
+from mergepipe.methods import get_method
+
+# The limits params.yaml enforces (config/params.py); a plan must not escape them.
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 1 << 30
+MIN_SHARD_BYTES = 4 << 10
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")]
+Count = Annotated[int, Field(strict=True, ge=0)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class PlanInputRecord(BaseModel):
+    model_config = _STRICT
+    name: Name
+    path: Annotated[str, Field(min_length=1)]
+    content_hash: Hash
+    weight: float
+    density: Annotated[float, Field(gt=0, le=1)] | None = None
+    gamma: Annotated[float, Field(ge=0, lt=1)] | None = None
+
+
+class OutputRecord(BaseModel):
+    model_config = _STRICT
+    dtype: Literal["bfloat16", "float16", "float32"] | None
+    shard_bytes: Annotated[int, Field(strict=True, ge=MIN_SHARD_BYTES)] | None
+
+
+class BytesRecord(BaseModel):
+    model_config = _STRICT
+    total_expert_bytes: Count
+    full_read_expert_bytes: Count
+    planned_expert_bytes: Count
+    planned_by_expert: dict[StrictStr, Count]
+    skipped_identical_by_expert: dict[StrictStr, Count]
+    candidate_pairs: Count
+    planned_pairs: Count
+
+
+class BoundRecord(BaseModel):
+    model_config = _STRICT
+    kind: Literal["certified", "heuristic"]
+    omitted_mass: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    full_update_norm_estimate: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    relative: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class PlanRecord(BaseModel):
+    """The fields of a plan as `planner.make_plan` writes them; nothing else."""
+
+    model_config = _STRICT
+    schema_: Literal[1] = Field(alias="schema")
+    mergepipe_version: StrictStr
+    method: StrictStr
+    parameters: dict[StrictStr, object]
+    seed: Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+    budget: StrictStr
+    budget_bytes: Count
+    block_bytes: Annotated[int, Field(strict=True, ge=MIN_BLOCK_BYTES, le=MAX_BLOCK_BYTES)]
+    output: OutputRecord
+    nonfinite: Literal["error", "allow"]
+    base: PlanInputRecord
+    experts: Annotated[list[PlanInputRecord], Field(min_length=1)]
+    reads: dict[StrictStr, dict[StrictStr, list[StrictInt]]]
+    bytes: BytesRecord
+    bound: BoundRecord
+    plan_hash: Hash
+
+
+def _loc(err: dict) -> str:
+    return ".".join(str(p) for p in err["loc"]).replace("schema_", "schema") or "plan"
+
+
+def validate_plan(plan: object, where: str) -> PlanRecord:
+    """The typed record of `plan`, or a ConfigError naming `where` and the first bad key."""
+    if not isinstance(plan, dict):
+        raise ConfigError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
+    try:
+        rec = PlanRecord.model_validate(plan)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{where}: plan key {_loc(err)}: {err['msg']}; make the plan again with "
+                          "`mergepipe plan`") from None
+    try:
+        method = get_method(rec.method)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: plan key method: {e}") from None
+    try:
+        params = method.params.model_validate(rec.parameters)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"{where}: plan key parameters.{key}: {err['msg']}") from None
+    names = [e.name for e in rec.experts]
+    if len(set(names)) != len(names) or rec.base.name in names:
+        raise ConfigError(f"{where}: plan key experts: expert names must be distinct (and not the base's)")
+    if method.max_experts is not None and len(names) > method.max_experts:
+        raise ConfigError(f"{where}: plan key experts: {rec.method} takes at most {method.max_experts} "
+                          f"expert(s), the plan has {len(names)}")
+    for i, e in enumerate(rec.experts):
+        if not math.isfinite(e.weight):
+            raise ConfigError(f"{where}: plan key experts.{i}.weight: must be finite")
+        density = e.density if e.density is not None else getattr(params, "density", None)
+        gamma = e.gamma if e.gamma is not None else getattr(params, "gamma", None)
+        if density is not None and gamma is not None and density < 1 and density + gamma > 1 + 1e-12:
+            raise ConfigError(f"{where}: plan key experts.{i}: density + gamma must be <= 1, "
+                              f"got {density} + {gamma}")
+    extra = sorted(set(rec.reads) - set(names))
+    if extra:
+        raise ConfigError(f"{where}: plan key reads.{extra[0]}: not an expert of the plan")
+    for name, per_tensor in rec.reads.items():
+        for tensor, blocks in per_tensor.items():
+            if any(b < 0 for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
+                raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: block numbers must be "
+                                  "non-negative, sorted and distinct")
+    b = rec.bytes
+    for key in ("planned_by_expert", "skipped_identical_by_expert"):
+        if sorted(getattr(b, key)) != sorted(names):
+            raise ConfigError(f"{where}: plan key bytes.{key}: must name exactly the plan's experts")
+    if b.planned_expert_bytes != sum(b.planned_by_expert.values()):
+        raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: not the sum of planned_by_expert")
+    if b.planned_expert_bytes > rec.budget_bytes:
+        raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: {b.planned_expert_bytes} exceeds "
+                          f"budget_bytes {rec.budget_bytes}")
+    if b.planned_pairs != sum(len(v) for r in rec.reads.values() for v in r.values()):
+        raise ConfigError(f"{where}: plan key bytes.planned_pairs: does not count the reads")
+    return rec
+
+
+def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
+    """Every planned (tensor, block) lies inside its tensor, and the planned reads' bytes,
+    recomputed from the index, are the plan's and within its budget."""
+    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
+    if plan["block_bytes"] != base_index.block_bytes:
+        raise ConfigError(f"{where}: plan key block_bytes: {plan['block_bytes']} but the base was indexed with "
+                          f"{base_index.block_bytes}")
+    total = 0
+    for e in plan["experts"]:
+        name = e["name"]
+        idx = expert_indexes[name]
+        delta = deltas.get(name) if deltas else None
+        nbytes = 0
+        for tensor, blocks in plan["reads"].get(name, {}).items():
+            entry = idx.tensors.get(tensor)
+            key = f"reads.{name}.{tensor}"
+            if entry is None or tensor not in base_index.tensors:
+                raise ConfigError(f"{where}: plan key {key}: the model has no tensor {tensor!r}")
+            if entry.dtype not in FLOAT_DTYPES:
+                raise ConfigError(f"{where}: plan key {key}: tensor {tensor!r} is {entry.dtype}, not merged")
+            n = len(entry.ranges)
+            if blocks and blocks[-1] >= n:
+                raise ConfigError(f"{where}: plan key {key}: block {blocks[-1]} is outside tensor {tensor!r} "
+                                  f"({n} blocks)")
+            if delta is not None:
+                same = delta.tensors[tensor].identical
+                bad = next((b for b in blocks if same[b]), None)
+                if bad is not None:
+                    raise ConfigError(f"{where}: plan key {key}: block {bad} of tensor {tensor!r} is identical "
+                                      "to the base; a plan never reads it")
+            row = ITEMSIZE[entry.dtype]
+            for d in entry.shape[1:]:
+                row *= d
+            nbytes += sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
+        if nbytes != plan["bytes"]["planned_by_expert"][name]:
+            raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
+                              f"are {nbytes} bytes, the plan says {plan['bytes']['planned_by_expert'][name]}")
+        total += nbytes
+    if total > plan["budget_bytes"]:
+        raise ConfigError(f"{where}: plan reads {total} expert bytes, more than its budget_bytes "
+                          f"{plan['budget_bytes']}")
+
