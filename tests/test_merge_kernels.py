@@ -15,7 +15,7 @@ from mergepipe.methods._common import magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
-from tests.conftest import write_config
+from tests.helpers import write_config
 
 EDGE = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5, 2 ** -126, 65504.0, 1e-3],
                     dtype=torch.float32)

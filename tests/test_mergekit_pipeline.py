@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from mergepipe.cli import main
 from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge, knife_edges, merge_scale
-from tests.conftest import write_config
+from tests.helpers import write_config
 
 pytestmark = [
     pytest.mark.slow,

@@ -5,27 +5,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.cli import main
-from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_checkpoint
-from tests.conftest import write_config
-
-
-def _load_model(folder: Path) -> dict[str, torch.Tensor]:
-    ckpt = open_checkpoint(folder)
-    with CheckpointReader(ckpt) as r:
-        return {n: as_tensor(r.read_range(t, t.begin, t.end), t.dtype, t.shape).clone()
-                for n, t in ckpt.tensors.items()}
+from mergepipe.checkpoint.safetensors import open_checkpoint
+from tests.helpers import load_model, write_config
 
 
 def test_full_budget_task_arithmetic_matches_hand_computation(tmp_path, tiny_family):
     cfg = write_config(tmp_path, tiny_family, parameters={"lambda": 0.8})
     assert main(["run", str(cfg), "-q"]) == 0
-    out = _load_model(tmp_path / "out")
-    base = _load_model(Path(tiny_family["base"]))
-    experts = [_load_model(Path(p)) for p in tiny_family["experts"]]
+    out = load_model(tmp_path / "out")
+    base = load_model(Path(tiny_family["base"]))
+    experts = [load_model(Path(p)) for p in tiny_family["experts"]]
     weights = [1.0, 0.5, 0.7]
     for name, w0 in base.items():
         mixed = torch.zeros_like(w0, dtype=torch.float32)
@@ -152,7 +144,7 @@ def test_sharded_base_gives_sharded_output_that_loads(tmp_path):
     base_index = json.loads((tmp_path / "fam" / "base" / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == base_index["weight_map"]
     assert main(["verify", str(out)]) == 0
-    assert _load_model(out).keys() == _load_model(tmp_path / "fam" / "base").keys()
+    assert load_model(out).keys() == load_model(tmp_path / "fam" / "base").keys()
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert torch.isfinite(model(torch.tensor([[1, 2]])).logits).all()

@@ -9,8 +9,7 @@ from mergepipe.cli import main
 from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
 from mergepipe.plan.planner import PlanInput, make_plan
 from mergepipe.units import parse_budget
-from tests.conftest import write_config
-from tests.test_pipeline import _load_model
+from tests.helpers import load_model, write_config
 
 
 def _synthetic(tensor_blocks: list[list[float]], n_experts: int, seed: int):
@@ -93,11 +92,11 @@ def test_certified_bound_holds_on_real_merges(tmp_path, tiny_family):
     """||M_S - M_full||_F <= the plan's bound, for task_arithmetic at several budgets."""
     full_cfg = write_config(tmp_path, tiny_family, budget="full", output={"dir": str(tmp_path / "full")})
     assert main(["run", str(full_cfg), "-q"]) == 0
-    full = _load_model(tmp_path / "full")
+    full = load_model(tmp_path / "full")
     for budget in ["5%", "20%", "50%"]:
         cfg = write_config(tmp_path, tiny_family, budget=budget, output={"dir": str(tmp_path / budget)})
         assert main(["run", str(cfg), "-q"]) == 0
-        part = _load_model(tmp_path / budget)
+        part = load_model(tmp_path / budget)
         dev = sum(float(((part[n].float() - full[n].float()) ** 2).sum()) for n in full) ** 0.5
         bound = json.loads((tmp_path / budget / "manifest.json").read_text())["bound"]
         # bf16 rounding of the two outputs adds up to half an ulp per element on top of the exact bound

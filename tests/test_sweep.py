@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from conftest import write_config
+from tests.helpers import write_config
 from mergepipe.cli import main
 from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError

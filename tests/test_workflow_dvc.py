@@ -13,7 +13,7 @@ from mergepipe.config.params import load_config
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
-from tests.test_workflow import MODEL, job_counts, make_workspace, run, set_budget, smk
+from tests.workflow_helpers import MODEL, job_counts, make_workspace, run, set_budget, smk
 
 GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
 

@@ -9,7 +9,7 @@ from mergepipe.output.manifest import RUN_INFO
 from mergepipe.commands.parts import parse_part, partition
 from mergepipe.errors import ConfigError
 from mergepipe.checkpoint.safetensors import open_checkpoint
-from tests.conftest import write_config
+from tests.helpers import write_config
 
 
 def _files(folder: Path) -> dict[str, bytes]:
