@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.index import build as index
+from mergepipe.index import scan as index_scan
 from mergepipe.index.build import build_delta_index, build_expert_index, build_model_index
 from mergepipe.methods import requested_ranks
 from mergepipe.checkpoint.safetensors import open_checkpoint
@@ -62,9 +62,9 @@ def _family(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cache_bytes", [0, 256 << 20])
-@pytest.mark.parametrize("block_counts_cap", [0, index.BLOCK_COUNTS_CAP])  # 0: split counts by a rescan
+@pytest.mark.parametrize("block_counts_cap", [0, index_scan.BLOCK_COUNTS_CAP])  # 0: split counts by a rescan
 def test_cuts_exact_for_dtypes_and_rereads(tmp_path, monkeypatch, dtype, cache_bytes, block_counts_cap):
-    monkeypatch.setattr(index, "BLOCK_COUNTS_CAP", block_counts_cap)
+    monkeypatch.setattr(index_scan, "BLOCK_COUNTS_CAP", block_counts_cap)
     base, exp = _family(dtype)
     bc, ec = _pair(tmp_path, base, exp)
     bi, ei = build_model_index(bc, block_bytes=2048), build_model_index(ec, block_bytes=2048)

@@ -1,0 +1,108 @@
+"""The index records: ModelIndex (per-block hashes of one checkpoint) and DeltaIndex (an
+expert against a base), their JSON forms as the store caches them, and the content hash."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIndex:
+    content_hash: str
+    block_bytes: int
+    tensors: dict[str, TensorEntry]  # checkpoint order
+
+    def to_json(self) -> dict:
+        return {"content_hash": self.content_hash, "block_bytes": self.block_bytes,
+                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "ranges": [list(r) for r in t.ranges], "hashes": list(t.hashes)}
+                            for t in self.tensors.values()]}
+
+    @staticmethod
+    def from_json(d: dict) -> ModelIndex:
+        tensors = {t["name"]: TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
+                                          tuple(tuple(r) for r in t["ranges"]), tuple(t["hashes"]))
+                   for t in d["tensors"]}
+        return ModelIndex(d["content_hash"], d["block_bytes"], tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDelta:
+    name: str
+    numel: int
+    l1: float
+    l2: float
+    nonfinite: int
+    block_l2: tuple[float, ...]
+    block_max: tuple[float, ...]
+    block_nnz: tuple[int, ...]
+    identical: tuple[bool, ...]
+    ranks: tuple[int, ...]
+    values: tuple[float, ...]  # |delta| at each rank (inf for rank 0)
+    count_gt: tuple[int, ...]  # elements with |delta| > value
+    count_eq: tuple[int, ...]  # elements with |delta| == value
+    # rank position -> per-block count of elements == value; only where a cut
+    # splits a run of equal values (0 < rank - count_gt < count_eq)
+    block_eq: dict[int, tuple[int, ...]]
+    # whole-tensor sums (fp64, in a fixed order: kernels.slerp_sums) that give slerp its angle
+    base_sq: float = 0.0
+    expert_sq: float = 0.0
+    dot: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaIndex:
+    expert_hash: str
+    base_hash: str
+    block_bytes: int
+    tensors: dict[str, TensorDelta]
+
+    def to_json(self) -> dict:
+        out = []
+        for t in self.tensors.values():
+            d = {f: getattr(t, f) for f in TensorDelta.__slots__}
+            d["block_eq"] = {str(k): list(v) for k, v in sorted(t.block_eq.items())}
+            d["values"] = [_enc_float(v) for v in t.values]
+            out.append({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
+        return {"expert_hash": self.expert_hash, "base_hash": self.base_hash,
+                "block_bytes": self.block_bytes, "tensors": out}
+
+    @staticmethod
+    def from_json(d: dict) -> DeltaIndex:
+        tensors = {}
+        for t in d["tensors"]:
+            kw = {k: tuple(v) if isinstance(v, list) else v for k, v in t.items()}
+            kw["values"] = tuple(_dec_float(v) for v in t["values"])
+            kw["identical"] = tuple(bool(x) for x in t["identical"])
+            kw["block_eq"] = {int(k): tuple(v) for k, v in t["block_eq"].items()}
+            tensors[t["name"]] = TensorDelta(**kw)
+        return DeltaIndex(d["expert_hash"], d["base_hash"], d["block_bytes"], tensors)
+
+
+def _enc_float(v: float) -> float | str:
+    return v if math.isfinite(v) else repr(v)
+
+
+def _dec_float(v: float | str) -> float:
+    return float(v)
+
+
+def content_hash(tensors: dict[str, TensorEntry]) -> str:
+    """blake3 over (name, dtype, shape, block hashes) in name order: sharding-independent."""
+    h = blake3()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, t.dtype, list(t.shape), list(t.hashes)]).encode() + b"\n")
+    return h.hexdigest()
