@@ -27,9 +27,9 @@ def _mib(n: int) -> str:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from mergepipe.index.store import Store
-    from mergepipe.units import parse_bytes
+    from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES, parse_block_bytes
     store = Store(args.cache_dir)
-    bb = parse_bytes(args.block_bytes, what="--block-bytes")
+    bb = parse_block_bytes(DEFAULT_BLOCK_BYTES if args.block_bytes is None else args.block_bytes, what="--block-bytes")
     t0 = time.monotonic()
     progress = not args.quiet
     if args.base:
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("index", parents=[common], help="index a checkpoint (cached by content)")
     s.add_argument("model")
     s.add_argument("--base", help="also compute delta statistics against this base")
-    s.add_argument("--block-bytes", default="1MiB")
+    s.add_argument("--block-bytes", help="block size like '1MiB' (default: params.yaml's default block_bytes)")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--json", action="store_true")
     s.add_argument("-o", help="also write the (timing-free) record as JSON here; unchanged content is only touched")
