@@ -158,6 +158,7 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
 def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
     """Every planned (tensor, block) lies inside its tensor, and the planned reads' bytes,
     recomputed from the index, are the plan's and within its budget."""
+    from mergepipe.checkpoint.blocks import row_bytes
     from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
     if plan["block_bytes"] != base_index.block_bytes:
         raise ConfigError(f"{where}: plan key block_bytes: {plan['block_bytes']} but the base was indexed with "
@@ -185,9 +186,7 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
                 if bad is not None:
                     raise ConfigError(f"{where}: plan key {key}: block {bad} of tensor {tensor!r} is identical "
                                       "to the base; a plan never reads it")
-            row = ITEMSIZE[entry.dtype]
-            for d in entry.shape[1:]:
-                row *= d
+            row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
             nbytes += sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
         if nbytes != plan["bytes"]["planned_by_expert"][name]:
             raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
