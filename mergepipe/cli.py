@@ -273,9 +273,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from mergepipe.config.params import load_config
-    from mergepipe.commands.sweep import parse_budgets, plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
+    from mergepipe.commands.sweep import plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
+    from mergepipe.units import parse_budget_list
     cfg = load_config(args.config)
-    budgets = parse_budgets(args.budgets)
+    budgets = parse_budget_list(args.budgets)
     if not budgets:
         raise ConfigError(f"--budgets {args.budgets!r}: no budget given; e.g. --budgets 5%,10%,25%,50%,100%")
     if not args.no_plot:

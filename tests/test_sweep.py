@@ -12,8 +12,8 @@ from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError
 from mergepipe.commands.pipeline import merge_plan, plan_config
 from mergepipe.index.store import Store
-from mergepipe.commands.sweep import deviation, parse_budgets, require_matplotlib
-from mergepipe.units import Budget
+from mergepipe.commands.sweep import deviation, require_matplotlib
+from mergepipe.units import Budget, parse_budget_list
 
 
 def _rows(path) -> dict[str, dict]:
@@ -71,10 +71,10 @@ def test_deviation_of_the_base_is_the_whole_update(tmp_path, tiny_family):
 
 
 def test_budget_list_parsing():
-    assert [str(b) for b in parse_budgets("5%, 10%,5%,full,100%,0.5")] == ["5%", "10%", "full", "50%"]
-    assert parse_budgets(" , ") == []
+    assert [str(b) for b in parse_budget_list("5%, 10%,5%,full,100%,0.5")] == ["5%", "10%", "full", "50%"]
+    assert parse_budget_list(" , ") == []
     with pytest.raises(ConfigError):
-        parse_budgets("5%,lots")
+        parse_budget_list("5%,lots")
 
 
 def test_bad_budget_is_one_line_exit_2(tmp_path, tiny_family, capsys):

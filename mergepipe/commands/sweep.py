@@ -3,7 +3,7 @@ I/O-versus-quality curve.
 
 Owns `run_sweep` (index once, then plan and merge per budget through the
 pipeline), `deviation` (how far a merge is from the full-budget one, streamed
-block by block through safetensors_io) and the renderings of the result: a
+block by block through checkpoint.safetensors) and the renderings of the result: a
 markdown table, CSV and a PNG plot (matplotlib, the `bench` extra). It writes no
 files itself except through the pipeline's publisher; the CLI writes the table
 and the plot.
@@ -30,7 +30,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.commands.pipeline import merge_plan, plan_config
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.index.store import Store
-from mergepipe.units import Budget, parse_budget_list
+from mergepipe.units import Budget
 
 CHUNK_BYTES = 16 << 20
 
@@ -66,11 +66,6 @@ class SweepResult:
     index_bytes_read: int
     index_seconds: float
     reference: str  # output folder of the full-budget merge
-
-
-def parse_budgets(text: str) -> list[Budget]:
-    """'5%,10%,full' -> budgets (units.parse_budget_list, the one budget grammar)."""
-    return parse_budget_list(text)
 
 
 def _label(budget: Budget) -> str:
