@@ -19,6 +19,7 @@ from mergepipe.units import BUDGET_PATTERN, SIZE_PATTERN, Budget, UnitError, par
 DEFAULT_CACHE_DIR = ".mergepipe"
 DEFAULT_OUTPUT_DIR = "merged"
 MAX_SEED = (1 << 63) - 1
+MIN_SHARD_BYTES = MIN_BLOCK_BYTES  # output.shard_bytes
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 
@@ -72,7 +73,7 @@ def _parse_shard_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"must be a byte count or size like '2GiB', got {short_repr(value)}")
     size = _bytes_detail(value)
-    if size < MIN_BLOCK_BYTES:
+    if size < MIN_SHARD_BYTES:
         raise ValueError(f"must be at least 4KiB, got {short_repr(value)} ({size} bytes)")
     return size
 
@@ -101,7 +102,7 @@ Gamma = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator
 BlockBytes = Annotated[int, PlainValidator(_parse_block_bytes), WithJsonSchema({"anyOf": [
     {"type": "integer", "minimum": MIN_BLOCK_BYTES, "maximum": MAX_BLOCK_BYTES}, _SIZE_SCHEMA]})]
 ShardBytes = Annotated[int, PlainValidator(_parse_shard_bytes), WithJsonSchema({"anyOf": [
-    {"type": "integer", "minimum": MIN_BLOCK_BYTES}, _SIZE_SCHEMA]})]
+    {"type": "integer", "minimum": MIN_SHARD_BYTES}, _SIZE_SCHEMA]})]
 BudgetField = Annotated[Budget, PlainValidator(_parse_budget_field), PlainSerializer(str),
                         WithJsonSchema({"anyOf": [
                             {"type": "string", "pattern": BUDGET_PATTERN},

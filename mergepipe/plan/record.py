@@ -23,13 +23,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+# The limits params.yaml enforces; a plan must not escape them.
+from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES
+from mergepipe.config.fields import MIN_SHARD_BYTES
 from mergepipe.errors import ConfigError
 from mergepipe.methods import get_method
 
-# The limits params.yaml enforces (config/params.py); a plan must not escape them.
-MIN_BLOCK_BYTES = 4 << 10
-MAX_BLOCK_BYTES = 1 << 30
-MIN_SHARD_BYTES = 4 << 10
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
