@@ -1,4 +1,9 @@
-"""Merge methods, one per module; importing this package registers all of them."""
+"""Merge methods, one per module; importing this package registers all of them.
+
+registry.py holds what the plan and the engine know of a method (params model, torch
+`fn`, index needs, effective weights, optional compiled kernel); base.py the data a
+method sees; modules starting with "_" are shared code: _common.py (trims, sums),
+_compiled.py and _kernels.py (the compiled bf16 kernels of task_arithmetic and ties)."""
 from mergepipe.methods import (  # noqa: F401
     breadcrumbs,
     breadcrumbs_ties,

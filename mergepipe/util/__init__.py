@@ -1,1 +1,2 @@
-"""Small shared helpers with no knowledge of models: progress lines, allocator tuning, files."""
+"""Small shared helpers with no knowledge of models: progress lines, allocator tuning,
+files (fs.py: atomic writes, canonical JSON, file hashes)."""
