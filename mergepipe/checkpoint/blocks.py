@@ -51,7 +51,7 @@ def block_ranges(shape: tuple[int, ...] | list[int], itemsize: int,
     on its own. A tensor with zero rows has no blocks.
     """
     rows = num_rows(shape)
-    if len(shape) <= 1:
+    if len(shape) <= 1 or row_numel(shape) == 0:  # [2**50, 0] is one (empty) block, never 2**38 of them
         return [(0, rows)] if rows > 0 else []
     per_block = max(1, block_bytes // max(1, row_bytes(shape, itemsize)))
     return [(start, min(rows, start + per_block)) for start in range(0, rows, per_block)]

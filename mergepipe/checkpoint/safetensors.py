@@ -395,7 +395,7 @@ def as_tensor(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int,
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor (bf16 included) without a copy."""
     import torch
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)  # 0-d tensors cannot be viewed as bytes; their 1-element view can
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
