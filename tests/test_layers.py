@@ -104,6 +104,12 @@ def test_every_module_has_a_layer():
     assert {_part(_name(p)) for p in _modules()} <= set(LAYER)
 
 
+def test_every_module_says_what_it_owns():
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in _modules()
+               if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert missing == [], "modules without a docstring"
+
+
 def test_imports_only_go_downward():
     assert _violations() == []
 
