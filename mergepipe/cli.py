@@ -180,8 +180,8 @@ def cmd_gather(args: argparse.Namespace) -> int:
     from mergepipe.output.publish import check_output_path
     plan = _load_plan(args.plan)
     check_output_path(args.o, what="-o")
-    if args.parts < 1:
-        raise ConfigError(f"--parts {args.parts}: must be at least 1")
+    from mergepipe.commands.parts import check_parts
+    check_parts(args.parts, what=f"--parts {args.parts}")
     store = Store(args.cache_dir)
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)

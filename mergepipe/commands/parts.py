@@ -38,12 +38,26 @@ COPY_BYTES = 64 << 20  # gather copies tensors in chunks of about this many byte
 _PART_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 
+MAX_PARTS = 1_000_000  # a part holds at least one tensor; no checkpoint has this many
+
+
 def parse_part(spec: str) -> tuple[int, int]:
-    """"I/N" -> (I, N), 1 <= I <= N."""
+    """"I/N" -> (I, N), 1 <= I <= N <= MAX_PARTS."""
     m = _PART_RE.match(spec)
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
         raise ConfigError(f"--part {spec!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    check_parts(int(m.group(2)), what=f"--part {spec!r}")
     return int(m.group(1)), int(m.group(2))
+
+
+def check_parts(n: int, *, what: str, tensors: int | None = None) -> None:
+    """N parts must be at least 1, at most MAX_PARTS and (given the base) at most its tensor count."""
+    if n < 1:
+        raise ConfigError(f"{what}: the number of parts must be at least 1")
+    limit = MAX_PARTS if tensors is None else min(MAX_PARTS, max(1, tensors))
+    if n > limit:
+        raise ConfigError(f"{what}: {n} parts, but at most {limit} make sense"
+                          + (f" (the base has {tensors} tensors)" if tensors is not None else ""))
 
 
 def partition(base: Checkpoint, n: int) -> list[list[str]]:
@@ -88,6 +102,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
     """Merge part i of n into parts_dir; returns its sidecar (also written as JSON)."""
     parts_dir = Path(parts_dir)
     parts_dir.mkdir(parents=True, exist_ok=True)
+    check_parts(n, what=f"--part {i}/{n}", tensors=len(inputs.base.tensors))
     st_path, js_path = part_paths(parts_dir, i, n)
     names = partition(inputs.base, n)[i - 1]
     info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,
@@ -134,6 +149,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
     """Assemble the n parts into out_dir and publish it as `merge_plan` does; returns the manifest."""
     from mergepipe.commands.pipeline import merge_plan  # pipeline imports the engine; keep this module light
     parts_dir = Path(parts_dir)
+    check_parts(n, what=f"--parts {n}", tensors=len(inputs.base.tensors))
     infos = [_read_part(parts_dir, plan, i, n) for i in range(1, n + 1)]
 
     def realize(tmp: Path) -> Realized:
