@@ -100,9 +100,9 @@ def _write_json(path: Path, obj: dict) -> None:
 def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
                threads: int = 2, progress: bool = False) -> dict:
     """Merge part i of n into parts_dir; returns its sidecar (also written as JSON)."""
+    check_parts(n, what=f"--part {i}/{n}", tensors=len(inputs.base.tensors))
     parts_dir = Path(parts_dir)
     parts_dir.mkdir(parents=True, exist_ok=True)
-    check_parts(n, what=f"--part {i}/{n}", tensors=len(inputs.base.tensors))
     st_path, js_path = part_paths(parts_dir, i, n)
     names = partition(inputs.base, n)[i - 1]
     info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,

@@ -194,4 +194,33 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
     if total > plan["budget_bytes"]:
         raise ConfigError(f"{where}: plan reads {total} expert bytes, more than its budget_bytes "
                           f"{plan['budget_bytes']}")
+    if deltas:
+        _check_budget(plan, expert_indexes, deltas, where)
+
+
+def _check_budget(plan: dict, expert_indexes: dict, deltas: dict, where: str) -> None:
+    """budget_bytes is the plan's budget resolved against the bytes a full merge reads (expert
+    blocks that differ from the base), recomputed here: raising it by hand to fit more reads fails."""
+    from mergepipe.checkpoint.blocks import row_bytes
+    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
+    from mergepipe.units import UnitError, parse_budget
+    full = 0
+    for e in plan["experts"]:
+        idx, delta = expert_indexes[e["name"]], deltas[e["name"]]
+        for name, entry in idx.tensors.items():
+            if entry.dtype not in FLOAT_DTYPES:
+                continue
+            row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
+            same = delta.tensors[name].identical
+            full += sum((r1 - r0) * row for (r0, r1), s in zip(entry.ranges, same) if not s)
+    if full != plan["bytes"]["full_read_expert_bytes"]:
+        raise ConfigError(f"{where}: plan key bytes.full_read_expert_bytes: the inputs' full read is {full} "
+                          f"bytes, the plan says {plan['bytes']['full_read_expert_bytes']}")
+    try:
+        want = parse_budget(plan["budget"]).resolve(full)
+    except (UnitError, ValueError) as e:
+        raise ConfigError(f"{where}: plan key budget: {e}") from None
+    if want != plan["budget_bytes"]:
+        raise ConfigError(f"{where}: plan key budget_bytes: budget {plan['budget']} of these inputs is {want} "
+                          f"bytes, the plan says {plan['budget_bytes']}")
 

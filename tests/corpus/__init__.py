@@ -769,3 +769,310 @@ def c_plan_file_deeply_nested(ctx, work):
     plan.write_text("[" * 100_000 + "]" * 100_000)
     return Setup(["merge", str(plan), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
                  work / "out", (str(plan),), CONFIG)
+
+
+# ------------------------------------------------------------- plans edited with their hash recomputed (issue 15)
+# plan_hash has no key: anyone who edits a plan can recompute it. `merge` must check every field.
+
+def edited_plan(ctx: Ctx, work: Path, edit: Callable[[dict], None], expect: tuple[str, ...],
+                exit_code: int = CONFIG, budget: str = "30%") -> Setup:
+    """A real plan (base + two experts, 30% budget) edited by `edit`, its plan_hash recomputed."""
+    from mergepipe.cli import main
+    from mergepipe.plan.planner import plan_hash
+    params = write_params(work, ctx, ctx.experts[1], budget=budget)
+    plan_path = work / "plan.json"
+    assert main(["plan", str(params), "-q", "-o", str(plan_path)]) == 0
+    plan = json.loads(plan_path.read_text())
+    edit(plan)
+    plan["plan_hash"] = plan_hash(plan)
+    plan_path.write_text(json.dumps(plan))
+    return Setup(["merge", str(plan_path), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
+                 work / "out", (str(plan_path), *expect), exit_code)
+
+
+def _unplanned_block(plan: dict, ctx: Ctx) -> tuple[str, str, int, int]:
+    """(expert, tensor, block, bytes) of a block of VICTIM that the plan does not read but could."""
+    from mergepipe.checkpoint.safetensors import open_checkpoint
+    from mergepipe.index.store import Store
+    bb = plan["block_bytes"]
+    store = Store(ctx.cache)
+    base, base_index = store.model_index(ctx.base, block_bytes=bb)
+    for e in plan["experts"]:
+        ck, idx = store.model_index(e["path"], block_bytes=bb)
+        delta = store.delta_index(base, base_index, ck, idx)
+        for name, entry in idx.tensors.items():
+            planned = set(plan["reads"][e["name"]].get(name, []))
+            t = open_checkpoint(e["path"]).tensors[name]
+            for b, (r0, r1) in enumerate(entry.ranges):
+                if b not in planned and not delta.tensors[name].identical[b] and t.dtype == "BF16":
+                    return e["name"], name, b, (r1 - r0) * t.row_bytes()
+    raise AssertionError("no unplanned block")
+
+
+def _add_read(plan: dict, expert: str, tensor: str, block: int, nbytes: int) -> None:
+    plan["reads"][expert][tensor] = sorted({*plan["reads"][expert].get(tensor, []), block})
+    plan["bytes"]["planned_by_expert"][expert] += nbytes
+    plan["bytes"]["planned_expert_bytes"] += nbytes
+    plan["bytes"]["planned_pairs"] += 1
+
+
+@case
+def c_plan_reads_over_budget(ctx, work):
+    """One more block read, counts updated: more than budget_bytes."""
+    def edit(plan):
+        e, t, b, n = _unplanned_block(plan, ctx)
+        _add_read(plan, e, t, b, plan["budget_bytes"])  # claim the bytes that make it exceed
+    return edited_plan(ctx, work, edit, ("budget_bytes",))
+
+
+@case
+def c_plan_reads_over_budget_with_budget_raised(ctx, work):
+    """Reads added and budget_bytes raised to fit them: the budget (30%) of these inputs says otherwise."""
+    def edit(plan):
+        e, t, b, n = _unplanned_block(plan, ctx)
+        _add_read(plan, e, t, b, n)
+        plan["budget_bytes"] += n
+    return edited_plan(ctx, work, edit, ("budget_bytes", "30%"))
+
+
+@case
+def c_plan_reads_bytes_undercounted(ctx, work):
+    """A read added without counting its bytes: the recomputed bytes differ."""
+    def edit(plan):
+        e, t, b, n = _unplanned_block(plan, ctx)
+        _add_read(plan, e, t, b, 0)
+    return edited_plan(ctx, work, edit, ("planned_by_expert",))
+
+
+@case
+def c_plan_block_outside_tensor(ctx, work):
+    """A read of block 9999 of a tensor with a few blocks (counts kept consistent)."""
+    def edit(plan):
+        e = plan["experts"][0]["name"]
+        _add_read(plan, e, VICTIM, 9999, 0)
+    return edited_plan(ctx, work, edit, (VICTIM, "9999", "outside"))
+
+
+@case
+def c_plan_unknown_tensor(ctx, work):
+    def edit(plan):
+        _add_read(plan, plan["experts"][0]["name"], "model.ghost.weight", 0, 0)
+    return edited_plan(ctx, work, edit, ("model.ghost.weight",))
+
+
+@case
+def c_plan_reads_unknown_expert(ctx, work):
+    def edit(plan):
+        plan["reads"]["intruder"] = {VICTIM: [0]}
+    return edited_plan(ctx, work, edit, ("reads.intruder",))
+
+
+@case
+def c_plan_reads_identical_block(ctx, work):
+    """A read of a block identical to the base (counts kept consistent)."""
+    def edit(plan):
+        from mergepipe.index.store import Store
+        store = Store(ctx.cache)
+        base, base_index = store.model_index(ctx.base, block_bytes=plan["block_bytes"])
+        for e in plan["experts"]:
+            ck, idx = store.model_index(e["path"], block_bytes=plan["block_bytes"])
+            delta = store.delta_index(base, base_index, ck, idx)
+            for name, td in delta.tensors.items():
+                if ck.tensors[name].dtype == "BF16" and any(td.identical):
+                    b = td.identical.index(True)
+                    r0, r1 = idx.tensors[name].ranges[b]
+                    n = (r1 - r0) * ck.tensors[name].row_bytes()
+                    _add_read(plan, e["name"], name, b, n)
+                    plan["budget_bytes"] += n
+                    return
+        raise AssertionError("no identical block in the tiny family")
+    return edited_plan(ctx, work, edit, ("identical",))
+
+
+@case
+def c_plan_bad_output_dtype(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["output"].update(dtype="float8"), ("output.dtype",))
+
+
+@case
+def c_plan_bad_shard_bytes(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["output"].update(shard_bytes=-1), ("output.shard_bytes",))
+
+
+@case
+def c_plan_shard_bytes_a_string(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["output"].update(shard_bytes="lots"), ("output.shard_bytes",))
+
+
+@case
+def c_plan_bad_lambda(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["parameters"].update({"lambda": "x"}), ("parameters.lambda",))
+
+
+@case
+def c_plan_unknown_parameter(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["parameters"].update(densty=0.5), ("parameters.densty",))
+
+
+@case
+def c_plan_density_out_of_range(ctx, work):
+    def edit(plan):
+        plan["method"] = "ties"
+        plan["parameters"] = {"density": 7}
+    return edited_plan(ctx, work, edit, ("parameters.density",))
+
+
+@case
+def c_plan_block_bytes_tiny(ctx, work):
+    return edited_plan(ctx, work, lambda p: p.update(block_bytes=1), ("block_bytes",))
+
+
+@case
+def c_plan_unknown_method(ctx, work):
+    return edited_plan(ctx, work, lambda p: p.update(method="frankenmerge"), ("method", "frankenmerge"))
+
+
+@case
+def c_plan_expert_weight_a_string(ctx, work):
+    return edited_plan(ctx, work, lambda p: p["experts"][0].update(weight="1"), ("experts.0.weight",))
+
+
+@case
+def c_plan_reads_unsorted(ctx, work):
+    def edit(plan):
+        e = plan["experts"][0]["name"]
+        t = next(t for t, bs in plan["reads"][e].items() if len(bs) > 1)
+        plan["reads"][e][t] = plan["reads"][e][t][::-1]
+    return edited_plan(ctx, work, edit, ("sorted",), budget="full")
+
+
+@case
+def c_part_count_huge(ctx, work):
+    """--part 1/1000000000: refused at once (was a MemoryError after 34 s)."""
+    s = edited_plan(ctx, work, lambda p: None, ("--part", "1000000000"))
+    return Setup([*s.argv, "--part", "1/1000000000"], s.out, s.expect[1:], CONFIG)
+
+
+@case
+def c_part_count_above_tensor_count(ctx, work):
+    s = edited_plan(ctx, work, lambda p: None, ("--part", "tensors"))
+    return Setup([*s.argv, "--part", "1/500000"], s.out, s.expect[1:], CONFIG)
+
+
+# ------------------------------------------------------------- output paths that hold the user's data (issue 15)
+
+def _merge_to(ctx: Ctx, work: Path, out: str | Path, expect: tuple[str, ...], *, force: bool = False,
+              exit_code: int = OUTPUT, existing_ok: bool = False) -> Setup:
+    s = edited_plan(ctx, work, lambda p: None, ())
+    argv = [a if a != str(work / "out") else str(out) for a in s.argv] + (["--force"] if force else [])
+    return Setup(argv, Path(out) if str(out) else work / "out", expect, exit_code, existing_ok=existing_ok)
+
+
+@case
+def c_output_is_a_users_folder(ctx, work):
+    """-o names an existing folder of the user's (not a merge): refused, nothing deleted."""
+    mine = work / "thesis"
+    mine.mkdir()
+    (mine / "chapter1.tex").write_text("years of work\n")
+    return _merge_to(ctx, work, mine, (str(mine), "did not write", "--force"))
+
+
+@case
+def c_output_is_a_users_folder_via_run(ctx, work):
+    mine = work / "data"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "sub" / "x.csv").write_text("1,2\n")
+    s = run(work, ctx, None, (str(mine), "did not write"), OUTPUT, extra=("-o", str(mine)))
+    return Setup(s.argv, mine, s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_output_holds_a_users_manifest_json(ctx, work):
+    """A folder of the user's that happens to hold a manifest.json (not ours)."""
+    mine = work / "webapp"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"name": "my app"}')
+    (mine / "index.html").write_text("<html></html>")
+    return _merge_to(ctx, work, mine, (str(mine), "not a valid mergepipe manifest"))
+
+
+@case
+def c_output_merge_with_a_users_file_added(ctx, work):
+    """A previous merge to which the user added notes: replacing it would delete them."""
+    from mergepipe.cli import main
+    params = write_params(work, ctx)
+    out = work / "merged"
+    assert main(["run", str(params), "-q", "-o", str(out)]) == 0
+    (out / "notes.md").write_text("eval results\n")
+    return _merge_to(ctx, work, out, (str(out), "notes.md"))
+
+
+@case
+def c_output_empty_string(ctx, work):
+    """-o "" (an unset shell variable): refused, never the current folder."""
+    return _merge_to(ctx, work, "", ("empty",), force=True)
+
+
+@case
+def c_output_empty_string_via_run(ctx, work):
+    s = run(work, ctx, None, ("empty",), OUTPUT, extra=("-o", "", "--force"))
+    return Setup(s.argv, work / "out", s.expect, s.exit_code, existing_ok=False)
+
+
+@case
+def c_output_dot(ctx, work):
+    return _merge_to(ctx, work, ".", ("current folder",), force=True)
+
+
+@case
+def c_output_cwd_absolute(ctx, work):
+    return _merge_to(ctx, work, os.getcwd(), ("current folder",), force=True)
+
+
+@case
+def c_output_parent_of_cwd(ctx, work):
+    return _merge_to(ctx, work, "..", ("contains the current folder",), force=True)
+
+
+@case
+def c_output_root(ctx, work):
+    return _merge_to(ctx, work, "/", ("root folder",), force=True)
+
+
+@case
+def c_output_home(ctx, work):
+    return _merge_to(ctx, work, str(Path.home()), ("home folder",), force=True)
+
+
+@case
+def c_output_parent_of_an_input(ctx, work):
+    """--force does not let the output replace a folder holding an input model."""
+    from mergepipe.cli import main
+    from mergepipe.plan.planner import plan_hash
+    models = work / "models"
+    models.mkdir()
+    expert = copy_expert(ctx, models, k=1, name="e1")
+    params = write_params(work, ctx, expert)
+    plan_path = work / "plan.json"
+    assert main(["plan", str(params), "-q", "-o", str(plan_path)]) == 0
+    plan = json.loads(plan_path.read_text())
+    assert plan["plan_hash"] == plan_hash(plan)
+    return Setup(["merge", str(plan_path), "-o", str(models), "--force", "--cache-dir", str(ctx.cache), "-q"],
+                 models, (str(models), "input model"), OUTPUT, existing_ok=False)
+
+
+@case
+def c_output_dangling_symlink(ctx, work):
+    link = work / "out"
+    link.symlink_to(work / "nowhere")
+    return _merge_to(ctx, work, link, (str(link), "dangling symbolic link"))
+
+
+@case
+def c_output_symlink_to_a_users_folder(ctx, work):
+    mine = work / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    link = work / "out"
+    link.symlink_to(mine)
+    return _merge_to(ctx, work, link, (str(link), "symbolic link"), force=True)
