@@ -245,3 +245,44 @@ def test_disk_full_on_a_small_tmpfs(tiny_family, tiny_cache, tmp_path):
         assert r["rc"] == 7 and r["left"] == [], r
     assert len(errors) == len(failing) and all(e.startswith("mergepipe: error: ") for e in errors), errors
     assert all("No space left on device" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_during_a_merge_clean_up(sig, tiny_family, tiny_cache, tmp_path):
+    """A batch scheduler's SIGTERM or a closed terminal's SIGHUP in the middle of the merge: exit
+    128+signal, the previous output untouched, no temp folder or lock left (as for Ctrl-C)."""
+    root = Path(tiny_family["root"])
+    family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
+    target = tmp_path / "out"
+    cfg = params(tmp_path / "p.yaml", family, target, tiny_cache, budget="full")
+    assert main(["run", str(cfg), "-q"]) == 0
+    before = load_manifest(target)["plan_hash"]
+    cfg = params(tmp_path / "p.yaml", family, target, tiny_cache, budget="40%")
+    marker = tmp_path / "merging"
+    code = textwrap.dedent(f"""
+        import sys, time
+        import mergepipe.commands.pipeline as pipeline
+        real = pipeline.run_merge
+        def slow(plan, inputs, tmp, **kw):
+            (tmp / "partial").write_text("x")
+            open({str(marker)!r}, "w").close()
+            time.sleep(60)
+            return real(plan, inputs, tmp, **kw)
+        pipeline.run_merge = slow
+        shutil_cache = {str(tiny_cache / "merges")!r}
+        import shutil; shutil.rmtree(shutil_cache, ignore_errors=True)
+        from mergepipe.cli import main
+        sys.exit(main(["run", {str(cfg)!r}, "-q"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no merge started"
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=30)
+    err = proc.stderr.read()
+    assert rc == 128 + sig, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert published(target) == before
+    assert leftovers(target) == []

@@ -1,11 +1,13 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mergepipe.errors import OutputError
-from mergepipe.output.publish import Publisher
+from mergepipe.output.publish import Publisher, Terminated, check_output_path, terminate_unwinds
 
 
 def test_publish_replaces_atomically(tmp_path):
@@ -56,3 +58,102 @@ def test_output_that_is_a_file(tmp_path):
     with pytest.raises(OutputError, match="not a folder"):
         with Publisher(tmp_path / "out"):
             pass
+
+
+# ------------------------------------------------------------------ issue 15: what may be replaced
+
+def _publish(target, content="x", **kw):
+    pub = Publisher(target, **kw)
+    with pub as tmp:
+        (tmp / "f").write_text(content)
+        pub.commit()
+
+
+def test_a_folder_mergepipe_did_not_write_is_refused_unless_forced(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.txt").write_text("precious")
+    with pytest.raises(OutputError, match="did not write.*--force"):
+        _publish(mine)
+    assert (mine / "data.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no lock or temp left
+    _publish(mine, force=True)
+    assert sorted(p.name for p in mine.iterdir()) == ["f"]
+
+
+def test_an_empty_folder_is_replaced(tmp_path):
+    (tmp_path / "out").mkdir()
+    _publish(tmp_path / "out")
+    assert (tmp_path / "out" / "f").read_text() == "x"
+
+
+@pytest.mark.parametrize("path", ["", ".", "..", "/", "~", "CWD", "CWD/.."])
+def test_root_like_paths_are_refused_even_with_force(path, tmp_path, monkeypatch):
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    target = {"~": os.path.expanduser("~"), "CWD": str(work), "CWD/..": str(work.parent)}.get(path, path)
+    with pytest.raises(OutputError):
+        Publisher(target, force=True)
+    with pytest.raises(OutputError):
+        check_output_path(target)
+    assert sorted(p.name for p in work.iterdir()) == []
+
+
+def test_symlinked_output_paths_are_refused(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputError, match="dangling symbolic link"):
+        _publish(tmp_path / "dangling")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OutputError, match="symbolic link"):
+        _publish(tmp_path / "link", force=True)
+    assert not (tmp_path / "nowhere").exists() and list((tmp_path / "real").iterdir()) == []
+
+
+def test_cleanup_never_touches_another_targets_temp_folder(tmp_path):
+    """d/m and d/m.v2 at once: m's leftover cleanup (run under m's lock) must not match m.v2's live temp."""
+    other = Publisher(tmp_path / "m.v2", force=True)
+    live = other.__enter__()
+    (live / "w").write_text("writing")
+    try:
+        # a dead writer of m left a temp folder: that one is removed
+        dead = tmp_path / f".m.tmp-{'a' * 12}"
+        dead.mkdir()
+        _publish(tmp_path / "m")
+        assert not dead.exists()
+        assert live.is_dir() and (live / "w").read_text() == "writing"
+        other.commit()
+    finally:
+        other.__exit__(None, None, None)
+    assert (tmp_path / "m.v2" / "w").read_text() == "writing"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.v2"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signals_clean_up_like_ctrl_c(sig, tmp_path):
+    """A signal while writing: the temp folder and the lock are removed, the target untouched."""
+    target = tmp_path / "out"
+    _publish(target, "old", force=True)
+    code = (f"import os, signal, time; from mergepipe.output.publish import Publisher\n"
+            f"p = Publisher({str(target)!r}, force=True)\n"
+            f"with p as t:\n"
+            f"    (t / 'f').write_text('new')\n"
+            f"    os.kill(os.getpid(), {int(sig)})\n"
+            f"    time.sleep(30)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 20
+    assert proc.returncode != 0
+    assert (target / "f").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], proc.stderr
+
+
+def test_terminate_unwinds_restores_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with terminate_unwinds():
+        assert signal.getsignal(signal.SIGTERM) is not before
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -77,8 +77,19 @@ def _planned_blocks(tmp_path: Path, cfg: Path, fam: dict) -> list[tuple[Path, st
     return out
 
 
+def forge_stat_cache(cache: Path, path: Path) -> None:
+    """Make the stat cache believe `path` is unchanged (as a file changed while a merge reads it,
+    or a file system without ctime, would): an in-place edit otherwise changes ctime and is re-indexed."""
+    for entry in (cache / "stat").glob("*.json"):
+        rec = json.loads(entry.read_text())
+        if rec["stat"]["path"] == str(path.resolve()):
+            rec["stat"] = Store._stat(path)
+            entry.write_text(json.dumps(rec, sort_keys=True))
+
+
 def test_flipped_byte_in_a_read_block_aborts_naming_the_tensor(fam, tmp_path, capsys):
-    """12 random positions in planned expert blocks and base blocks (first, last, middle bytes)."""
+    """12 random positions in planned expert blocks and base blocks (first, last, middle bytes),
+    with the stat cache forged to miss the edit: the blocks read are checked against the index."""
     target = tmp_path / "pub" / "out"
     cfg = params(tmp_path / "p.yaml", fam, target, tmp_path / "cache", budget="50%")
     blocks = _planned_blocks(tmp_path, cfg, fam)
@@ -90,11 +101,13 @@ def test_flipped_byte_in_a_read_block_aborts_naming_the_tensor(fam, tmp_path, ca
         t = open_checkpoint(model).tensors[tensor]
         offset = [begin, end - 1, rng.randrange(begin, end)][i % 3]
         flip(t.file, offset)
+        forge_stat_cache(tmp_path / "cache", t.file)
         rc, err = _run(["run", str(cfg), "-q"], capsys)
         assert rc == 6, err
         assert err.count("\n") == 1 and str(t.file) in err and repr(tensor) in err, err
         assert not target.exists() and leftovers(target) == []
         flip(t.file, offset)  # put it back: the next run merges cleanly from the same index
+        forge_stat_cache(tmp_path / "cache", t.file)
     assert main(["run", str(cfg), "-q"]) == 0
 
 
@@ -245,9 +258,9 @@ def test_input_changed_after_indexing_is_reindexed(fam, tmp_path, capsys):
 
 
 def test_forged_mtime_on_an_unread_block_is_caught_by_verify_inputs(fam, tmp_path, capsys):
-    """An in-place edit with size, mtime and inode kept is invisible to the stat cache. In a block
-    the plan reads it aborts the merge (above); in one it skips, the merge cannot see it, but
-    `verify --inputs` rehashes every input and names it."""
+    """An in-place edit with size, mtime and inode kept, made after the merge, in a block the plan
+    skips: `verify --inputs` rehashes every input and names it (and the next `run`, which sees the
+    new ctime, re-indexes: test_in_place_edit_with_mtime_restored_is_reindexed)."""
     cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache", budget="10%")
     blocks = _planned_blocks(tmp_path, cfg, fam)
     victim_model = fam["experts"][1]
@@ -259,8 +272,8 @@ def test_forged_mtime_on_an_unread_block_is_caught_by_verify_inputs(fam, tmp_pat
                   if (victim_model, name, ckpt.tensors[name].begin + r[0] * ckpt.tensors[name].row_bytes())
                   not in planned and ckpt.tensors[name].dtype == "BF16" and r[1] > r[0])
     t = ckpt.tensors[unread[0]]
-    flip(t.file, t.begin + unread[1][0] * t.row_bytes())
     assert main(["run", str(cfg), "-q"]) == 0
+    flip(t.file, t.begin + unread[1][0] * t.row_bytes())
     rc, err = _run(["verify", str(tmp_path / "out"), "--inputs"], capsys)
     assert rc != 0 and str(victim_model) in err and err.count("\n") == 1, err
 
@@ -300,3 +313,80 @@ def test_forged_manifest_structure_is_a_clean_error(published_out, capsys, forge
     (out / MANIFEST).write_bytes(dumps(man))
     rc, err = _run(["verify", str(out)], capsys)
     assert rc == 6 and err.count("\n") == 1 and "malformed" in err, err
+
+
+# ------------------------------------------------------------------ issue 15: change detection
+
+
+def test_in_place_edit_with_mtime_restored_is_reindexed(fam, tmp_path, capsys):
+    """Size, mtime and inode kept (os.utime): ctime still changes, so the stat cache misses and the
+    expert is re-indexed; the merge equals a fresh-cache merge of the edited expert."""
+    cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache")
+    assert main(["run", str(cfg), "-q"]) == 0
+    first = load_manifest(tmp_path / "out")
+    victim = fam["experts"][1] / "model.safetensors"
+    t = open_checkpoint(victim).tensors["model.layers.2.mlp.up_proj.weight"]
+    st = victim.stat()
+    flip(victim, t.begin + 10)  # hide=True: size, mtime, inode as before
+    assert (victim.stat().st_size, victim.stat().st_mtime_ns, victim.stat().st_ino) == \
+        (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert main(["run", str(cfg), "-q"]) == 0
+    now = load_manifest(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+    assert now["inputs"] != first["inputs"] and now["outputs"] != first["outputs"]
+    fresh = params(tmp_path / "fresh.yaml", fam, tmp_path / "fresh", tmp_path / "cache-fresh")
+    assert main(["run", str(fresh), "-q"]) == 0
+    assert load_manifest(tmp_path / "fresh")["outputs"] == now["outputs"]
+
+
+@pytest.mark.parametrize("hide", [True, False])
+def test_flipped_byte_in_a_published_output_is_rebuilt_by_run(tiny_family, tiny_cache, tmp_path, capsys, hide):
+    """`run` on an unchanged config is a no-op only while the output is as published: one flipped
+    byte (mtime restored or not) makes it rebuild, and the result verifies."""
+    root = Path(tiny_family["root"])
+    family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
+    cfg = params(tmp_path / "p.yaml", family, tmp_path / "out", tiny_cache, budget="50%")
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "-q"]) == 0
+    rc, err = _run(["run", str(cfg)], capsys)
+    assert rc == 0 and "up to date" in err
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()  # a private copy: the store holds a hard link to the published file
+    weights.unlink()
+    weights.write_bytes(data)
+    flip(weights, len(data) - 100, hide=hide)
+    rc, err = _run(["run", str(cfg)], capsys)
+    assert rc == 0 and "up to date" not in err, err
+    assert main(["verify", str(out)]) == 0
+
+
+def test_relinked_but_unchanged_output_stays_up_to_date(tiny_family, tiny_cache, tmp_path, capsys):
+    """A hard link added to a published file (the store, another target) changes its ctime but
+    not its bytes: `run` rehashes and still finds it up to date."""
+    root = Path(tiny_family["root"])
+    family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
+    cfg = params(tmp_path / "p.yaml", family, tmp_path / "out", tiny_cache, budget="50%")
+    assert main(["run", str(cfg), "-q"]) == 0
+    os.link(tmp_path / "out" / "model.safetensors", tmp_path / "extra-link")
+    rc, err = _run(["run", str(cfg)], capsys)
+    assert rc == 0 and "up to date" in err, err
+
+
+def test_damaged_store_entry_is_not_restored(tiny_family, tiny_cache, tmp_path, capsys):
+    """A stored merge whose weights were changed (its manifest intact) is rebuilt, not published."""
+    root = Path(tiny_family["root"])
+    family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
+    shutil.rmtree(tiny_cache / "merges", ignore_errors=True)
+    cfg = params(tmp_path / "p.yaml", family, tmp_path / "first", tiny_cache, budget="50%")
+    assert main(["run", str(cfg), "-q"]) == 0
+    good = load_manifest(tmp_path / "first")
+    entry = tiny_cache / "merges" / good["plan_hash"]
+    stored = entry / "model.safetensors"
+    data = bytearray(stored.read_bytes())
+    stored.unlink()  # break the hard link to the first output, then damage the store's copy
+    data[-50] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    assert main(["run", str(cfg), "-q", "-o", str(tmp_path / "second")]) == 0
+    assert "restored_from" not in json.loads((tmp_path / "second" / "run.json").read_text())
+    assert main(["verify", str(tmp_path / "second")]) == 0
+    assert load_manifest(tmp_path / "second")["outputs"] == good["outputs"]
