@@ -94,6 +94,9 @@ class _Merge:
     cuts: CutTable
     hasher: OutputHasher
     kernel: object | None  # the method's compiled kernel (RawBlock -> bytes), or None
+    # tensor -> expert -> factor on its read delta (plan `strategy.scales`, only != 1);
+    # a tensor listed here always takes the torch path (the kernels have no scale)
+    scales: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -123,7 +126,8 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     hasher: OutputHasher | None = None
     try:
         hasher = OutputHasher(layout, writers)
-        m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel)
+        m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
+                   _scales_by_tensor(plan))
         with ThreadPoolExecutor(max(1, threads)) as pool, _one_torch_thread():
             for (name, unit), (base_buf, got) in prefetched(pool, reader.load, work, 2 * max(1, threads)):
                 fname, out_t = out_of[name]
@@ -173,7 +177,7 @@ def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], bas
         if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
             # nothing to merge here: the base rows, cast if the output dtype differs
             out = raw if same_dtype else tensor_bytes(as_tensor(raw, t.dtype, shape).to(DTYPES[out_t.dtype][1]))
-        elif m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16":
+        elif m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
             out = m.kernel(_raw_block(m, t, b, raw, got))
         else:
             out = _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
@@ -206,9 +210,22 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
         if m.method.cosine:
             td = m.inputs.deltas[e.name].tensors[t.name]
             cosine = cosine_from_sums(td.base_sq, td.expert_sq, td.dot)
-        blocks.append(ExpertBlock(e.name, e.content_hash, e.weight, delta, **e.knobs, cut=cut, cosine=cosine))
+        scale = m.scales.get(t.name, {}).get(e.name, 1.0)
+        blocks.append(ExpertBlock(e.name, e.content_hash, e.weight, delta, **e.knobs, cut=cut, cosine=cosine,
+                                  scale=scale))
     merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed), m.params)
     return tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
+
+
+def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:
+    """The plan strategy's rescale factors (`strategy.scales`: expert -> tensor -> c != 1),
+    by tensor; empty for plans without a rescaling strategy."""
+    out: dict[str, dict[str, float]] = {}
+    for expert, per in (plan.get("strategy") or {}).get("scales", {}).items():
+        for tensor, c in per.items():
+            if c != 1.0:
+                out.setdefault(tensor, {})[expert] = float(c)
+    return out
 
 
 @contextmanager

@@ -221,10 +221,14 @@ def combine(block: BlockInputs, experts: Sequence[ExpertBlock],
     `sparsified[k]` is None for an expert block that was not read (omitted by the
     plan, or byte-identical to the base): it contributes 0 and never agrees in
     the sign election, but without consensus its weight still counts in the
-    divisor, as in mergekit where such a block is an all-zero delta.
+    divisor, as in mergekit where such a block is an all-zero delta. An expert's
+    `scale` (a rescaling plan strategy) multiplies its sparsified delta first, so
+    TIES/Breadcrumbs cuts still see the delta as stored; scale 1 skips the product.
     """
     base = block.base
     weights = [torch.tensor(e.weight, dtype=F32) for e in experts]
+    sparsified = [d if d is None or e.scale == 1.0 else d * torch.tensor(e.scale, dtype=F32)
+                  for e, d in zip(experts, sparsified)]
     present = [(w, d * w) for w, d in zip(weights, sparsified) if d is not None]
     weighted = [term for _, term in present]
     if consensus:

@@ -45,6 +45,9 @@ class ExpertBlock:
     # whole tensor (each flattened), from tensor-level sums (see methods/slerp.py,
     # `cosine_from_sums`); None lets slerp compute it when the block is the whole tensor.
     cosine: float | None = None
+    # factor on this block's (sparsified) delta, from the plan's `strategy.scales` (the
+    # `compensated` strategy); 1.0, the default, leaves the arithmetic untouched
+    scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

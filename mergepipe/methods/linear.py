@@ -49,7 +49,10 @@ def merge(block: BlockInputs, p: LinearParams) -> torch.Tensor:
     inputs = [base] if p.base_weight != 0 else []
     coefficients = [p.base_weight] if p.base_weight != 0 else []
     for e in experts:
-        inputs.append(base if e.delta is None else base + e.delta)
+        if e.delta is None:
+            inputs.append(base)
+        else:  # a rescaling plan strategy's factor; 1.0 leaves the arithmetic untouched
+            inputs.append(base + (e.delta if e.scale == 1.0 else e.delta * torch.tensor(e.scale, dtype=F32)))
         coefficients.append(e.weight)
     weights = torch.tensor(coefficients, dtype=F32)
     coefficient_shape = (1,) * base.dim()

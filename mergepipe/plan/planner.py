@@ -10,6 +10,12 @@ that differs from the base), so 100% is the full merge. For additive methods the
 omitted mass, sqrt(sum_b (sum_{k omitted at b} |lambda w_k| ||delta_kb||)^2), is
 a certified bound on ||M_S - M||_F (blocks are disjoint, so they add in
 squares); for the others it is reported as a heuristic.
+
+Which candidates are read (and any rescale factors) is the plan strategy's choice
+(`plan/strategies/`, `plan: {strategy: NAME, ...}` in params.yaml); this module keeps
+the candidate list, the bytes, the bound and the plan file. The default strategy
+(`energy`, the rule above) adds no key to the plan; any other adds `strategy`
+{name, parameters, scales}, covered by the plan hash.
 """
 from __future__ import annotations
 
@@ -19,11 +25,12 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 from mergepipe import __version__
-from mergepipe.errors import BudgetError, CheckpointError
+from mergepipe.errors import BudgetError, CheckpointError, ConfigError
 from mergepipe.index.build import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
+from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
 from mergepipe.units import Budget, parse_budget
 from mergepipe.util.fs import canonical_json
 
@@ -52,26 +59,39 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
 def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],
               expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
               method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
-              block_bytes: int, output: dict, nonfinite: str = "error") -> dict:
+              block_bytes: int, output: dict, nonfinite: str = "error",
+              strategy: dict | None = None) -> dict:
     """Build the plan (a canonical, JSON-able dict with its own hash).
 
     `budget` is resolved against the plan's own full-read bytes (every expert
     block that differs from the base: what a full-budget merge reads), so "10%"
     reads a tenth of a full merge; `budget_bytes`, if given, overrides that.
     The plan records both the budget as written and the resolved bytes.
+    `strategy` is the `plan:` mapping of params.yaml ({strategy: NAME, ...options};
+    None or the default: `energy`).
 
     Raises:
         BudgetError: budget_bytes < 0.
         CheckpointError: an expert delta has NaN/Inf and nonfinite == "error".
+        ConfigError: unknown strategy, bad options, or a rescaling strategy with a
+            method that does not merge weighted deltas (slerp).
     """
     m = get_method(method)
+    try:
+        strategy_json = normalized_options(strategy)
+        strat, strat_params = strategy_options(strategy)
+    except ValueError as e:
+        raise ConfigError(f"plan: {e}") from None
+    if strat.rescales and m.cosine:
+        raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {method!r} does not merge "
+                          "weighted deltas, use strategy energy or balanced")
     if budget_bytes is None:
         budget = parse_budget(budget)
     elif budget_bytes < 0:
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
     eff = effective_weights(method, params, experts)
-    items = []  # (-score/cost, tensor, row_start, expert hash, expert name, block idx, cost, score)
+    items: list[Candidate] = []
     skipped_identical: dict[str, int] = {}
     total_expert_bytes = 0
     mass_sq = 0.0
@@ -95,22 +115,34 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                 score = eff[e.name] * td.block_l2[b]
                 mass_sq += score * score
                 ratio = score / cost if cost else math.inf
-                items.append((-ratio, name, r0, e.content_hash, e.name, b, cost, score))
+                items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score, td.block_l2[b]))
     items.sort(key=lambda it: it[:4])
     full_read_bytes = sum(it[6] for it in items)
     if budget_bytes is None:
         budget_bytes = budget.resolve(full_read_bytes)
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff))
+    selection = strat.select(items, budget_bytes, ctx, strat_params)
+    scales = selection.scales
     reads: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
     planned = {e.name: 0 for e in experts}
     used = 0
+    # per block: sum over omitted experts of s_kb, plus (c_kt - 1) s_kb over read ones a
+    # strategy rescaled (the rescale's own error, zero when nothing is rescaled)
     omitted_by_block: dict[tuple[str, int], float] = {}
-    for _, tensor, _, _, ename, b, cost, score in items:
-        if used + cost <= budget_bytes:
-            used += cost
-            planned[ename] += cost
-            reads[ename].setdefault(tensor, []).append(b)
+    for it, take in zip(items, selection.chosen):
+        if take:
+            used += it.cost
+            planned[it.expert] += it.cost
+            reads[it.expert].setdefault(it.tensor, []).append(it.block)
+            c = scales.get(it.expert, {}).get(it.tensor, 1.0)
+            if c != 1.0:
+                key = (it.tensor, it.block)
+                omitted_by_block[key] = omitted_by_block.get(key, 0.0) + (c - 1.0) * it.score
         else:
-            omitted_by_block[(tensor, b)] = omitted_by_block.get((tensor, b), 0.0) + score
+            key = (it.tensor, it.block)
+            omitted_by_block[key] = omitted_by_block.get(key, 0.0) + it.score
+    if used > budget_bytes:  # a strategy bug, never the user's
+        raise BudgetError(f"plan strategy {strat.name!r} chose {used} bytes over the budget of {budget_bytes}")
     # Blocks are disjoint, hence orthogonal in Frobenius norm: the triangle inequality
     # is only needed across experts within a block, which is much tighter than a plain sum.
     omitted = math.sqrt(sum(v * v for _, v in sorted(omitted_by_block.items())))
@@ -148,6 +180,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             "relative": omitted / full_norm if full_norm else 0.0,
         },
     }
+    if strategy_json is not None:
+        plan["strategy"] = {"name": strat.name, "parameters": strategy_json,
+                            "scales": {k: dict(sorted(v.items())) for k, v in sorted(scales.items())}}
     plan["plan_hash"] = plan_hash(plan)
     return plan
 

@@ -72,6 +72,15 @@ class BoundRecord(BaseModel):
     relative: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+class StrategyRecord(BaseModel):
+    """Present only when the plan strategy is not the default (plan/strategies/)."""
+
+    model_config = _STRICT
+    name: StrictStr
+    parameters: dict[StrictStr, object]
+    scales: dict[StrictStr, dict[StrictStr, Annotated[float, Field(ge=1, allow_inf_nan=False)]]]
+
+
 class PlanRecord(BaseModel):
     """The fields of a plan as `planner.make_plan` writes them; nothing else."""
 
@@ -91,6 +100,7 @@ class PlanRecord(BaseModel):
     reads: dict[StrictStr, dict[StrictStr, list[StrictInt]]]
     bytes: BytesRecord
     bound: BoundRecord
+    strategy: StrategyRecord | None = None
     plan_hash: Hash
 
 
@@ -140,6 +150,8 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
             if any(b < 0 for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
                 raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: block numbers must be "
                                   "non-negative, sorted and distinct")
+    if rec.strategy is not None:
+        _check_strategy(rec, where)
     b = rec.bytes
     for key in ("planned_by_expert", "skipped_identical_by_expert"):
         if sorted(getattr(b, key)) != sorted(names):
@@ -152,6 +164,34 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
     if b.planned_pairs != sum(len(v) for r in rec.reads.values() for v in r.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_pairs: does not count the reads")
     return rec
+
+
+def _check_strategy(rec: PlanRecord, where: str) -> None:
+    """A registered strategy with valid options; rescale factors only from a rescaling
+    strategy, within its max_scale, for tensors the expert reads."""
+    from mergepipe.plan.strategies import get_strategy, normalized_options
+    st = rec.strategy
+    try:
+        strategy = get_strategy(st.name)
+        norm = normalized_options(st.parameters)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"{where}: plan key strategy: {e}") from None
+    if norm is None or norm != st.parameters or norm.get("strategy") != st.name:
+        raise ConfigError(f"{where}: plan key strategy.parameters: not the normalized options of strategy "
+                          f"{st.name!r} (the default strategy is never recorded)")
+    cap = float(st.parameters.get("max_scale", 1.0))
+    for expert, per in st.scales.items():
+        if not strategy.rescales:
+            raise ConfigError(f"{where}: plan key strategy.scales.{expert}: strategy {st.name!r} does not rescale")
+        reads = rec.reads.get(expert)
+        if reads is None:
+            raise ConfigError(f"{where}: plan key strategy.scales.{expert}: not an expert of the plan")
+        for tensor, c in per.items():
+            if tensor not in reads:
+                raise ConfigError(f"{where}: plan key strategy.scales.{expert}.{tensor}: the plan reads no block "
+                                  "of it")
+            if c > cap:
+                raise ConfigError(f"{where}: plan key strategy.scales.{expert}.{tensor}: {c} exceeds max_scale {cap}")
 
 
 def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:

@@ -1,0 +1,18 @@
+"""Plan strategies, one per module behind a registry (`registry.py`), like the methods:
+which (expert, block) pairs a budgeted merge reads and, optionally, how the read deltas
+are rescaled. Importing this package registers all of them.
+
+energy.py (default; today's greedy by |lambda w|*||delta||/byte), balanced.py (a budget
+share per expert), compensated.py (norm-matching rescale of what is read)."""
+from mergepipe.plan.strategies import balanced, compensated, energy  # noqa: F401
+from mergepipe.plan.strategies.registry import (  # noqa: F401
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    Candidate,
+    PlanContext,
+    Selection,
+    Strategy,
+    get_strategy,
+    normalized_options,
+    strategy_options,
+)

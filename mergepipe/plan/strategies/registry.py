@@ -1,0 +1,129 @@
+"""Plan strategy registry: one decorator per strategy file; a duplicate name is an error.
+
+A strategy decides which candidate (expert, block) pairs a budgeted merge reads, and
+optionally by how much each read (expert, tensor) delta is rescaled. `plan/planner.py`
+builds the candidate list (every non-identical block of a float tensor, sorted by the
+energy order) and the bookkeeping (bytes, bound, plan JSON); the strategy only selects.
+
+Contract of `select` (checked by tests/test_strategies.py for every strategy):
+- budget-sound: the chosen candidates' bytes never exceed `budget_bytes`;
+- deterministic: a function of the candidates (whose order does not depend on the order
+  experts are listed in), the budget and the parameters only;
+- at a budget of at least the full read, every candidate is chosen and every scale is
+  exactly 1, so the merge is the plain full-read merge byte for byte.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from mergepipe.errors import ConfigError
+
+DEFAULT_STRATEGY = "energy"
+
+# every strategy's params model: unknown keys rejected, immutable, no NaN/inf
+STRATEGY_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+
+class Candidate(NamedTuple):
+    """One (expert, block) the merge could read. The first four fields are the energy
+    order's sort key: score per byte descending, then (tensor, row_start, expert hash)."""
+
+    neg_ratio: float  # -score / cost
+    tensor: str
+    row_start: int
+    expert_hash: str
+    expert: str
+    block: int
+    cost: int  # bytes
+    score: float  # e_k * ||delta_kb||_2, e_k = |effective weight|
+    l2: float  # ||delta_kb||_2 from the delta index
+
+
+@dataclass(frozen=True, slots=True)
+class PlanContext:
+    """What a strategy may know besides the candidates."""
+
+    experts: tuple[tuple[str, str], ...]  # (name, content hash), canonical order (content hash)
+    effective: dict[str, float]  # expert -> |scale of its delta| in the output (Method.effective_weights)
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    chosen: list[bool]  # parallel to the candidates
+    # expert -> tensor -> factor applied to the delta of that expert's read blocks of that
+    # tensor; only factors != 1 are listed. Empty for strategies that do not rescale.
+    scales: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+SelectFn = Callable[[list[Candidate], int, PlanContext, BaseModel], Selection]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    params: type[BaseModel]  # its params model; field `strategy: Literal[name]` included
+    select: SelectFn
+    rescales: bool  # may return scales != 1 (the plan records them; the engine applies them)
+    doc: str
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(name: str, *, params: type[BaseModel], rescales: bool = False) -> Callable[[SelectFn], SelectFn]:
+    def wrap(fn: SelectFn) -> SelectFn:
+        if name in STRATEGIES:
+            raise ValueError(f"plan strategy {name!r} registered twice")
+        STRATEGIES[name] = Strategy(name, params, fn, rescales, (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+    return wrap
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        known = ", ".join(sorted(STRATEGIES))
+        raise ConfigError(f"unknown plan strategy {name!r}; known: {known}") from None
+
+
+def strategy_options(plan: dict[str, Any] | None) -> tuple[Strategy, BaseModel]:
+    """The strategy and its typed options of a normalized `plan:` mapping (None: the default).
+    Raises ValueError (pydantic's) on bad options; the config layer renders it."""
+    plan = dict(plan or {})
+    name = plan.get("strategy", DEFAULT_STRATEGY)
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"strategy: unknown plan strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    s = STRATEGIES[name]
+    plan["strategy"] = name
+    return s, s.params.model_validate(plan)
+
+
+def normalized_options(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The canonical JSON form of a `plan:` mapping (defaults filled), or None when it is the
+    default strategy with default options: then neither the config's normalized form nor
+    the plan JSON gets a new key, so plans made before strategies existed keep their hash."""
+    s, opts = strategy_options(plan)
+    norm = opts.model_dump(mode="json")
+    if s.name == DEFAULT_STRATEGY and norm == s.params().model_dump(mode="json"):
+        return None
+    return norm
+
+
+def greedy(cands: list[Candidate], order: list[int], chosen: list[bool], room: int) -> int:
+    """Take the candidates at `order` (not yet chosen) that fit in `room` bytes, in that
+    order; an item that does not fit is skipped and smaller ones still go in. Returns the
+    bytes taken."""
+    used = 0
+    for i in order:
+        if chosen[i]:
+            continue
+        cost = cands[i].cost
+        if used + cost <= room:
+            used += cost
+            chosen[i] = True
+    return used
