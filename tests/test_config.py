@@ -208,7 +208,7 @@ def test_models_are_frozen(example):
         cfg.seed = 3
     assert set(MergeConfig.model_fields) == {
         "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "output",
-        "cache_dir", "nonfinite"}
+        "cache_dir", "nonfinite", "plan"}
     assert set(ExpertConfig.model_fields) == {"name", "path", "weight", "density", "gamma"}
     assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes"}
 

@@ -65,7 +65,7 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=norm["parameters"], seed=norm["seed"], budget=budget, block_bytes=bb,
                      output={"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]},
-                     nonfinite=norm.get("nonfinite", "error"))
+                     nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"))
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas)
 
 

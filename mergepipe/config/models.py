@@ -1,6 +1,7 @@
 """The params.yaml models: ExpertConfig, OutputConfig, MergeConfig (extra keys forbidden
 everywhere), method parameters validated by the registered method's own params model,
-and the canonical `normalized()` form that plans and manifests hash.
+the plan strategy's options validated by the registered strategy's own params model
+(`plan:`), and the canonical `normalized()` form that plans and manifests hash.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from mergepipe.config.fields import (
 )
 from mergepipe.config.messages import describe
 from mergepipe.methods import METHODS
+from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_options
 
 
 class ExpertConfig(BaseModel):
@@ -90,6 +92,9 @@ class MergeConfig(BaseModel):
                                   description="indexes, plans and store, relative to params.yaml")
     nonfinite: Literal["error", "allow"] = Field(
         "error", description="what to do with NaN/Inf in an expert")
+    plan: Annotated[dict[str, Any], Field(strict=True)] = Field(
+        default_factory=dict, description="plan strategy: {strategy: NAME, ...its options} "
+        f"(default {DEFAULT_STRATEGY}; checked by the strategy)")
 
     _method_params: BaseModel | None = PrivateAttr(None)
     _written: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -118,7 +123,22 @@ class MergeConfig(BaseModel):
                              f"got {len(self.experts)}")
         check_expert_overrides(self.experts, self.method, method.params, params)
         check_weight_sum(self.experts, self.method, params)
+        self._check_plan(method)
         return self
+
+    def _check_plan(self, method) -> None:
+        name = self.plan.get("strategy", DEFAULT_STRATEGY)
+        if not isinstance(name, str) or name not in STRATEGIES:
+            raise ValueError(f"plan.strategy: unknown plan strategy {name!r}; "
+                             f"known: {', '.join(sorted(STRATEGIES))}")
+        strategy = STRATEGIES[name]
+        try:
+            strategy.params.model_validate({**self.plan, "strategy": name})
+        except ValidationError as err:
+            raise ValueError(describe(err, strategy.params, ("plan",))) from None
+        if strategy.rescales and method.cosine:
+            raise ValueError(f"plan.strategy: {name!r} rescales deltas; method {self.method!r} does not "
+                             "merge weighted deltas (use energy or balanced)")
 
     # -------------------------------------------------------- derived values
 
@@ -142,6 +162,12 @@ class MergeConfig(BaseModel):
         """The expert's gamma, else the method's; None if the method has none."""
         return effective(expert, "gamma", self.method_params)
 
+    @property
+    def plan_options(self) -> dict[str, Any] | None:
+        """The plan strategy's options, normalized; None for the default strategy with
+        default options (then plans carry no `strategy` key)."""
+        return normalized_options(self.plan)
+
     def normalized(self) -> dict[str, Any]:
         """Canonical JSON-able form for plan hashes and manifests.
 
@@ -160,7 +186,7 @@ class MergeConfig(BaseModel):
             "density": self.expert_density(e),
             "gamma": self.expert_gamma(e),
         } for i, e in enumerate(self.experts)]
-        return {
+        norm = {
             "base": written("base", self.base),
             "experts": experts,
             "method": self.method,
@@ -176,3 +202,7 @@ class MergeConfig(BaseModel):
             "cache_dir": written("cache_dir", self.cache_dir),
             "nonfinite": self.nonfinite,
         }
+        plan = self.plan_options
+        if plan is not None:  # the default strategy adds no key (same form as before strategies)
+            norm["plan"] = plan
+        return norm

@@ -13,6 +13,7 @@ import yaml
 
 from mergepipe.config.models import MergeConfig
 from mergepipe.methods import METHODS
+from mergepipe.plan.strategies import STRATEGIES
 
 SCHEMA_URI = "https://json-schema.org/draft/2020-12/schema"
 
@@ -30,7 +31,8 @@ def json_schema() -> dict[str, Any]:
     """JSON schema (draft 2020-12) of params.yaml, for Snakemake and editors.
 
     Built from the pydantic models plus, per registered method, an if/then
-    rule that checks `parameters` against that method's params model. Checks
+    rule that checks `parameters` against that method's params model, and per
+    registered plan strategy one that checks `plan` against its params model. Checks
     across fields (unique names, weight sums, path overlaps) are only in
     `load_config`, which the CLI runs.
     """
@@ -51,6 +53,23 @@ def json_schema() -> dict[str, Any]:
             "if": {"properties": {"method": {"const": name}}, "required": ["method"]},
             "then": {"properties": {"parameters": {"$ref": f"#/$defs/{key}"}}},
         })
+    for name in sorted(STRATEGIES):
+        params_cls = STRATEGIES[name].params
+        params_schema = params_cls.model_json_schema(mode="validation", by_alias=True,
+                                                     ref_template="#/$defs/{model}")
+        for key, sub in params_schema.pop("$defs", {}).items():
+            if defs.setdefault(key, sub) != sub:
+                raise RuntimeError(f"schema name clash on {key!r} (strategy {name!r})")
+        key = params_cls.__name__
+        if defs.setdefault(key, params_schema) != params_schema:
+            raise RuntimeError(f"schema name clash on {key!r} (strategy {name!r})")
+        rules.append({
+            "if": {"properties": {"plan": {"properties": {"strategy": {"const": name}},
+                                           "required": ["strategy"]}},
+                   "required": ["plan"]},
+            "then": {"properties": {"plan": {"$ref": f"#/$defs/{key}"}}},
+        })
+    schema["properties"]["plan"]["properties"] = {"strategy": {"enum": sorted(STRATEGIES)}}
     schema["properties"]["method"]["enum"] = sorted(METHODS)
     if rules:
         schema["allOf"] = rules
