@@ -46,6 +46,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         out.update(base=str(args.base), base_hash=base_index.content_hash, identical_bytes=identical,
                    delta_l2=sum(t.l2 ** 2 for t in delta.tensors.values()) ** 0.5)
     if args.o:
+        _check_overwrite(Path(args.o), args, key="content_hash", what="index record", inputs=(args.model,))
         _write_record(Path(args.o), out)
     seconds = time.monotonic() - t0
     read = store.index_reads.total
@@ -61,6 +62,31 @@ def cmd_index(args: argparse.Namespace) -> int:
             print(f"  vs base {args.base}: {_mib(out['identical_bytes'])} identical to base, "
                   f"||delta||_2 = {out['delta_l2']:.6g}")
     return 0
+
+
+def _check_overwrite(path: Path, args: argparse.Namespace, *, key: str, what: str,
+                     inputs: tuple[str, ...] = ()) -> None:
+    """An -o file may replace only what this command wrote before (a JSON object with `key`),
+    never an input of the command, a folder, or (without --force) any other file."""
+    from mergepipe.errors import OutputError
+    from mergepipe.output.publish import check_output_path
+    check_output_path(path, what="-o")
+    for src in inputs:
+        if Path(src).exists() and path.exists() and path.resolve() == Path(src).resolve():
+            raise OutputError(f"{path}: -o is the command's own input {src}; write the {what} elsewhere")
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_dir():
+        raise OutputError(f"{path}: -o is a folder; give a file name for the {what}")
+    if getattr(args, "force", False):
+        return
+    try:
+        ours = key in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, RecursionError):
+        ours = False
+    if not ours:
+        raise OutputError(f"{path}: exists and is not a mergepipe {what}; refusing to overwrite it "
+                          "(choose another name, or pass --force)")
 
 
 def _write_record(path: Path, obj: dict) -> None:
@@ -94,6 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import plan_config
     from mergepipe.plan.planner import canonical_json
     from mergepipe.index.store import Store
+    if args.o:
+        _check_overwrite(Path(args.o), args, key="plan_hash", what="plan", inputs=(args.config,))
     cfg = _load(args)
     plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads)
     data = canonical_json(plan) + b"\n"
@@ -259,12 +287,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from mergepipe.commands.explain import explain
-    print(explain(Path(args.target)))
+    print(explain(Path(args.target), cache_dir=args.cache_dir, root=args.root, budget=args.budget,
+                  threads=args.threads))
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from mergepipe.config.mergekit import import_mergekit, write_params
+    from mergepipe.errors import OutputError
+    from mergepipe.output.publish import check_output_path
+    out = check_output_path(args.o, what="-o")
+    if Path(args.config).exists() and out.exists() and out.resolve() == Path(args.config).resolve():
+        raise OutputError(f"{args.o}: -o is the mergekit config being imported; write params.yaml elsewhere")
+    if out.is_dir():
+        raise OutputError(f"{args.o}: -o is a folder; give a file name such as params.yaml")
+    if out.exists() and not args.force:
+        raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
     params = import_mergekit(args.config)
     write_params(params, args.o)
     _log(args, f"wrote {args.o}")
@@ -275,6 +313,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from mergepipe.config.params import load_config
     from mergepipe.commands.sweep import plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
     from mergepipe.units import parse_budget_list
+    from mergepipe.output.publish import check_output_path
+    check_output_path(args.o, what="-o")
     cfg = load_config(args.config)
     budgets = parse_budget_list(args.budgets)
     if not budgets:
@@ -318,12 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--json", action="store_true")
     s.add_argument("-o", help="also write the (timing-free) record as JSON here; unchanged content is only touched")
+    s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe index record")
     s.set_defaults(fn=cmd_index)
 
     s = sub.add_parser("plan", parents=[common], help="plan which expert blocks to read")
     s.add_argument("config")
     s.add_argument("--budget")
     s.add_argument("-o", help="write the plan here (default: stdout)")
+    s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe plan")
     s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("merge", parents=[common], help="execute a plan")
@@ -371,13 +413,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--root", default=".")
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("explain", parents=[common], help="readable table of a plan or output")
-    s.add_argument("target", help="plan.json or an output folder")
+    s = sub.add_parser("explain", parents=[common], help="readable table of a plan, output or params.yaml: "
+                       "bytes, update energy kept per expert, rescale factors, bound")
+    s.add_argument("target", help="plan.json, an output folder, or params.yaml (planned first)")
+    s.add_argument("--budget", help="with params.yaml: the budget to explain (default: the config's)")
+    s.add_argument("--cache-dir", default=None, help="the index store (default: .mergepipe; a params.yaml's own)")
+    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
     s.set_defaults(fn=cmd_explain)
 
     s = sub.add_parser("import-mergekit", parents=[common], help="convert a mergekit YAML to params.yaml")
     s.add_argument("config")
     s.add_argument("-o", required=True)
+    s.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("sweep", parents=[common], help="merge at several budgets: table and plot of I/O vs deviation")

@@ -1,10 +1,15 @@
-"""`mergepipe explain`: planned/realized bytes and the bound as readable tables."""
+"""`mergepipe explain`: planned/realized bytes and the bound as readable tables, and what
+a budget costs: the share of each expert's update energy the plan keeps
+(sum of planned s_kb^2 / sum of all s_kb^2, s_kb = |e_k| ||delta_kb|| from the delta
+index) and the plan strategy's rescale factors. A params.yaml target is planned first
+(at `--budget`), so the cost is shown before anything is merged."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from mergepipe.errors import ConfigError
+from mergepipe.errors import ConfigError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
 
 
@@ -12,8 +17,82 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def explain(target: Path) -> str:
-    """Render a plan file, or an output folder's manifest, as markdown tables."""
+def energy_kept(plan: dict, deltas: dict) -> dict[str, tuple[float, float]]:
+    """expert -> (kept, kept after rescale): sum over planned blocks of ||delta_kb||^2 (times
+    c_kt^2 for the second) over the sum over every non-identical block of a float tensor
+    (the candidates; e_k cancels per expert). 1.0 for an expert with no update."""
+    scales = (plan.get("strategy") or {}).get("scales", {})
+    out = {}
+    for e in plan["experts"]:
+        name = e["name"]
+        delta = deltas[name]
+        reads = plan["reads"].get(name, {})
+        total = kept = rescaled = 0.0
+        for tname, td in delta.tensors.items():
+            read = set(reads.get(tname, ()))
+            c = scales.get(name, {}).get(tname, 1.0)
+            for b, (l2, same) in enumerate(zip(td.block_l2, td.identical)):
+                if same:
+                    continue
+                sq = l2 * l2
+                total += sq
+                if b in read:
+                    kept += sq
+                    rescaled += c * c * sq
+        out[name] = (kept / total, rescaled / total) if total > 0 else (1.0, 1.0)
+    return out
+
+
+def _scales_summary(plan: dict) -> list[str]:
+    st = plan.get("strategy")
+    if not st:
+        return []
+    lines = ["", f"strategy {st['name']} ({json.dumps(st['parameters'], sort_keys=True)})"]
+    names = [e["name"] for e in plan["experts"]]
+    if st["scales"] or st["parameters"].get("max_scale") is not None:
+        cap = st["parameters"].get("max_scale")
+        lines += ["", "| expert | rescaled tensors | min rescale | median | max | at max_scale |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for n in names:
+            cs = sorted(st["scales"].get(n, {}).values())
+            if cs:
+                med = cs[len(cs) // 2] if len(cs) % 2 else (cs[len(cs) // 2 - 1] + cs[len(cs) // 2]) / 2
+                lines.append(f"| {n} | {len(cs)} | {cs[0]:.4g} | {med:.4g} | {cs[-1]:.4g} | "
+                             f"{sum(1 for c in cs if c == cap)} |")
+            else:
+                lines.append(f"| {n} | 0 | - | - | - | 0 |")
+    return lines
+
+
+def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: Path | str = ".",
+            budget: str | None = None, threads: int = 2) -> str:
+    """Render a plan file, an output folder's manifest, or (planned here first, at `budget`)
+    a params.yaml, as markdown tables. The energy-kept column needs the inputs' delta
+    indexes: from the store (`cache_dir`; a params.yaml's own cache_dir when None)."""
+    target = Path(target)
+    if target.suffix in (".yaml", ".yml") and target.is_file():
+        from mergepipe.commands.pipeline import plan_config
+        from mergepipe.config.params import load_config
+        from mergepipe.index.store import Store
+        cfg = load_config(target, overrides={"budget": budget} if budget is not None else None)
+        plan, inputs = plan_config(cfg, Store(cache_dir if cache_dir is not None else cfg.cache_dir),
+                                   threads=threads)
+        return _render(plan, None, inputs.deltas, "")
+    if budget is not None:
+        raise ConfigError(f"{target}: --budget applies to a params.yaml, not to a plan or output")
+    plan, man = _load(target)
+    deltas, note = None, ""
+    try:
+        from mergepipe.commands.pipeline import open_inputs
+        from mergepipe.index.store import Store
+        deltas = open_inputs(plan, Store(cache_dir if cache_dir is not None else ".mergepipe"), Path(root).resolve(),
+                             threads=threads, where=str(target)).deltas
+    except MergepipeError as e:  # inputs moved or changed: the byte tables still hold
+        note = f"(energy kept not shown: the plan's inputs cannot be indexed: {e})"
+    return _render(plan, man, deltas, note)
+
+
+def _load(target: Path) -> tuple[dict, dict | None]:
     man = None
     if target.is_dir() or target.name == MANIFEST:
         man = load_manifest(target if target.is_dir() else target.parent)
@@ -23,27 +102,47 @@ def explain(target: Path) -> str:
             plan = json.loads(target.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{target}: not a plan or output folder: {e}") from None
+    return plan, man
+
+
+def _render(plan: dict, man: dict | None, deltas: dict | None, note: str) -> str:
     b = plan["bytes"]
     realized = man["bytes"]["expert_bytes_read_by_expert"] if man else {}
+    strategy = (plan.get("strategy") or {}).get("name", "energy")
+    kept = energy_kept(plan, deltas) if deltas is not None else None
+    rescales = bool((plan.get("strategy") or {}).get("scales"))
+    cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
     lines = [f"plan {plan['plan_hash'][:16]}  method {plan['method']}  budget {plan['budget']} "
-             f"({_mib(plan['budget_bytes'])} MiB)", "",
-             "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"({_mib(plan['budget_bytes'])} MiB)  strategy {strategy}", "",
+             "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |" + cols,
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * cols.count("|")]
     per_expert_total = {e["name"]: 0 for e in plan["experts"]}
     total_each = b["total_expert_bytes"] // max(1, len(plan["experts"]))
     for e in plan["experts"]:
         n = e["name"]
         per_expert_total[n] = total_each
         real = _mib(realized[n]) if n in realized else "-"
+        extra = ""
+        if kept is not None:
+            extra = f" {kept[n][0]:.2%} |" + (f" {kept[n][1]:.2%} |" if rescales else "")
         lines.append(f"| {n} | {e['weight']} | {_mib(b['planned_by_expert'][n])} | {real} | "
-                     f"{_mib(b['skipped_identical_by_expert'][n])} | {_mib(total_each)} |")
+                     f"{_mib(b['skipped_identical_by_expert'][n])} | {_mib(total_each)} |" + extra)
     lines += ["", f"planned {_mib(b['planned_expert_bytes'])} MiB of {_mib(b['total_expert_bytes'])} MiB "
                   f"({b['planned_pairs']} of {b['candidate_pairs']} non-identical (expert, block) pairs)"]
+    if kept is not None:
+        full = plan["bound"]["full_update_norm_estimate"]
+        if full > 0:
+            kept_sq = _kept_mass_sq(plan, deltas)
+            lines.append(f"update energy kept, all experts (sum of planned s^2 / sum of all s^2): "
+                         f"{kept_sq / (full * full):.2%}")
+    elif note:
+        lines.append(note)
     bound = plan["bound"]
     lines.append(f"{bound['kind']} bound: ||M_S - M||_F <= {bound['omitted_mass']:.6g} "
                  f"(relative to estimated ||M - W0||: {bound['relative']:.4%})" if bound["kind"] == "certified" else
                  f"heuristic omitted mass {bound['omitted_mass']:.6g} (relative {bound['relative']:.4%}); "
                  "not a bound for this method")
+    lines += _scales_summary(plan)
     tensors: dict[str, dict[str, int]] = {}
     for ename, per in plan["reads"].items():
         for tname, blocks in per.items():
@@ -55,3 +154,16 @@ def explain(target: Path) -> str:
         for tname in sorted(tensors):
             lines.append(f"| {tname} | " + " | ".join(str(tensors[tname].get(n, 0)) for n in names) + " |")
     return "\n".join(lines)
+
+
+def _kept_mass_sq(plan: dict, deltas: dict) -> float:
+    """sum over planned (k, b) of s_kb^2, s_kb = |e_k| ||delta_kb|| (the planner's scores)."""
+    from mergepipe.plan.planner import PlanInput, effective_weights
+    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
+    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    total = 0.0
+    for name, per in plan["reads"].items():
+        for tname, blocks in per.items():
+            l2 = deltas[name].tensors[tname].block_l2
+            total += sum((eff[name] * l2[b]) ** 2 for b in blocks)
+    return total if math.isfinite(total) else 0.0

@@ -115,7 +115,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                 score = eff[e.name] * td.block_l2[b]
                 mass_sq += score * score
                 ratio = score / cost if cost else math.inf
-                items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score, td.block_l2[b]))
+                items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score,
+                                       td.block_l2[b]))
     items.sort(key=lambda it: it[:4])
     full_read_bytes = sum(it[6] for it in items)
     if budget_bytes is None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import ConfigError
 
@@ -100,7 +100,12 @@ def strategy_options(plan: dict[str, Any] | None) -> tuple[Strategy, BaseModel]:
         raise ValueError(f"strategy: unknown plan strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
     s = STRATEGIES[name]
     plan["strategy"] = name
-    return s, s.params.model_validate(plan)
+    try:
+        return s, s.params.model_validate(plan)
+    except ValidationError as e:  # one line: the first error, with its key
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "plan"
+        raise ValueError(f"{key}: {err['msg']} (strategy {name})") from None
 
 
 def normalized_options(plan: dict[str, Any] | None) -> dict[str, Any] | None:
