@@ -302,18 +302,19 @@ def _build(root: Path, files: list[Path], weight_map: dict | None) -> Checkpoint
             tensors[t.name] = t
     if weight_map is not None:
         index_path = root / INDEX_JSON
-        resolved: dict[object, Path] = {}
+        resolved: dict[tuple[bool, object], Path] = {}
 
-        def real(p: Path | str) -> Path:  # resolved once per file, not once per tensor
-            if p not in resolved:
-                resolved[p] = (root / p).resolve()
-            return resolved[p]
+        def real(p: Path | str, *, in_root: bool) -> Path:  # resolved once per file, not once per tensor
+            key = (in_root, p)
+            if key not in resolved:
+                resolved[key] = ((root / p) if in_root else Path(p)).resolve()
+            return resolved[key]
 
         for name, fname in weight_map.items():
             t = tensors.get(name)
             if t is None:
                 raise CheckpointError(f"{index_path}: tensor {name!r} listed in weight_map but not in {fname}")
-            if real(t.file) != real(fname):
+            if real(t.file, in_root=False) != real(fname, in_root=True):
                 raise CheckpointError(f"{index_path}: tensor {name!r} mapped to {fname} but stored in {t.file.name}")
         extra = [n for n in tensors if n not in weight_map]
         if extra:
