@@ -1,7 +1,8 @@
 """Command line for the real-weight workflow: `python -m mergepipe_eval <cmd>`.
 
 Each subcommand is one workflow step (workflows/real/rules/*.smk call them):
-install, task, base, probe, train, merge-config, score, report.
+install, task, base, probe, train, merge-config, score, report; strategy-screen
+(issue 12: plan strategies side by side, mergepipe_eval/strategies.py).
 """
 from __future__ import annotations
 
@@ -154,6 +155,17 @@ def _add_manifest(result: dict, model: Path) -> None:
         result["plan_hash"] = m["plan_hash"]
 
 
+def cmd_strategy_screen(a) -> int:
+    """Plan strategies side by side, paired against the full read (mergepipe_eval/strategies.py)."""
+    from mergepipe_eval import strategies as st
+    result = st.run_screen(Path(a.family), Path(a.base), Path(a.tasks_root), Path(a.out),
+                           budgets=a.budgets.split(","), methods=a.methods.split(","),
+                           strategies=a.strategies.split(","), n_boot=a.boot)
+    if a.markdown:
+        Path(a.markdown).write_text(st.to_markdown(result))
+    return 0
+
+
 def cmd_report(a) -> int:
     from mergepipe_eval.report import write_report
     smollm = None
@@ -242,6 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-text-tokens", type=int, default=48)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_smollm_score)
+    s = sub.add_parser("strategy-screen", help="plan strategies x budgets, paired screen against the full read")
+    s.add_argument("--family", required=True, help="folder with experts/<task>/{model,head.safetensors}")
+    s.add_argument("--base", required=True)
+    s.add_argument("--tasks-root", required=True)
+    s.add_argument("--out", required=True, help="result JSON")
+    s.add_argument("--markdown", help="also write the tables here")
+    s.add_argument("--budgets", default="10%,25%,50%")
+    s.add_argument("--methods", default="ta_l0.5,ties")
+    s.add_argument("--strategies", default="energy,balanced,compensated", help="the first is the reference")
+    s.add_argument("--boot", type=int, default=2000)
+    s.set_defaults(fn=cmd_strategy_screen)
     s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
     s.add_argument("--results-dir", required=True)
     s.add_argument("--markdown", required=True)
