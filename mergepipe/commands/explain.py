@@ -17,10 +17,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def energy_kept(plan: dict, deltas: dict) -> dict[str, tuple[float, float]]:
+def energy_kept(plan: dict, deltas: dict, expert_indexes: dict | None = None) -> dict[str, tuple[float, float]]:
     """expert -> (kept, kept after rescale): sum over planned blocks of ||delta_kb||^2 (times
     c_kt^2 for the second) over the sum over every non-identical block of a float tensor
-    (the candidates; e_k cancels per expert). 1.0 for an expert with no update."""
+    (the candidates; e_k cancels per expert). 1.0 for an expert with no update.
+    `expert_indexes` (when given) leave out integer tensors, which are never merged."""
+    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES
     scales = (plan.get("strategy") or {}).get("scales", {})
     out = {}
     for e in plan["experts"]:
@@ -29,6 +31,8 @@ def energy_kept(plan: dict, deltas: dict) -> dict[str, tuple[float, float]]:
         reads = plan["reads"].get(name, {})
         total = kept = rescaled = 0.0
         for tname, td in delta.tensors.items():
+            if expert_indexes is not None and expert_indexes[name].tensors[tname].dtype not in FLOAT_DTYPES:
+                continue
             read = set(reads.get(tname, ()))
             c = scales.get(name, {}).get(tname, 1.0)
             for b, (l2, same) in enumerate(zip(td.block_l2, td.identical)):
@@ -77,19 +81,19 @@ def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: 
         cfg = load_config(target, overrides={"budget": budget} if budget is not None else None)
         plan, inputs = plan_config(cfg, Store(cache_dir if cache_dir is not None else cfg.cache_dir),
                                    threads=threads)
-        return _render(plan, None, inputs.deltas, "")
+        return _render(plan, None, inputs, "")
     if budget is not None:
         raise ConfigError(f"{target}: --budget applies to a params.yaml, not to a plan or output")
     plan, man = _load(target)
-    deltas, note = None, ""
+    inputs, note = None, ""
     try:
         from mergepipe.commands.pipeline import open_inputs
         from mergepipe.index.store import Store
-        deltas = open_inputs(plan, Store(cache_dir if cache_dir is not None else ".mergepipe"), Path(root).resolve(),
-                             threads=threads, where=str(target)).deltas
+        inputs = open_inputs(plan, Store(cache_dir if cache_dir is not None else ".mergepipe"),
+                             Path(root).resolve(), threads=threads, where=str(target))
     except MergepipeError as e:  # inputs moved or changed: the byte tables still hold
         note = f"(energy kept not shown: the plan's inputs cannot be indexed: {e})"
-    return _render(plan, man, deltas, note)
+    return _render(plan, man, inputs, note)
 
 
 def _load(target: Path) -> tuple[dict, dict | None]:
@@ -105,11 +109,13 @@ def _load(target: Path) -> tuple[dict, dict | None]:
     return plan, man
 
 
-def _render(plan: dict, man: dict | None, deltas: dict | None, note: str) -> str:
+def _render(plan: dict, man: dict | None, inputs, note: str) -> str:
+    """The tables; `inputs` (engine.merge.Inputs, or None) give the energy-kept columns."""
+    deltas = inputs.deltas if inputs is not None else None
     b = plan["bytes"]
     realized = man["bytes"]["expert_bytes_read_by_expert"] if man else {}
     strategy = (plan.get("strategy") or {}).get("name", "energy")
-    kept = energy_kept(plan, deltas) if deltas is not None else None
+    kept = energy_kept(plan, deltas, inputs.expert_indexes) if deltas is not None else None
     rescales = bool((plan.get("strategy") or {}).get("scales"))
     cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
     lines = [f"plan {plan['plan_hash'][:16]}  method {plan['method']}  budget {plan['budget']} "
