@@ -157,3 +157,26 @@ def test_terminate_unwinds_restores_handlers():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_output_whose_manifest_a_build_tool_removed_is_replaced(tmp_path):
+    """Snakemake deletes a job's declared outputs (weights, manifest) before rerunning it: the
+    rest of our output (run record, card, config) is still recognised; a user's look-alike is not."""
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "run.json").write_text('{"host": "h", "seconds": 1.0}')
+    (out / "README.md").write_text("card")
+    (out / "config.json").write_text("{}")
+    _publish(out)
+    assert sorted(p.name for p in out.iterdir()) == ["f"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "run.json").write_text('{"distance_km": 10}')  # not our run record
+    (mine / "README.md").write_text("my notes")
+    with pytest.raises(OutputError, match="did not write"):
+        _publish(mine)
+    (mine / "run.json").write_text('{"host": "h"}')
+    (mine / "thesis.tex").write_text("x")  # not a kind of file an output holds
+    with pytest.raises(OutputError, match="did not write"):
+        _publish(mine)
+    assert (mine / "thesis.tex").exists()

@@ -12,6 +12,7 @@ the bytes a removal frees are those of files with no other link.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,16 +45,29 @@ def _freed(path: Path) -> int:
     return sum(st.st_size for st in (p.stat() for p in files) if st.st_nlink == 1)
 
 
+# Only names mergepipe gives its own cache entries are ever removed: a --cache-dir that is by
+# mistake a project folder (its models/, parts/ or merges/ the user's) loses nothing.
+_OURS = {
+    "merges": re.compile(r"[0-9a-f]{64}(\.partial-[0-9a-f]{12})?"),
+    "parts": re.compile(r"part-\d+-of-\d+\.(safetensors|json)"),
+    "models": re.compile(r"[0-9a-f]{40}\.json\.gz"),
+    "deltas": re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+-v\d+\.json\.gz"),
+    "stat": re.compile(r"[0-9a-f]{32}\.json"),
+}
+
+
 def collect(cache_dir: str | Path, keep: set[str], *, indexes: bool = False) -> list[Removal]:
-    """What gc would remove, in a stable order."""
+    """What gc would remove, in a stable order: store entries, part files and (with `indexes`)
+    index files, each recognised by its own name pattern; anything else is left alone."""
     root = Path(cache_dir)
     victims: list[Path] = []
-    merges = root / "merges"
-    if merges.is_dir():
-        victims += [p for p in sorted(merges.iterdir()) if p.name not in keep]
-    for sub in ["parts", *(["models", "deltas", "stat"] if indexes else [])]:
-        if (root / sub).exists():
-            victims.append(root / sub)
+    for sub in ["merges", "parts", *(["models", "deltas", "stat"] if indexes else [])]:
+        folder = root / sub
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        victims += [p for p in sorted(folder.iterdir())
+                    if _OURS[sub].fullmatch(p.name) and p.name not in keep and not p.is_symlink()
+                    and (p.is_dir() if sub == "merges" else p.is_file())]
     return [Removal(p, _freed(p)) for p in victims]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import re
 import shutil
@@ -165,6 +166,25 @@ def check_output_path(target: str | Path, *, what: str = "output") -> Path:
     return path
 
 
+_OUTPUT_FILE = re.compile(r"[^/]+\.(safetensors|json|txt|model)|README\.md")
+
+
+def _manifest_removed(target: Path, entries: list[str], run_info: str) -> bool:
+    """A mergepipe output whose weights and manifest a build tool deleted before rerunning the
+    job (Snakemake removes a job's declared outputs first): our run record is there, and
+    nothing but files of the kinds an output holds (weights, JSON, tokenizer files, model card)."""
+    if run_info not in entries:
+        return False
+    try:
+        rec = json.loads((target / run_info).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(rec, dict) or not ({"host", "restored_from"} & set(rec)):
+        return False
+    return all(_OUTPUT_FILE.fullmatch(n) and (target / n).is_file() and not (target / n).is_symlink()
+               for n in entries)
+
+
 def _not_ours(target: Path) -> str | None:
     """None if `target` may be replaced: an empty folder, or a complete mergepipe output
     (a manifest whose hash holds, and no file it does not record). Else the reason."""
@@ -177,6 +197,8 @@ def _not_ours(target: Path) -> str | None:
     from mergepipe.errors import IntegrityError
     from mergepipe.output.manifest import MANIFEST, RUN_INFO, load_manifest  # publish stays generic otherwise
     if MANIFEST not in entries:
+        if _manifest_removed(target, entries, RUN_INFO):
+            return None
         return f"is a folder that mergepipe did not write (no {MANIFEST}; holds {entries[0]!r}"+ (
             f" and {len(entries) - 1} more" if len(entries) > 1 else "") + ")"
     try:
