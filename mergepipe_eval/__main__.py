@@ -163,6 +163,9 @@ def cmd_strategy_screen(a) -> int:
                            strategies=a.strategies.split(","), n_boot=a.boot)
     if a.markdown:
         Path(a.markdown).write_text(st.to_markdown(result))
+    if a.eval_md:
+        notes = Path(a.notes).read_text() if a.notes else ""
+        st.splice(Path(a.eval_md), st.render_section(result, notes))
     return 0
 
 
@@ -176,6 +179,11 @@ def cmd_report(a) -> int:
                  notes=Path(a.notes) if a.notes else None,
                  seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
                  seed_check_recipe=a.seed_check, smollm=smollm)
+    if a.strategies_result and Path(a.strategies_result).exists():  # issue 12's section, kept on regeneration
+        from mergepipe_eval import strategies as st
+        result = json.loads(Path(a.strategies_result).read_text())
+        notes = Path(a.strategies_notes).read_text() if a.strategies_notes else ""
+        st.splice(Path(a.markdown), st.render_section(result, notes))
     return 0
 
 
@@ -260,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--tasks-root", required=True)
     s.add_argument("--out", required=True, help="result JSON")
     s.add_argument("--markdown", help="also write the tables here")
+    s.add_argument("--eval-md", help="replace (or append) the strategy section of this EVAL.md")
+    s.add_argument("--notes", help="hand-written analysis put before the tables")
     s.add_argument("--budgets", default="10%,25%,50%")
     s.add_argument("--methods", default="ta_l0.5,ties")
     s.add_argument("--strategies", default="energy,balanced,compensated", help="the first is the reference")
@@ -277,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--smollm-plot")
     s.add_argument("--smollm-summary")
     s.add_argument("--smollm-notes")
+    s.add_argument("--strategies-result", help="strategy-screen result JSON: its section is appended")
+    s.add_argument("--strategies-notes")
     s.set_defaults(fn=cmd_report)
     a = p.parse_args(argv)
     return a.fn(a)
