@@ -232,20 +232,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from mergepipe.commands import uptodate
+    t0 = time.monotonic()
+    cli_overrides = {"budget": args.budget, "output": args.output}
+    # no-op check first, by run.json's record: no config model, index, plan or torch
+    done = uptodate.fast_up_to_date(args.config, cli_overrides, args.output)
+    if done is not None:
+        _log(args, f"{done[0]}: up to date (plan {done[1][:16]}); "
+                   f"nothing to do ({time.monotonic() - t0:.2f} s)")
+        return 0
     from mergepipe.output.manifest import verify_outputs
     from mergepipe.commands.pipeline import merge_plan, plan_config, up_to_date
     from mergepipe.index.store import Store
-    t0 = time.monotonic()
     cfg = _load(args)
+    record = uptodate.snapshot(args.config, cli_overrides, [cfg.base, *(e.path for e in cfg.experts)])
     store = Store(cfg.cache_dir)
     plan, inputs = plan_config(cfg, store, threads=args.threads)
     out_dir = Path(cfg.output.dir)
+    files = [h.path for ck in (inputs.base, *inputs.experts.values()) for h in ck.files]
+    record = uptodate.finish(record, files, out_dir, plan["plan_hash"])
     if up_to_date(out_dir, plan):
+        uptodate.refresh(out_dir, record)  # the next no-op takes the fast check
         _log(args, f"{out_dir}: up to date (plan {plan['plan_hash'][:16]}); nothing to do "
                    f"({time.monotonic() - t0:.2f} s)")
         return 0
     man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
-                     force=args.force)
+                     force=args.force, run_record=None if record is None else {uptodate.RECORD: record})
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0

@@ -95,11 +95,12 @@ def _check_output_target(out_dir: Path, inputs: Inputs) -> None:
 
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
-               progress: bool = False, realize=None, force: bool = False) -> dict:
+               progress: bool = False, realize=None, force: bool = False, run_record: dict | None = None) -> dict:
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
     split merge, mergepipe.commands.parts); everything else is the same, so the bytes are too.
+    `run_record` is added to run.json (`run`'s no-op record, commands/uptodate.py).
     """
     check_output_path(out_dir)
     _check_output_target(out_dir, inputs)
@@ -130,6 +131,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
         # stat keys of the files as published (renaming their folder changes none of them):
         # `up_to_date` compares them, so an output edited in place is rebuilt
         run_info["stat"] = {name: stat_key(tmp / name) for name in [*man["outputs"]["files"], MANIFEST]}
+        run_info.update(run_record or {})
         (tmp / RUN_INFO).write_text(json.dumps(run_info, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return man

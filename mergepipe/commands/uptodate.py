@@ -1,0 +1,154 @@
+"""`mergepipe run`'s no-op check without planning, indexing or importing torch.
+
+A make-style record, kept in the output's run.json (outside the manifest hash) when
+`run` publishes: a key over what the plan is a function of that is not a file's bytes
+(the params.yaml's bytes and absolute path, the command-line overrides, the working
+folder and the mergepipe version), and the stat keys (size, mtime_ns, ctime_ns, inode,
+device) of each input model folder and of every entry directly in it, taken before the
+inputs were read. The next `run` with the same key, whose input folders and entries
+have the same stat keys and whose output files have the stat keys recorded at
+publication, has nothing to do. This trusts stat keys exactly as the index's stat cache
+and the up-to-date check after planning already do (as git and DVC do). Any
+difference, a missing or damaged record, or a checkpoint file outside its model
+folder's top level, is not an error: `run` takes the full path (index, plan, compare
+with the manifest), which decides.
+
+Only the standard library, yaml and blake3 are imported here: this check must stay a
+fraction of the interpreter's start-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from blake3 import blake3
+
+RECORD = "up_to_date"  # the key of this record in run.json
+RUN_INFO = "run.json"  # output.manifest.RUN_INFO (not imported: that module pulls in more)
+MANIFEST = "manifest.json"
+
+
+def _stat_key(path: str) -> list[int]:
+    st = os.stat(path, follow_symlinks=False)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def config_key(config_path: str | os.PathLike[str], overrides: dict) -> str:
+    """blake3 over the params file's absolute path and bytes, the overrides (as given on the
+    command line), the working folder and the mergepipe version."""
+    from mergepipe import __version__
+    path = os.path.abspath(config_path)
+    with open(path, "rb") as f:
+        data = f.read()
+    doc = [__version__, path, blake3(data).hexdigest(), os.getcwd(), sorted((k, str(v)) for k, v in overrides.items()
+                                                                          if v is not None)]
+    return blake3(json.dumps(doc).encode()).hexdigest()
+
+
+def folder_stats(folders: list[str | os.PathLike[str]]) -> dict[str, list[int]]:
+    """Stat keys of each folder and of every entry directly in it (not following links)."""
+    out: dict[str, list[int]] = {}
+    for folder in map(os.path.abspath, folders):
+        out[folder] = _stat_key(folder)
+        with os.scandir(folder) as it:
+            for entry in it:
+                st = entry.stat(follow_symlinks=False)
+                out[entry.path] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+                if entry.is_symlink():  # a linked shard: its target's bytes matter too
+                    out[entry.path + "\0target"] = _stat_key(os.path.realpath(entry.path))
+    return out
+
+
+def snapshot(config_path: str | os.PathLike[str], overrides: dict, folders: list) -> dict | None:
+    """The record to keep if this run publishes; taken before any input is read.
+    None when it cannot be taken (then no record is kept)."""
+    try:
+        folders = [os.path.abspath(f) for f in folders]
+        return {"config": config_key(config_path, overrides), "folders": folders, "inputs": folder_stats(folders)}
+    except OSError:
+        return None
+
+
+def finish(record: dict | None, input_files: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
+           plan_hash: str) -> dict | None:
+    """Complete a snapshot once the inputs are open: None (keep no record) if a checkpoint
+    file is not among the snapshot's entries (a shard in a subfolder)."""
+    if record is None:
+        return None
+    entries = record["inputs"]
+    if any(os.path.abspath(p) not in entries for p in input_files):
+        return None
+    return {**record, "out_dir": os.path.abspath(out_dir), "plan_hash": plan_hash}
+
+
+def _out_dir(config_path: str | os.PathLike[str], output: str | None) -> Path | None:
+    if output is not None:
+        return Path(os.path.normpath(Path(output).absolute()))
+    from mergepipe.config.yaml_io import read_yaml  # yaml only
+    data = read_yaml(config_path)
+    out = data.get("output") if isinstance(data, dict) else None
+    if isinstance(out, dict) and "dir" in out:
+        written = out["dir"]
+    elif isinstance(data, dict) and (out is None or isinstance(out, dict)):
+        from mergepipe.config.fields import DEFAULT_OUTPUT_DIR
+        written = DEFAULT_OUTPUT_DIR
+    else:
+        return None
+    if not isinstance(written, str) or not written.strip():
+        return None
+    root = Path(os.path.abspath(Path(config_path).parent))
+    return Path(os.path.normpath(root / Path(written).expanduser()))
+
+
+def fast_up_to_date(config_path: str | os.PathLike[str], overrides: dict,
+                    output: str | None) -> tuple[Path, str] | None:
+    """(output folder, plan hash) if `run` has nothing to do by the record in the output's
+    run.json; None when that cannot be told this way (the full check decides)."""
+    try:
+        out_dir = _out_dir(config_path, output)
+        if out_dir is None:
+            return None
+        info = json.loads((out_dir / RUN_INFO).read_bytes())
+        rec = info.get(RECORD)
+        stats = info.get("stat")
+        if not isinstance(rec, dict) or not isinstance(stats, dict) or MANIFEST not in stats:
+            return None
+        if rec.get("out_dir") != str(out_dir) or rec.get("config") != config_key(config_path, overrides):
+            return None
+        folders, inputs = rec.get("folders"), rec.get("inputs")
+        if not isinstance(folders, list) or not folders or folder_stats(folders) != inputs:
+            return None
+        if {p.name for p in out_dir.iterdir()} - {RUN_INFO} != set(stats):
+            return None
+        if any(_stat_key(str(out_dir / name)) != key for name, key in stats.items()):
+            return None
+        plan_hash = rec.get("plan_hash")
+        return (out_dir, plan_hash) if isinstance(plan_hash, str) else None
+    except Exception:  # noqa: BLE001 -- any surprise (damaged record, unreadable config): the full check decides
+        return None
+
+
+
+def refresh(out_dir: str | os.PathLike[str], record: dict | None) -> None:
+    """Keep `record` in the run.json of an output that the full check found up to date,
+    when its files still have the stat keys recorded at publication (else the next run
+    rehashes them anyway). Best effort: the temp file is written beside the output folder
+    (never inside it) and renamed over run.json; any failure leaves things as they were."""
+    if record is None:
+        return
+    out_dir = Path(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.run-{os.urandom(6).hex()}"
+    try:
+        info = json.loads((out_dir / RUN_INFO).read_bytes())
+        stats = info.get("stat")
+        if not isinstance(stats, dict) or any(_stat_key(str(out_dir / n)) != k for n, k in stats.items()):
+            return
+        info[RECORD] = record
+        tmp.write_text(json.dumps(info, sort_keys=True, indent=1) + "\n")
+        os.replace(tmp, out_dir / RUN_INFO)
+    except Exception:  # noqa: BLE001 -- only a cache: the full check runs next time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
