@@ -76,3 +76,16 @@ def test_other_outputs_refuse_empty_paths_and_inputs(argv, tiny_family, tmp_path
     argv = [a.replace("CFG", str(cfg)).replace("MODEL", str(model)) for a in argv]
     assert main([*argv, "-q"]) == 7
     assert _tree(tmp_path) == before
+
+
+def test_demo_never_overwrites_a_users_model_folder(tmp_path):
+    """`mergepipe demo models` where models/base is the user's own model: refused, weights kept;
+    a folder demo wrote before is rewritten as always."""
+    from mergepipe.commands.demo import main as demo_main
+    real = tmp_path / "models" / "base"
+    real.mkdir(parents=True)
+    (real / "model.safetensors").write_bytes(b"the user's weights")
+    assert demo_main([str(tmp_path / "models"), "--quiet", "--experts", "1"]) == 7
+    assert (real / "model.safetensors").read_bytes() == b"the user's weights"
+    assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0
+    assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0  # a rerun rewrites its own

@@ -22,7 +22,7 @@ import torch
 from blake3 import blake3
 from safetensors.torch import save_file
 
-from mergepipe.errors import ConfigError, MergepipeError
+from mergepipe.errors import ConfigError, MergepipeError, OutputError
 from mergepipe.util.fs import canonical_json
 
 
@@ -212,6 +212,21 @@ def _expert(k: int, base: dict[str, torch.Tensor], *, seed: int, layers: int,
     return tensors, changed_rows
 
 
+DEMO_MARKER = ".mergepipe-demo"  # beside base/ and expert_*/: a rerun may rewrite them
+
+
+def _check_target(out: Path, models: list[str]) -> None:
+    """`mergepipe demo models` where models/base is the user's real model must not replace its
+    weights: model folders are rewritten only under a folder that demo wrote before (its marker)."""
+    if (out / DEMO_MARKER).is_file():
+        return
+    for model in models:
+        folder = out / model
+        if folder.is_dir() and any(folder.iterdir()):
+            raise OutputError(f"{folder}: exists and was not written by `mergepipe demo`; refusing to "
+                              "overwrite its weights; give the demo a new folder")
+
+
 def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3,
                 dtype: str = "bfloat16", tied: bool | None = None, seed: int = 0,
                 shard_expert: int | None = 0, shard_bytes: int | None = None,
@@ -230,6 +245,9 @@ def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3
                           f"{sorted(DTYPES)} and n_experts >= 1; got {preset!r}, {dtype!r}, "
                           f"{n_experts}")
     p, out = PRESETS[preset], Path(out_dir)
+    _check_target(out, ["base", *(f"expert_{k}" for k in range(n_experts))])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by `mergepipe demo`; its base/ and expert_*/ may be rewritten\n")
     tied = p.tied if tied is None else tied
     family: dict = {"preset": preset, "dtype": dtype, "tied": tied, "seed": seed,
                     "base": str(out / "base"), "experts": [], "sharded": None,
