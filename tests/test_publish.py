@@ -180,3 +180,16 @@ def test_an_output_whose_manifest_a_build_tool_removed_is_replaced(tmp_path):
     with pytest.raises(OutputError, match="did not write"):
         _publish(mine)
     assert (mine / "thesis.tex").exists()
+
+
+def test_files_added_to_the_target_during_the_merge_are_not_deleted(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()  # empty at the start: replaceable
+    pub = Publisher(target)
+    with pytest.raises(OutputError, match="did not write"):
+        with pub as tmp:
+            (tmp / "f").write_text("new")
+            (target / "copied-in.txt").write_text("the user's")  # while the merge runs
+            pub.commit()
+    assert (target / "copied-in.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

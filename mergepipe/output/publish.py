@@ -292,6 +292,9 @@ class Publisher:
                 finally:
                     os.close(fd)
         _fsync_dir(self.tmp)
+        # again just before replacing it: files the user put into the target while the merge ran
+        # (minutes) are not deleted with the previous version
+        self._check_target()
         if self.target.exists():
             if not _exchange(self.tmp, self.target):
                 old = self.target.parent / f".{self.target.name}.old-{uuid.uuid4().hex[:12]}"
