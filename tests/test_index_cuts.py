@@ -110,7 +110,8 @@ def test_a_file_changed_while_indexing_is_not_recorded(tmp_path, monkeypatch):
     _pair(tmp_path, base, exp)
     st = store_mod.Store(tmp_path / "cache")
     bc, bi = st.model_index(tmp_path / "base", block_bytes=2048)
-    real = store_mod.build_expert_index
+    from mergepipe.index import build as build_mod  # the store imports it when it builds
+    real = build_mod.build_expert_index
 
     def touching(*a, **kw):  # the expert's file is rewritten while it is scanned
         out = real(*a, **kw)
@@ -118,10 +119,10 @@ def test_a_file_changed_while_indexing_is_not_recorded(tmp_path, monkeypatch):
         os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))
         return out
 
-    monkeypatch.setattr(store_mod, "build_expert_index", touching)
+    monkeypatch.setattr(build_mod, "build_expert_index", touching)
     with pytest.raises(CheckpointError, match="changed while it was being indexed"):
         st.expert_index(tmp_path / "exp", bc, bi)
-    monkeypatch.setattr(store_mod, "build_expert_index", real)
+    monkeypatch.setattr(build_mod, "build_expert_index", real)
     assert not (tmp_path / "cache" / "deltas").exists()
     _, index, _ = st.expert_index(tmp_path / "exp", bc, bi)  # a rerun indexes it
     assert index == build_model_index(open_checkpoint(tmp_path / "exp"), block_bytes=2048)

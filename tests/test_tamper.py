@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import random
@@ -278,20 +277,34 @@ def test_forged_mtime_on_an_unread_block_is_caught_by_verify_inputs(fam, tmp_pat
     assert rc != 0 and str(victim_model) in err and err.count("\n") == 1, err
 
 
-def test_poisoned_index_cache_is_caught_when_reading(fam, tmp_path, capsys):
-    """A cache entry rewritten with a wrong block hash (valid gzip, valid JSON): the merge aborts."""
+@pytest.mark.parametrize("recompute", [False, True])
+def test_poisoned_index_cache_is_caught(fam, tmp_path, capsys, recompute):
+    """A cache entry rewritten with a wrong block hash, well-formed (checksum resealed): with its
+    content hash left as it was, the store finds that the block hashes do not give it and
+    rebuilds the index (the merge is right); with the content hash recomputed too (a consistent
+    lie), the merge reads the block, finds it does not match, and aborts naming the tensor."""
+    from mergepipe.index import binfmt
+    from mergepipe.index.records import ModelIndex, TensorEntry, content_hash
     cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache")
     assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     base_hash = json.loads((tmp_path / "plan.json").read_text())["base"]["content_hash"]
-    for entry in (tmp_path / "cache" / "models").glob("*.json.gz"):
-        d = json.loads(gzip.decompress(entry.read_bytes()))
-        if d["content_hash"] == base_hash:
-            d["tensors"][0]["hashes"][0] = "0" * 64
-            entry.write_bytes(gzip.compress(json.dumps(d).encode()))
-            victim = d["tensors"][0]["name"]
+    for entry in (tmp_path / "cache" / "models").glob("*.idx"):
+        idx = binfmt.decode_model(entry.read_bytes())
+        if idx.content_hash == base_hash:
+            first = next(iter(idx.tensors.values()))
+            tensors = {**idx.tensors, first.name: TensorEntry(first.name, first.dtype, first.shape, first.ranges,
+                                                              ("0" * 64,) + first.hashes[1:])}
+            entry.write_bytes(binfmt.encode_model(ModelIndex(content_hash(tensors) if recompute else idx.content_hash,
+                                                             idx.block_bytes, tensors)))
+            victim = first.name
     rc, err = _run(["run", str(cfg), "-q"], capsys)
-    assert rc == 6 and repr(victim) in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists()
+    if recompute:
+        assert rc == 6 and repr(victim) in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+    else:
+        assert rc == 0, err
+        assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+        assert main(["verify", str(tmp_path / "out")]) == 0
 
 
 @pytest.mark.parametrize("forge", ["no outputs", "files a list", "file outside", "no blake3", "tensors missing"])

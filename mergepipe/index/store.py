@@ -2,14 +2,14 @@
 
 Layout under `cache_dir` (default `.mergepipe/`):
   stat/<key>.json        (path, size, mtime_ns, ctime_ns, inode, device, block_bytes) -> file fingerprint
-  models/<key>.json.gz   ModelIndex, keyed by the files' fingerprints and block size
-  deltas/<expert>-<base>-<block_bytes>.json.gz   DeltaIndex
+  models/<key>.idx       ModelIndex, keyed by the files' fingerprints and block size
+  deltas/<expert>-<base>-<block_bytes>-v<N>.idx   DeltaIndex
+(.idx: index/binfmt.py; older .json.gz entries are not read: misses, rebuilt once.)
 Everything is keyed by content, so an unchanged model is never reread and a
 changed one (same path, new bytes) never meets a stale index.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import uuid
@@ -18,8 +18,12 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe.errors import CheckpointError, OutputError
-from mergepipe.index.build import DeltaIndex, ModelIndex, build_delta_index, build_expert_index, build_model_index
+from mergepipe.index import binfmt
+from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
+
+# index/build.py (numpy, the scan kernels) is imported only when something is (re)built:
+# a cached `mergepipe index` and run's plan from cached indexes do not pay for it
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -40,16 +44,44 @@ def _atomic_write(path: Path, data: bytes) -> None:
                           "elsewhere") from None
 
 
-def _read_gz_json(path: Path) -> dict | None:
+def _read_index(path: Path, decode):
+    """The decoded cache entry, or None when missing or not a well-formed file of our
+    format and version (then it is rebuilt): untrusted input, never an error."""
     try:
-        return json.loads(gzip.decompress(path.read_bytes()))
-    except (OSError, ValueError, EOFError):
-        return None  # missing or damaged cache entry: rebuild it
+        return decode(path.read_bytes())
+    except (OSError, ValueError, OverflowError, MemoryError, RecursionError):
+        return None
 
 
-def _write_gz_json(path: Path, obj: dict) -> None:
-    # mtime=0 keeps the bytes a pure function of the content
-    _atomic_write(path, gzip.compress(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode(), mtime=0))
+def _model_matches(index: ModelIndex, ckpt: Checkpoint, block_bytes: int) -> bool:
+    """A cached model index describes this checkpoint: same tensors, dtypes, shapes and block
+    size, block rows that tile each tensor, and a content hash that its block hashes give."""
+    from mergepipe.checkpoint.blocks import block_ranges
+    if index.block_bytes != block_bytes or list(index.tensors) != list(ckpt.tensors):
+        return False
+    for name, t in ckpt.tensors.items():
+        e = index.tensors[name]
+        if e.dtype != t.dtype or e.shape != tuple(t.shape) or len(e.hashes) != len(e.ranges) \
+                or list(e.ranges) != block_ranges(t.shape, t.itemsize, block_bytes):
+            return False
+    return content_hash(index.tensors) == index.content_hash
+
+
+def _delta_matches(delta: DeltaIndex, base_index: ModelIndex, expert_index: ModelIndex) -> bool:
+    """A cached delta index is this expert's against this base, with one entry per block."""
+    if (delta.expert_hash, delta.base_hash, delta.block_bytes) != \
+            (expert_index.content_hash, base_index.content_hash, expert_index.block_bytes):
+        return False
+    if delta.tensors.keys() != expert_index.tensors.keys():
+        return False
+    for name, e in expert_index.tensors.items():
+        t = delta.tensors[name]
+        n = len(e.ranges)
+        if not (len(t.block_l2) == len(t.block_max) == len(t.block_nnz) == len(t.identical) == n
+                and len(t.ranks) == len(t.values) == len(t.count_gt) == len(t.count_eq)
+                and all(len(v) == n for v in t.block_eq.values())):
+            return False
+    return True
 
 
 def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
@@ -87,7 +119,7 @@ class Store:
 
     def _model_key(self, fingerprints: dict[str, str], block_bytes: int) -> Path:
         key = blake3(json.dumps([sorted(fingerprints.items()), block_bytes]).encode()).hexdigest()[:40]
-        return self.root / "models" / f"{key}.json.gz"
+        return self.root / "models" / f"{key}.idx"
 
     def _cached_model(self, ckpt: Checkpoint, block_bytes: int) -> ModelIndex | None:
         fingerprints = {}
@@ -99,11 +131,11 @@ class Store:
             if cached.get("stat") != self._stat(h.path):
                 return None
             fingerprints[h.path.name] = cached["fingerprint"]
-        d = _read_gz_json(self._model_key(fingerprints, block_bytes))
-        if d is None:
+        index = _read_index(self._model_key(fingerprints, block_bytes), binfmt.decode_model)
+        if index is None or not _model_matches(index, ckpt, block_bytes):
             return None
         self.hits += 1
-        return ModelIndex.from_json(d)
+        return index
 
     def _save_model(self, ckpt: Checkpoint, index: ModelIndex, stats: dict[Path, dict]) -> None:
         """Record `index` for `ckpt`, whose files had `stats` before they were read: a file
@@ -112,7 +144,7 @@ class Store:
             if self._stat(h.path) != stats[h.path]:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
         fingerprints = file_fingerprints(ckpt, index)
-        _write_gz_json(self._model_key(fingerprints, index.block_bytes), index.to_json())
+        _atomic_write(self._model_key(fingerprints, index.block_bytes), binfmt.encode_model(index))
         for h in ckpt.files:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
             _atomic_write(self._stat_path(h.path, index.block_bytes), json.dumps(entry, sort_keys=True).encode())
@@ -123,6 +155,7 @@ class Store:
         ckpt = open_checkpoint(path)
         index = self._cached_model(ckpt, block_bytes)
         if index is None:
+            from mergepipe.index.build import build_model_index
             stats = {h.path: self._stat(h.path) for h in ckpt.files}
             index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads,
                                       progress=progress)
@@ -138,28 +171,30 @@ class Store:
         index = self._cached_model(ckpt, base_index.block_bytes)
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
+        from mergepipe.index.build import build_expert_index
         stats = {h.path: self._stat(h.path) for h in ckpt.files}
         index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
                                           threads=threads, counter=self.index_reads, progress=progress)
         self.builds += 1
         self._save_model(ckpt, index, stats)
-        _write_gz_json(self._delta_path(index, base_index), delta.to_json())
+        _atomic_write(self._delta_path(index, base_index), binfmt.encode_delta(delta))
         return ckpt, index, delta
 
     def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
         name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}"
-                f"-v{DELTA_FORMAT}.json.gz")
+                f"-v{DELTA_FORMAT}.idx")
         return self.root / "deltas" / name
 
     def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
                     *, threads: int = 2, progress: bool = False) -> DeltaIndex:
         path = self._delta_path(expert_index, base_index)
-        d = _read_gz_json(path)
-        if d is not None:
+        cached = _read_index(path, binfmt.decode_delta)
+        if cached is not None and _delta_matches(cached, base_index, expert_index):
             self.hits += 1
-            return DeltaIndex.from_json(d)
+            return cached
+        from mergepipe.index.build import build_delta_index
         delta = build_delta_index(base, expert, base_index, expert_index, threads=threads, counter=self.index_reads,
                                   progress=progress)
         self.builds += 1
-        _write_gz_json(path, delta.to_json())
+        _atomic_write(path, binfmt.encode_delta(delta))
         return delta
