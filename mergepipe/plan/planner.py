@@ -121,6 +121,12 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     full_read_bytes = sum(it[6] for it in items)
     if budget_bytes is None:
         budget_bytes = budget.resolve(full_read_bytes)
+        smallest = min((it[6] for it in items), default=0)
+        if budget.kind == "bytes" and 0 < budget_bytes < smallest:
+            # "budget: 10" is 10 bytes: a merge that reads nothing and publishes the base as merged
+            raise BudgetError(f"budget {budget} is smaller than any expert block ({smallest} bytes), so the merge "
+                              f"would read nothing; for a share write a percentage (e.g. '{budget_bytes}%') "
+                              "or a size like '2GiB'")
     ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff))
     selection = strat.select(items, budget_bytes, ctx, strat_params)
     scales = selection.scales

@@ -1076,3 +1076,9 @@ def c_output_symlink_to_a_users_folder(ctx, work):
     link = work / "out"
     link.symlink_to(mine)
     return _merge_to(ctx, work, link, (str(link), "symbolic link"), force=True)
+
+
+@case
+def c_byte_budget_below_one_block(ctx, work):
+    """`budget: 10` (meant 10%) is 10 bytes: a merge that reads nothing would publish the base as merged."""
+    return run(work, ctx, None, ("budget", "10B", "smaller than any expert block"), BUDGET, budget=10)
