@@ -266,8 +266,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from mergepipe.output.manifest import verify_outputs
     out_dir = Path(args.outdir)
-    man = verify_outputs(out_dir)
-    checked = [f"{len(man['outputs']['files'])} files"]
+    man = verify_outputs(out_dir, deep=args.deep)
+    checked = [f"{len(man['outputs']['files'])} files" + (" reread" if args.deep else "")]
     if args.inputs or args.replay:
         from mergepipe.commands.pipeline import open_inputs
         from mergepipe.index.store import Store
@@ -418,8 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "not write it (never /, home, the current folder or one above it, or an input)")
     s.set_defaults(fn=cmd_run)
 
-    s = sub.add_parser("verify", parents=[common], help="rehash an output against its manifest")
+    s = sub.add_parser("verify", parents=[common], help="check an output against its manifest (files changed "
+                       "since publication are rehashed; --deep rehashes every file)")
     s.add_argument("outdir")
+    s.add_argument("--deep", action="store_true", help="reread and rehash every output file, even those whose "
+                   "stat keys are as published")
     s.add_argument("--inputs", action="store_true", help="also rehash the inputs")
     s.add_argument("--replay", action="store_true", help="also rebuild and compare output hashes")
     s.add_argument("--root", default=".")

@@ -79,10 +79,10 @@ def test_one_plan_to_two_targets_shares_the_store(small_family, tmp_path):
 def test_store_saves_and_restores_race_safely(tmp_path):
     """Two runs of one plan saving to and restoring from the store at once (threads, many times):
     no exception, and the entry left is complete."""
-    from mergepipe.output.manifest import MANIFEST, dumps, manifest_hash, verify_outputs
+    from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, dumps, manifest_hash, verify_outputs
     from mergepipe.commands.pipeline import _restore, _save_to_store
     from blake3 import blake3
-    man = {"plan_hash": "plan", "plan": {"plan_hash": "plan"}, "outputs": {"tensors": {}, "files": {
+    man = {"schema": MANIFEST_SCHEMA, "plan_hash": "plan", "plan": {"plan_hash": "plan"}, "outputs": {"tensors": {}, "files": {
         f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}}}
     man["manifest_hash"] = manifest_hash(man)
     outs = []

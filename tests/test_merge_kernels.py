@@ -126,21 +126,27 @@ def test_engine_compiled_equals_torch_path(tmp_path, tiny_family, method, parame
 @pytest.mark.parametrize("output", [{"dtype": None, "shard_bytes": None}, {"dtype": None, "shard_bytes": "1MiB"},
                                     {"dtype": "float32", "shard_bytes": None}])
 def test_output_hashed_while_writing_equals_the_file(tmp_path, tiny_family, monkeypatch, output):
-    """File hashes come from the bytes as they are written (no reread), and equal a reread."""
+    """File and tensor hashes (block trees) are composed while writing (no reread), and equal a reread."""
+    from mergepipe.checkpoint.treehash import hash_weight_file
     from mergepipe.engine import merge as engine
     cfg = load_config(write_config(tmp_path, tiny_family, method="ties", parameters={"density": 0.5},
                                    budget="50%", output={"dir": str(tmp_path / "out"), **output}))
     plan, inputs = plan_config(cfg, Store(cfg.cache_dir))
     rehash = engine.hash_file
-    def no_weight_rereads(path):
+    def no_weight_rereads(path, *a):
         assert not str(path).endswith(".safetensors"), f"reread {path}"
         return rehash(path)
 
     monkeypatch.setattr(engine, "hash_file", no_weight_rereads)
+    monkeypatch.setattr(engine, "hash_weight_file", no_weight_rereads)
     d = tmp_path / "o"
     d.mkdir()
     realized = run_merge(plan, inputs, d)
     weight_files = [f for f in realized.files if f.endswith(".safetensors")]
     assert len(weight_files) == 1 if output["shard_bytes"] is None else len(weight_files) > 1
+    tensors = {}
     for fname in weight_files:
-        assert realized.files[fname]["blake3"] == rehash(d / fname)
+        digest, per_tensor = hash_weight_file(d / fname, plan["block_bytes"])
+        assert realized.files[fname]["tree"] == digest
+        tensors.update(per_tensor)
+    assert realized.tensors == tensors

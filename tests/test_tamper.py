@@ -68,11 +68,21 @@ def _planned_blocks(tmp_path: Path, cfg: Path, fam: dict) -> list[tuple[Path, st
             for b in blocks:
                 r0, r1 = index.tensors[tensor].ranges[b]
                 out.append((by_name[ename], tensor, t.begin + r0 * t.row_bytes(), t.begin + r1 * t.row_bytes()))
+    out += _base_blocks(store, plan, fam, read=True)
+    return out
+
+
+def _base_blocks(store: Store, plan: dict, fam: dict, *, read: bool) -> list[tuple[Path, str, int, int]]:
+    """The base blocks the merge reads (some expert block planned there), or, with read=False,
+    those it copies file to file (none planned: the output keeps the base's bytes)."""
     ckpt, index = store.model_index(fam["base"], block_bytes=BB)
+    out = []
     for tensor, entry in index.tensors.items():
         t = ckpt.tensors[tensor]
-        for r0, r1 in entry.ranges:
-            out.append((fam["base"], tensor, t.begin + r0 * t.row_bytes(), t.begin + r1 * t.row_bytes()))
+        planned = set().union(*(r.get(tensor, ()) for r in plan["reads"].values()))
+        for b, (r0, r1) in enumerate(entry.ranges):
+            if (b in planned) == read and r1 > r0:
+                out.append((fam["base"], tensor, t.begin + r0 * t.row_bytes(), t.begin + r1 * t.row_bytes()))
     return out
 
 
@@ -87,8 +97,9 @@ def forge_stat_cache(cache: Path, path: Path) -> None:
 
 
 def test_flipped_byte_in_a_read_block_aborts_naming_the_tensor(fam, tmp_path, capsys):
-    """12 random positions in planned expert blocks and base blocks (first, last, middle bytes),
-    with the stat cache forged to miss the edit: the blocks read are checked against the index."""
+    """12 random positions in planned expert blocks and the base blocks read with them (first,
+    last, middle bytes), with the stat cache forged to miss the edit: the blocks read are
+    checked against the index."""
     target = tmp_path / "pub" / "out"
     cfg = params(tmp_path / "p.yaml", fam, target, tmp_path / "cache", budget="50%")
     blocks = _planned_blocks(tmp_path, cfg, fam)
@@ -216,10 +227,10 @@ def test_forged_manifest_is_caught_by_replay(published_out, capsys):
     t = ckpt.tensors["model.norm.weight"]
     flip(model, t.begin + 1, hide=False)
     man = json.loads((out / MANIFEST).read_text())
-    from blake3 import blake3
-    from mergepipe.engine.merge import hash_file
-    man["outputs"]["files"]["model.safetensors"]["blake3"] = hash_file(model)
-    man["outputs"]["tensors"][t.name] = blake3(model.read_bytes()[t.begin:t.end]).hexdigest()
+    from mergepipe.checkpoint.treehash import hash_weight_file
+    digest, tensors = hash_weight_file(model, man["plan"]["block_bytes"])
+    man["outputs"]["files"]["model.safetensors"]["tree"] = digest
+    man["outputs"]["tensors"][t.name] = tensors[t.name]
     man["manifest_hash"] = manifest_hash(man)
     (out / MANIFEST).write_bytes(dumps(man))
     assert main(["verify", str(out), "-q"]) == 0
@@ -403,3 +414,54 @@ def test_damaged_store_entry_is_not_restored(tiny_family, tiny_cache, tmp_path, 
     assert "restored_from" not in json.loads((tmp_path / "second" / "run.json").read_text())
     assert main(["verify", str(tmp_path / "second")]) == 0
     assert load_manifest(tmp_path / "second")["outputs"] == good["outputs"]
+
+
+def test_copied_base_region_is_trusted_by_stat_and_caught_by_verify_deep(fam, tmp_path, capsys):
+    """Base blocks that no expert block is planned for are copied file to file and take their
+    hashes from the base index (issue 13): trusted through the stat cache. An edit the stat
+    cache cannot see (forged here) is copied into the output; plain `verify` accepts what run
+    recorded, `verify --deep` rereads the output and names the tensor, `verify --inputs` names
+    the base; tampering with the copied region of a published output is caught by `--deep`
+    even when run.json's stat keys are forged to match."""
+    from mergepipe.output.manifest import RUN_INFO
+    target = tmp_path / "out"
+    cfg = params(tmp_path / "p.yaml", fam, target, tmp_path / "cache", budget="10%")
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    copied = _base_blocks(Store(tmp_path / "cache"), plan, fam, read=False)
+    assert copied
+    model, tensor, begin, end = copied[len(copied) // 2]
+    t = open_checkpoint(model).tensors[tensor]
+    flip(t.file, begin + (end - begin) // 2)
+    forge_stat_cache(tmp_path / "cache", t.file)
+    assert main(["run", str(cfg), "-q"]) == 0
+    man = load_manifest(target)
+    assert man["bytes"]["base_bytes_copied"] > 0
+    assert main(["verify", str(target)]) == 0  # what run recorded
+    rc, err = _run(["verify", str(target), "--deep"], capsys)
+    assert rc == 6 and repr(tensor) in err and err.count("\n") == 1, err
+    rc, err = _run(["verify", str(target), "--inputs"], capsys)
+    assert rc != 0 and str(fam["base"]) in err and "changed" in err, err
+    flip(t.file, begin + (end - begin) // 2)  # base as indexed again; rebuild elsewhere
+    forge_stat_cache(tmp_path / "cache", t.file)
+    shutil.rmtree(tmp_path / "cache" / "merges")
+    shutil.rmtree(target)
+    assert main(["run", str(cfg), "-q"]) == 0
+    assert main(["verify", str(target), "--deep"]) == 0
+    # the output's copied region edited in place, run.json's stat keys forged to match
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").unlink()  # a private copy: the store holds a hard link
+    (target / "model.safetensors").write_bytes(data)
+    out_t = open_checkpoint(target / "model.safetensors").tensors[tensor]
+    flip(target / "model.safetensors", out_t.begin + (begin - t.begin) + 3)
+    info = json.loads((target / RUN_INFO).read_text())
+    info["stat"]["model.safetensors"] = list(_stat(target / "model.safetensors"))
+    (target / RUN_INFO).write_text(json.dumps(info))
+    assert main(["verify", str(target)]) == 0  # the stat keys say "as published"
+    rc, err = _run(["verify", str(target), "--deep"], capsys)
+    assert rc == 6 and repr(tensor) in err, err
+
+
+def _stat(path: Path) -> tuple[int, ...]:
+    st = os.stat(path, follow_symlinks=False)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)

@@ -483,6 +483,15 @@ class SafetensorsWriter:
             raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
         self.bytes_written += len(memoryview(data).cast("B"))
 
+    def copy_rows(self, name: str, row_start: int, src_fd: int, src_offset: int, nbytes: int) -> int:
+        """Copy rows of `name` from another file (base bytes the output keeps) without them
+        passing through Python (util.fs.copy_range); returns the bytes the kernel copied."""
+        from mergepipe.util.fs import copy_range
+        try:
+            return copy_range(src_fd, src_offset, self._fd, self.offset_of(name, row_start), nbytes)
+        except OSError as e:
+            raise OutputError(f"{self.path}: copy of tensor {name!r} failed: {e.strerror}") from None
+
     def close(self) -> None:
         """fsync and close; the caller publishes the folder."""
         if self._fd >= 0:

@@ -23,16 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from blake3 import blake3
-
 from mergepipe.engine.layout import output_layout
 from mergepipe.engine.merge import Inputs, Realized, hash_file, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
+from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
 
-PART_SCHEMA = 1
+PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
 ONE_FILE = 1 << 62  # shard_bytes that keeps a part's tensors in one file
 COPY_BYTES = 64 << 20  # gather copies tensors in chunks of about this many bytes
 _PART_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
@@ -106,7 +105,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
     st_path, js_path = part_paths(parts_dir, i, n)
     names = partition(inputs.base, n)[i - 1]
     info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,
-                  "from_store": False, "tensors": {}, "base_bytes_read": 0,
+                  "from_store": False, "tensors": {}, "base_bytes_read": 0, "base_bytes_copied": 0,
                   "expert_bytes_read": {e["name"]: 0 for e in plan["experts"]}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=parts_dir, prefix=f".part-{i}-of-{n}-") as tmp:
@@ -120,7 +119,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas)
             realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
             info.update(tensors=realized.tensors, base_bytes_read=realized.base_bytes_read,
-                        expert_bytes_read=realized.expert_bytes_read)
+                        base_bytes_copied=realized.base_bytes_copied, expert_bytes_read=realized.expert_bytes_read)
         os.replace(Path(tmp) / "model.safetensors", st_path)
     info["file"] = {"blake3": hash_file(st_path), "size": st_path.stat().st_size}
     info["seconds"] = round(time.monotonic() - t0, 3)
@@ -135,6 +134,9 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{js_path}: cannot read part {i}/{n}: {e}; run "
                              f"`mergepipe merge PLAN --part {i}/{n}` first") from None
+    if info.get("schema") != PART_SCHEMA:
+        raise IntegrityError(f"{js_path}: part record of another mergepipe version (schema {info.get('schema')}); "
+                             "rerun the part jobs")
     if info.get("plan_hash") != plan["plan_hash"] or (info.get("part"), info.get("parts")) != (i, n):
         raise IntegrityError(f"{js_path}: part of another plan or split (plan {str(info.get('plan_hash'))[:16]}, "
                              f"part {info.get('part')}/{info.get('parts')}); rerun the part jobs")
@@ -171,8 +173,9 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})
         try:
             for i, info in enumerate(infos, 1):
-                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of)
+                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, plan["block_bytes"])
                 realized.base_bytes_read += info["base_bytes_read"]
+                realized.base_bytes_copied += info["base_bytes_copied"]
                 for name, nbytes in info["expert_bytes_read"].items():
                     realized.expert_bytes_read[name] += nbytes
                 realized.tensors.update(info["tensors"])
@@ -183,7 +186,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                 w.abort()
             raise
         realized.expert_bytes_read = dict(sorted(realized.expert_bytes_read.items()))
-        record_outputs(tmp, layout, writers, realized)
+        record_outputs(tmp, layout, writers, realized, block_bytes=plan["block_bytes"])
         realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
         return realized
 
@@ -191,11 +194,12 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                       force=force)
 
 
-def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str]) -> None:
+def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str],
+               block_bytes: int) -> None:
     ckpt = open_checkpoint(path)
     with CheckpointReader(ckpt, random_access=False) as r:
         for name, t in ckpt.tensors.items():
-            h = blake3()
+            h = TensorHasher(block_sizes(t.shape, t.dtype, block_bytes))
             rows = t.shape[0] if t.shape else 1
             step = max(1, COPY_BYTES // max(1, t.row_bytes())) if t.shape else 1
             for r0 in range(0, rows, step):
@@ -203,6 +207,6 @@ def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], fi
                 data = r.read_rows(name, r0, r1) if t.shape else r.read_range(t, t.begin, t.end)
                 writers[file_of[name]].write_rows(name, r0, data)
                 h.update(data)
-            if h.hexdigest() != info["tensors"].get(name):
+            if h.digest().hex() != info["tensors"].get(name):
                 raise IntegrityError(f"{path}: tensor {name!r} does not match its part record")
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from mergepipe.engine.merge import Inputs, hash_file, run_merge
 from mergepipe.errors import IntegrityError, OutputError
-from mergepipe.output.manifest import MANIFEST, RUN_INFO, build_manifest, dumps, load_manifest, verify_outputs
+from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, dumps, load_manifest,
+                                      verify_outputs)
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.publish import Publisher, check_output_path
@@ -143,12 +144,12 @@ def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
         man = load_manifest(cached)
     except IntegrityError:
         return False
-    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
-        return False
+    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan or man.get("schema") != MANIFEST_SCHEMA:
+        return False  # another plan, or a manifest format of an earlier version: merge again
     try:
         for name in [*man["outputs"]["files"], MANIFEST]:
             _link_or_copy(cached / name, tmp / name)
-        verify_outputs(tmp)  # rehashes every file: a store entry is untrusted until then
+        verify_outputs(tmp, deep=True)  # rehashes every file: a store entry is untrusted until then
     except (IntegrityError, OSError):  # damaged, or removed by a concurrent run's save meanwhile
         for p in tmp.iterdir():
             p.unlink()

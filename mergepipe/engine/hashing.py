@@ -1,14 +1,17 @@
 """Integrity hashing around the merge: every block read is checked against its index
 hash (base units, expert blocks), and the output is hashed, per tensor and per file,
-in a thread of its own as it is written."""
+as a hash tree over its blocks (checkpoint/treehash.py) in a thread of its own as it is written."""
 from __future__ import annotations
 
 import queue
 import threading
 
+from math import prod
+
 from blake3 import blake3
 
-from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, TensorInfo
+from mergepipe.checkpoint.safetensors import ITEMSIZE, OutTensor, SafetensorsWriter, TensorInfo
+from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order
 from mergepipe.errors import IntegrityError
 
 
@@ -34,43 +37,52 @@ def check_expert_blocks(bufs, blocks: list[int], ranges, hashes, t: TensorInfo) 
 
 
 class OutputHasher:
-    """blake3 of the output bytes, in a thread of its own, as they are written.
+    """The output's hash tree (checkpoint/treehash.py), in a thread of its own, as it is written.
 
-    Per tensor, and per file: a file's hash is fed its header and then every block
-    in file order, which is the order the engine writes them in; if a block ever
-    arrives out of order the file is left to `record_outputs` to reread. Hashing the
-    bytes handed to pwrite instead of rereading the file saved a full pass over the
-    output (`mergepipe run` still rereads the published files in its verify).
-    A bounded queue keeps at most `depth` blocks alive.
+    Per tensor, blocks arrive in order: written bytes (`add`, hashed here, cut at the
+    tensor's block boundaries whatever the chunking) or, for runs copied from the base,
+    the base index's block digests (`add_digests`: nothing is read or rehashed). A file's
+    hash is composed at `finish` from its header and its tensors' hashes, so the order in
+    which tensors are written does not matter. A bounded queue keeps at most `depth`
+    blocks alive.
     """
 
-    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], *,
-                 depth: int = 16) -> None:
-        self.writers = writers
-        self.file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
-        self.files: dict[str, blake3 | None] = {fname: blake3(w.header) for fname, w in writers.items()}
-        self.next = {fname: w.data_start for fname, w in writers.items()}
-        self.size = {fname: w.size for fname, w in writers.items()}
+    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], block_bytes: int,
+                 *, depth: int = 16) -> None:
+        self.headers = {fname: w.header for fname, w in writers.items()}
+        self.order = {fname: file_order([(t.name, w.offset_of(t.name, 0), w.offset_of(t.name, 0)
+                                          + prod(t.shape) * ITEMSIZE[t.dtype]) for t in layout[fname]])
+                      for fname, w in writers.items()}
+        self.sizes = {t.name: block_sizes(t.shape, t.dtype, block_bytes) for ts in layout.values() for t in ts}
         self.tensors: dict[str, str] = {}
-        self._open: dict[str, blake3] = {}
+        self._digests: dict[str, bytes] = {}
+        self._open: dict[str, TensorHasher] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mergepipe-hash", daemon=True)
         self._thread.start()
 
-    def add(self, name: str, row_start: int, data) -> None:
-        self._queue.put((name, row_start, data))
+    def add(self, name: str, data) -> None:
+        self._queue.put((name, data, None))
+
+    def add_digests(self, name: str, digests: list[bytes]) -> None:
+        self._queue.put((name, None, digests))
 
     def end_tensor(self, name: str) -> None:
-        self._queue.put((name, -1, None))
+        self._queue.put((name, None, None))
 
     def finish(self) -> dict[str, str]:
-        """Wait for the queue; returns file -> blake3 for the files hashed in order."""
+        """Wait for the queue; returns file -> hash (tensors that got no block: their empty tree)."""
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
             raise self._error
-        return {f: h.hexdigest() for f, h in self.files.items() if h is not None and self.next[f] == self.size[f]}
+        for name, sizes in self.sizes.items():
+            if name not in self._digests:
+                self._digests[name] = TensorHasher(sizes).digest()  # no blocks, or only empty ones
+                self.tensors[name] = self._digests[name].hex()
+        return {f: file_digest(self.headers[f], [self._digests[n] for n in names]).hex()
+                for f, names in self.order.items()}
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -81,16 +93,16 @@ class OutputHasher:
             except BaseException as e:  # re-raised in the merging thread by finish()
                 self._error = e
 
-    def _hash(self, name: str, row_start: int, data) -> None:
-        if data is None:
-            self.tensors[name] = self._open.pop(name, blake3()).hexdigest()
+    def _hash(self, name: str, data, digests) -> None:
+        if data is None and digests is None:
+            h = self._open.pop(name, None) or TensorHasher(self.sizes[name])
+            self._digests[name] = h.digest()
+            self.tensors[name] = self._digests[name].hex()
             return
-        self._open.setdefault(name, blake3()).update(data)
-        fname = self.file_of[name]
-        h = self.files[fname]
-        if h is not None:
-            if self.writers[fname].offset_of(name, row_start) == self.next[fname]:
-                h.update(data)
-                self.next[fname] += memoryview(data).nbytes
-            else:
-                self.files[fname] = None
+        h = self._open.get(name)
+        if h is None:
+            h = self._open[name] = TensorHasher(self.sizes[name])
+        if digests is not None:
+            h.add_digests(digests)
+        else:
+            h.update(data)

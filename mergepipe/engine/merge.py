@@ -1,15 +1,20 @@
 """The merge engine: a plain loop that streams the plan.
 
-For each tensor in the base's order, for each block: read the base rows and only
-the planned expert rows (engine/prefetch.py: coalesced preads, blake3-checked
-against the index), merge in fp32 (the method's `fn`, or its compiled kernel for
-bf16), cast, and pwrite at the block's offset in the output, hashing it on the way
-(engine/hashing.py). Rank cuts come from the delta index (engine/cuts.py); the file
+For each tensor in the base's order, for each block: where no expert block is
+planned and the output dtype is the base's, the output is the base's bytes: runs of
+such blocks are copied file to file in the kernel (util.fs.copy_range:
+copy_file_range, else pread/pwrite) and take their block hashes from the base index
+(trusted through the stat cache, like every cached index; `verify --deep` rereads).
+Elsewhere: read the base rows and only the planned expert rows (engine/prefetch.py:
+coalesced preads, blake3-checked against the index), merge in fp32 (the method's
+`fn`, or its compiled kernel for bf16), cast, and pwrite at the block's offset in the
+output, hashing it on the way into the output's hash tree (engine/hashing.py). Rank cuts come from the delta index (engine/cuts.py); the file
 layout from engine/layout.py. The engine knows no method by name: what a method
 needs is in its registry entry.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_JSON, Checkpoint, OutTensor,
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import OUT_DTYPES, output_layout, shard_index_json  # noqa: F401 (re-exported)
-from mergepipe.engine.prefetch import Got, UnitReader, prefetched, units
+from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.index.build import DeltaIndex, ModelIndex
 from mergepipe.methods import Method, get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_knobs
 from mergepipe.methods.slerp import cosine_from_sums
+from mergepipe.checkpoint.treehash import hash_weight_file
 from mergepipe.util.fs import hash_file
 from mergepipe.util.memory import keep_freed_memory
 from mergepipe.util.progress import Progress
@@ -49,27 +54,55 @@ class Inputs:
 @dataclass
 class Realized:
     base_bytes_read: int = 0
+    base_bytes_copied: int = 0  # base bytes the output keeps, copied file to file (never read into memory)
+    kernel_bytes_copied: int = 0  # of those, copied by the kernel (copy_file_range), not the fallback
     expert_bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
-    files: dict[str, dict] = field(default_factory=dict)  # name -> {blake3, size}
-    tensors: dict[str, str] = field(default_factory=dict)  # name -> blake3 of output bytes
+    files: dict[str, dict] = field(default_factory=dict)  # name -> {tree, size} (weights) or {blake3, size}
+    tensors: dict[str, str] = field(default_factory=dict)  # name -> tensor hash (checkpoint/treehash.py)
     seconds: float = 0.0
 
 
 def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter],
-                   realized: Realized, *, file_hashes: dict[str, str] | None = None) -> None:
-    """Record the closed weight files in `realized` (hashes from `file_hashes`, computed
+                   realized: Realized, *, block_bytes: int, file_hashes: dict[str, str] | None = None) -> None:
+    """Record the closed weight files in `realized` (tree hashes from `file_hashes`, composed
     while writing, else by rereading the file); write the shard index json if sharded."""
     for fname, w in writers.items():
         realized.bytes_written += w.size
-        digest = (file_hashes or {}).get(fname) or hash_file(out_dir / fname)
-        realized.files[fname] = {"blake3": digest, "size": w.size}
+        digest = (file_hashes or {}).get(fname) or hash_weight_file(out_dir / fname, block_bytes)[0]
+        realized.files[fname] = {"tree": digest, "size": w.size}
     if len(layout) > 1:  # sharded output: the index json that transformers follows
         index_path = out_dir / INDEX_JSON
         index_path.write_bytes(shard_index_json(layout))
         size = index_path.stat().st_size
         realized.bytes_written += size
         realized.files[INDEX_JSON] = {"blake3": hash_file(index_path), "size": size}
+
+
+MERGE, COPY = "merge", "copy"
+COPY_BYTES = 64 << 20  # base bytes per in-kernel copy (runs are cut so that the pool shares them)
+
+
+def segments(t: TensorInfo, ranges: tuple[tuple[int, int], ...], planned: set[int], *,
+             copy_ok: bool) -> list[tuple[str, list[int]]]:
+    """A tensor's blocks in order, grouped into (MERGE, unit) runs of planned blocks (read
+    with one pread, about UNIT_BYTES) and (COPY, run) runs of blocks no expert is planned
+    for (the base's bytes, copied file to file, about COPY_BYTES). Without `copy_ok` (the
+    output dtype differs) every block is merged (cast)."""
+    out: list[tuple[str, list[int]]] = []
+    row_bytes = t.row_bytes()
+    size = 0
+    for b, (r0, r1) in enumerate(ranges):
+        kind = MERGE if (b in planned or not copy_ok) else COPY
+        nbytes = (r1 - r0) * row_bytes
+        limit = UNIT_BYTES if kind == MERGE else COPY_BYTES
+        if out and out[-1][0] == kind and size + nbytes <= limit:
+            out[-1][1].append(b)
+            size += nbytes
+        else:
+            out.append((kind, [b]))
+            size = nbytes
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,26 +154,49 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
-    work = [(name, unit) for name in base.tensors for unit in units(base.tensors[name],
-                                                                    inputs.base_index.tensors[name].ranges)]
+    work = []
+    for name, t in base.tensors.items():
+        planned = set().union(*(r.get(name, ()) for r in reads.values()))
+        work += [(name, kind, blocks) for kind, blocks in
+                 segments(t, inputs.base_index.tensors[name].ranges, planned, copy_ok=out_of[name][1].dtype == t.dtype)]
     hasher: OutputHasher | None = None
+    base_fds: dict[Path, int] = {}
     try:
-        hasher = OutputHasher(layout, writers)
+        for h in base.files:
+            base_fds[h.path] = os.open(h.path, os.O_RDONLY)
+        hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
                    _scales_by_tensor(plan))
+
+        def load(name: str, kind: str, blocks: list[int]):
+            if kind == MERGE:
+                return reader.load(name, blocks)
+            t = base.tensors[name]
+            ranges = inputs.base_index.tensors[name].ranges
+            r0, r1 = ranges[blocks[0]][0], ranges[blocks[-1]][1]
+            nbytes = (r1 - r0) * t.row_bytes()
+            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file], t.begin + r0 * t.row_bytes(),
+                                                               nbytes)
+
         with ThreadPoolExecutor(max(1, threads)) as pool, _one_torch_thread():
-            for (name, unit), (base_buf, got) in prefetched(pool, reader.load, work, 2 * max(1, threads)):
-                fname, out_t = out_of[name]
-                _merge_unit(m, base.tensors[name], out_t, unit, base_buf, got, writers[fname])
-                prog.step(len(base_buf))
-                if unit[-1] == len(inputs.base_index.tensors[name].ranges) - 1:
+            for (name, kind, blocks), result in prefetched(pool, load, work, 2 * max(1, threads)):
+                entry = inputs.base_index.tensors[name]
+                if kind == MERGE:
+                    base_buf, got = result
+                    fname, out_t = out_of[name]
+                    _merge_unit(m, base.tensors[name], out_t, blocks, base_buf, got, writers[fname])
+                    prog.step(len(base_buf))
+                else:
+                    nbytes, kernel_bytes = result
+                    hasher.add_digests(name, [bytes.fromhex(entry.hashes[b]) for b in blocks])
+                    realized.base_bytes_copied += nbytes
+                    realized.kernel_bytes_copied += kernel_bytes
+                    prog.step(nbytes)
+                if blocks[-1] == len(entry.ranges) - 1:
                     hasher.end_tensor(name)
                     m.cuts.drop(name)
         file_hashes = hasher.finish()
         realized.tensors.update(hasher.tensors)
-        for name in base.tensors:  # zero-row tensors have no blocks
-            if name not in realized.tensors:
-                realized.tensors[name] = blake3().hexdigest()
         for w in writers.values():
             w.close()
     except BaseException:
@@ -154,7 +210,9 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         raise
     finally:
         reader.close()
-    record_outputs(out_dir, layout, writers, realized, file_hashes=file_hashes)
+        for fd in base_fds.values():
+            os.close(fd)
+    record_outputs(out_dir, layout, writers, realized, block_bytes=plan["block_bytes"], file_hashes=file_hashes)
     realized.base_bytes_read = reader.base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(reader.counters.items())}
     realized.seconds = time.monotonic() - t_start
@@ -182,7 +240,7 @@ def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], bas
         else:
             out = _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
         writer.write_rows(t.name, r0, out)
-        m.hasher.add(t.name, r0, out)
+        m.hasher.add(t.name, out)
 
 
 def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got) -> RawBlock:

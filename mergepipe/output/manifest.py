@@ -15,6 +15,7 @@ is stored twice, as `budget.spec`/`budget.bytes` and inside `plan` as
 from __future__ import annotations
 
 import json
+import os
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from mergepipe import __version__
 from mergepipe.errors import IntegrityError
 from mergepipe.util.fs import canonical_json, hash_file
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: weight files and tensors hashed as block trees (checkpoint/treehash.py)
 MANIFEST = "manifest.json"
 RUN_INFO = "run.json"
 
@@ -51,6 +52,7 @@ def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
             "expert_bytes_read": sum(realized.expert_bytes_read.values()),
             "expert_bytes_read_by_expert": realized.expert_bytes_read,
             "base_bytes_read": realized.base_bytes_read,
+            "base_bytes_copied": realized.base_bytes_copied,
             "bytes_written": realized.bytes_written,
         },
         "bound": plan["bound"],
@@ -86,8 +88,29 @@ def load_manifest(out_dir: str | Path) -> dict:
     return man
 
 
-def verify_outputs(out_dir: str | Path) -> dict:
-    """Rehash every output file against the manifest; name the first bad tensor.
+def _recorded_stat(out_dir: Path) -> dict:
+    """The stat keys run.json recorded for the files at publication ({} if none or damaged)."""
+    try:
+        stat = json.loads((out_dir / RUN_INFO).read_text()).get("stat")
+        return stat if isinstance(stat, dict) else {}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = os.stat(path, follow_symlinks=False)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
+    """Check the outputs against the manifest; name the first bad tensor.
+
+    Always: the manifest hash, and that exactly the recorded files are there. Each file is
+    then rehashed (weight files: their hash tree recomposed from their blocks, every byte
+    read), except, without `deep`, a file whose stat key (size, mtime_ns, ctime_ns, inode,
+    device) is still the one run.json recorded when it was published: what run recorded
+    stands (trusted through the stat key, as the index's stat cache is). `deep` rereads
+    every file.
 
     Raises:
         IntegrityError: manifest edited, file missing/extra/changed.
@@ -98,20 +121,49 @@ def verify_outputs(out_dir: str | Path) -> dict:
     files = outputs.get("files") if isinstance(outputs, dict) else None
     if (not isinstance(files, dict) or not isinstance(outputs.get("tensors"), dict)
             or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..") and isinstance(r, dict)
-                       and isinstance(r.get("blake3"), str) for n, r in files.items())):
+                       and (isinstance(r.get("blake3"), str) or isinstance(r.get("tree"), str))
+                       for n, r in files.items())):
         # a consistent manifest_hash but no mergepipe structure: forged, not edited
         raise IntegrityError(f"{out_dir / MANIFEST}: outputs.files/tensors malformed; not a mergepipe manifest")
     present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST, RUN_INFO}
     extra = sorted(present - set(files))
     if extra:
         raise IntegrityError(f"{out_dir / extra[0]}: file not recorded in the manifest")
+    recorded = {} if deep else _recorded_stat(out_dir)
     for name, rec in sorted(files.items()):
         path = out_dir / name
         if not path.is_file():
             raise IntegrityError(f"{path}: missing (recorded in the manifest)")
-        if hash_file(path) != rec["blake3"]:
+        if name in recorded and MANIFEST in recorded and _stat_key(path) == recorded[name] \
+                and _stat_key(out_dir / MANIFEST) == recorded[MANIFEST]:
+            continue  # as published (and the manifest too): what run recorded stands
+        if isinstance(rec.get("tree"), str):
+            _check_tree(path, rec, man)
+        elif hash_file(path) != rec["blake3"]:
             raise IntegrityError(f"{path}: {_first_bad_tensor(path, man)} does not match the manifest")
     return man
+
+
+def _check_tree(path: Path, rec: dict, man: dict) -> None:
+    """A weight file: size, then its hash tree recomposed from every block, against the manifest."""
+    from mergepipe.checkpoint.safetensors import CheckpointError
+    from mergepipe.checkpoint.treehash import hash_weight_file
+    block_bytes = man.get("plan", {}).get("block_bytes") if isinstance(man.get("plan"), dict) else None
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+        raise IntegrityError(f"{path}: manifest has no valid plan block_bytes; not a mergepipe manifest")
+    if "size" in rec and path.stat().st_size != rec["size"]:
+        raise IntegrityError(f"{path}: size {path.stat().st_size} does not match the manifest ({rec['size']})")
+    try:
+        digest, tensors = hash_weight_file(path, block_bytes)
+    except CheckpointError as e:
+        raise IntegrityError(f"{path}: header ({e}) does not match the manifest") from None
+    except OSError as e:
+        raise IntegrityError(f"{path}: cannot read: {e}") from None
+    if digest != rec["tree"]:
+        want = man["outputs"]["tensors"]
+        bad = next((n for n, h in tensors.items() if want.get(n) != h), None)
+        what = f"tensor {bad!r}" if bad is not None else "header or padding"
+        raise IntegrityError(f"{path}: {what} does not match the manifest")
 
 
 def _first_bad_tensor(path: Path, man: dict) -> str:

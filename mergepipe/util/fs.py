@@ -6,6 +6,7 @@ hashes is spelled the same way for the same content.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -85,3 +86,42 @@ def hash_file(path: Path | str, *, chunk_bytes: int = 16 << 20) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+_NO_KERNEL_COPY = frozenset((errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM))
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, *,
+               chunk_bytes: int = 8 << 20) -> int:
+    """Copy `nbytes` from src at src_offset to dst at dst_offset without the bytes passing
+    through Python: `os.copy_file_range` (the kernel copies, or shares extents where the file
+    system can); where it is refused (EXDEV, ENOSYS, EINVAL, EOPNOTSUPP, ...) pread/pwrite
+    through one reused buffer. Returns the bytes copied in the kernel (0 for the fallback).
+
+    Raises:
+        OSError: a read or write error, or src ends before nbytes (EIO).
+    """
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
+                if n == 0:
+                    raise OSError(errno.EIO, "source ended before the range was copied")
+                done += n
+            return done
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
+    buf = bytearray(min(chunk_bytes, max(1, nbytes - done)))
+    view = memoryview(buf)
+    kernel = done
+    while done < nbytes:
+        n = os.preadv(src_fd, [view[:min(len(buf), nbytes - done)]], src_offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "source ended before the range was copied")
+        w = 0
+        while w < n:
+            w += os.pwrite(dst_fd, view[w:n], dst_offset + done + w)
+        done += n
+    return kernel
