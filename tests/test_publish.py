@@ -182,6 +182,25 @@ def test_an_output_whose_manifest_a_build_tool_removed_is_replaced(tmp_path):
     assert (mine / "thesis.tex").exists()
 
 
+def test_an_output_dvc_restored_without_its_run_record_is_recognised_by_its_card(tmp_path):
+    """.dvcignore leaves run.json out, so an output DVC restored has none; after Snakemake
+    deletes its weights and manifest, our model card still says whose it is."""
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "README.md").write_text("---\ntags: [merge, mergepipe]\n---\n\n# Merged with mergepipe (ties)\n")
+    (out / "config.json").write_text("{}")
+    (out / "tokenizer.json").write_text("{}")
+    _publish(out)
+    assert sorted(p.name for p in out.iterdir()) == ["f"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("# My model\n\nMerged with mergepipe, then fine-tuned.\n")
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(OutputError, match="did not write"):
+        _publish(mine)
+    assert (mine / "README.md").exists()
+
+
 def test_files_added_to_the_target_during_the_merge_are_not_deleted(tmp_path):
     target = tmp_path / "out"
     target.mkdir()  # empty at the start: replaceable

@@ -20,7 +20,7 @@ from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, buil
                                       verify_outputs)
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
-from mergepipe.output.publish import Publisher, check_output_path
+from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -72,7 +72,7 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
 
 def _model_card(plan: dict) -> str:
     lines = ["---", "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
-             f"# Merged with mergepipe ({plan['method']})", "",
+             f"{CARD_TITLE}{plan['method']})", "",
              f"- plan hash: `{plan['plan_hash']}`",
              f"- base: `{plan['base']['path']}` (content `{plan['base']['content_hash'][:16]}`)",
              f"- budget: {plan['budget']} ({plan['budget_bytes']} bytes); "

@@ -169,17 +169,31 @@ def check_output_path(target: str | Path, *, what: str = "output") -> Path:
 _OUTPUT_FILE = re.compile(r"[^/]+\.(safetensors|json|txt|model)|README\.md")
 
 
+CARD_TITLE = "# Merged with mergepipe ("  # the model card's title line (commands/pipeline.py)
+
+
+def _our_card(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return any(line.startswith(CARD_TITLE) for line in head.splitlines())
+
+
 def _manifest_removed(target: Path, entries: list[str], run_info: str) -> bool:
     """A mergepipe output whose weights and manifest a build tool deleted before rerunning the
-    job (Snakemake removes a job's declared outputs first): our run record is there, and
-    nothing but files of the kinds an output holds (weights, JSON, tokenizer files, model card)."""
-    if run_info not in entries:
-        return False
-    try:
-        rec = json.loads((target / run_info).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(rec, dict) or not ({"host", "restored_from"} & set(rec)):
+    job (Snakemake removes a job's declared outputs first): our run record, or, where DVC
+    restored the folder without it (.dvcignore leaves run.json out), our model card is there,
+    and nothing but files of the kinds an output holds (weights, JSON, tokenizer files, card)."""
+    if run_info in entries:
+        try:
+            rec = json.loads((target / run_info).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return False
+        if not isinstance(rec, dict) or not ({"host", "restored_from"} & set(rec)):
+            return False
+    elif not ("README.md" in entries and _our_card(target / "README.md")):
         return False
     return all(_OUTPUT_FILE.fullmatch(n) and (target / n).is_file() and not (target / n).is_symlink()
                for n in entries)
