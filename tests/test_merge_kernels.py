@@ -150,3 +150,18 @@ def test_output_hashed_while_writing_equals_the_file(tmp_path, tiny_family, monk
         assert realized.files[fname]["tree"] == digest
         tensors.update(per_tensor)
     assert realized.tensors == tensors
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_compiled_merges_never_import_torch(tmp_path, tiny_family, method):
+    """bf16 task arithmetic and TIES merge through the kernels (numpy + numba) and copies: a whole
+    `mergepipe run` (config, index, plan, merge, verify) does not import torch (util/lazy.py)."""
+    import subprocess
+    import sys
+    cfg = write_config(tmp_path, tiny_family, method=method, budget="50%",
+                       parameters={"density": 0.5} if method == "ties" else {"lambda": 1.0})
+    code = ("import sys; from mergepipe.cli import main; assert main(['run', sys.argv[1], '-q']) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from mergepipe.util.lazy import torch
 
-from mergepipe.checkpoint.safetensors import (DTYPES, FLOAT_DTYPES, INDEX_JSON, Checkpoint, OutTensor,
+from mergepipe.checkpoint import safetensors as st
+from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoint, OutTensor,
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
@@ -130,6 +131,7 @@ class _Merge:
     # tensor -> expert -> factor on its read delta (plan `strategy.scales`, only != 1);
     # a tensor listed here always takes the torch path (the kernels have no scale)
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
+    torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -178,7 +180,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
             return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file], t.begin + r0 * t.row_bytes(),
                                                                nbytes)
 
-        with ThreadPoolExecutor(max(1, threads)) as pool, _one_torch_thread():
+        with ThreadPoolExecutor(max(1, threads)) as pool, _torch_threads(m):
             for (name, kind, blocks), result in prefetched(pool, load, work, 2 * max(1, threads)):
                 entry = inputs.base_index.tensors[name]
                 if kind == MERGE:
@@ -234,7 +236,7 @@ def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], bas
         shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
         if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
             # nothing to merge here: the base rows, cast if the output dtype differs
-            out = raw if same_dtype else tensor_bytes(as_tensor(raw, t.dtype, shape).to(DTYPES[out_t.dtype][1]))
+            out = raw if same_dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
         elif m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
             out = m.kernel(_raw_block(m, t, b, raw, got))
         else:
@@ -256,6 +258,7 @@ def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got) -> R
 def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1: int,
                  shape: tuple[int, ...], raw: memoryview, got: Got) -> memoryview:
     """One block through the method's torch code: fp32 deltas, `fn`, cast to the output dtype."""
+    _torch_path(m)
     base_block = as_tensor(raw, t.dtype, shape).float()
     blocks = []
     for e in m.experts:
@@ -272,7 +275,7 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
         blocks.append(ExpertBlock(e.name, e.content_hash, e.weight, delta, **e.knobs, cut=cut, cosine=cosine,
                                   scale=scale))
     merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed), m.params)
-    return tensor_bytes(merged.to(DTYPES[out_t.dtype][1]))
+    return tensor_bytes(merged.to(st.DTYPES[out_t.dtype][1]))
 
 
 def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:
@@ -286,15 +289,30 @@ def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def _cast(m: _Merge, raw: memoryview, dtype: str, shape: tuple[int, ...], out_dtype: str) -> memoryview:
+    """Base rows cast to the output dtype (the torch path)."""
+    _torch_path(m)
+    return tensor_bytes(as_tensor(raw, dtype, shape).to(st.DTYPES[out_dtype][1]))
+
+
+def _torch_path(m: _Merge) -> None:
+    """Before a block takes the torch path: torch imported (util.lazy) and, the first time
+    in this merge, set to one intra-op thread. Per-block ops are ~0.5M elements: too small
+    for intra-op threads to pay, and with reader threads (or other processes) on the cores,
+    OpenMP's spinning threads slowed the merge 3-5x (BENCHMARKS.md). One thread also makes
+    any reduction's order independent of the machine's core count. Merges whose blocks all
+    take the compiled kernels (or are copied) never import torch."""
+    if not m.torch_threads:
+        import torch as real_torch
+        m.torch_threads.append(real_torch.get_num_threads())
+        real_torch.set_num_threads(1)
+
+
 @contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    # Per-block ops are ~0.5M elements: too small for intra-op threads to pay, and
-    # with reader threads (or other processes) on the cores, OpenMP's spinning
-    # threads slowed the merge 3-5x (BENCHMARKS.md). One thread also makes any
-    # reduction's order independent of the machine's core count.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _torch_threads(m: _Merge) -> Iterator[None]:
+    """Restore torch's thread count if the merge set it."""
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        if m.torch_threads:
+            torch.set_num_threads(m.torch_threads[0])

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mergepipe.errors import MethodError
 from mergepipe.index.ranks import breadcrumbs_ranks, magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut, block_rng
 
-F32 = torch.float32
 
 # Every params class: unknown keys rejected, "lambda" accepted by alias or name,
 # immutable, no NaN/inf.
@@ -144,7 +143,7 @@ def sparsify_magnitude(delta: torch.Tensor, expert: ExpertBlock, block: BlockInp
     if rank is None:
         return delta
     mask = top_rank_mask(delta.abs(), expert, rank, n, block.tensor)
-    return delta * mask.to(F32)
+    return delta * mask.to(torch.float32)
 
 
 def sparsify_breadcrumbs(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs) -> torch.Tensor:
@@ -158,7 +157,7 @@ def sparsify_breadcrumbs(delta: torch.Tensor, expert: ExpertBlock, block: BlockI
     mask = top_rank_mask(magnitudes, expert, r_lo, n, block.tensor)
     if r_hi > 0:
         mask = mask & ~top_rank_mask(magnitudes, expert, r_hi, n, block.tensor)
-    return delta * mask.to(F32)
+    return delta * mask.to(torch.float32)
 
 
 # --- DARE ------------------------------------------------------------------------------
@@ -170,7 +169,7 @@ def dare_mask(shape: torch.Size | tuple[int, ...], density: float,
     One fp32 uniform per element from `generator` (torch's CPU Mersenne twister),
     in flat order; kept where u < density.
     """
-    return torch.rand(shape, generator=generator, dtype=F32) < density
+    return torch.rand(shape, generator=generator, dtype=torch.float32) < density
 
 
 def sparsify_dare(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs, *,
@@ -186,7 +185,7 @@ def sparsify_dare(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs, 
     if density <= 0:
         return torch.zeros_like(delta)
     generator = block_rng(block.seed, expert.content_hash, block.tensor, block.row_start)
-    masked = delta * dare_mask(delta.shape, density, generator).to(F32)
+    masked = delta * dare_mask(delta.shape, density, generator).to(torch.float32)
     return masked / density if rescale else masked
 
 
@@ -196,7 +195,7 @@ def elect_sign(weighted: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Te
     """TIES "sum" election: +1 where sum_k w_k*delta_k >= 0, else -1 (fp32)."""
     total = sequential_sum(weighted, like)
     # comparisons written straight into fp32 (out=) avoid a slow bool -> float pass
-    majority = torch.ge(total, 0, out=torch.empty_like(total, dtype=F32))
+    majority = torch.ge(total, 0, out=torch.empty_like(total, dtype=torch.float32))
     return majority.mul_(2).sub_(1)
 
 
@@ -226,8 +225,8 @@ def combine(block: BlockInputs, experts: Sequence[ExpertBlock],
     TIES/Breadcrumbs cuts still see the delta as stored; scale 1 skips the product.
     """
     base = block.base
-    weights = [torch.tensor(e.weight, dtype=F32) for e in experts]
-    sparsified = [d if d is None or e.scale == 1.0 else d * torch.tensor(e.scale, dtype=F32)
+    weights = [torch.tensor(e.weight, dtype=torch.float32) for e in experts]
+    sparsified = [d if d is None or e.scale == 1.0 else d * torch.tensor(e.scale, dtype=torch.float32)
                   for e, d in zip(experts, sparsified)]
     present = [(w, d * w) for w, d in zip(weights, sparsified) if d is not None]
     weighted = [term for _, term in present]
@@ -237,9 +236,9 @@ def combine(block: BlockInputs, experts: Sequence[ExpertBlock],
         divisor = divisor.masked_fill(divisor == 0, 1.0)
     else:
         mixed = sequential_sum(weighted, base)
-        divisor = sequential_sum(weights, torch.zeros((), dtype=F32))
+        divisor = sequential_sum(weights, torch.zeros((), dtype=torch.float32))
         if divisor.abs() < 1e-8:
-            divisor = torch.ones((), dtype=F32)
+            divisor = torch.ones((), dtype=torch.float32)
     if normalize:
         mixed = mixed / divisor
     if lambda_ != 1:

@@ -9,12 +9,10 @@ for everything else; it knows no method by name. numba is imported on first use.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from pydantic import BaseModel
 
 from mergepipe.errors import MethodError
 from mergepipe.index.ranks import magnitude_rank
-from mergepipe.methods._common import sequential_sum
 from mergepipe.methods.base import RawBlock, expert_knobs
 
 
@@ -33,11 +31,13 @@ class CompiledCombine:
         self.density = {e["name"]: expert_knobs(params, e).get("density", 1.0) for e in experts}
         # task arithmetic divides by the sum of every expert's weight, read or not
         # (methods._common.combine), summed left to right in fp32 like the torch path
-        divisor = sequential_sum([torch.tensor(float(e["weight"]), dtype=torch.float32) for e in experts],
-                                 torch.zeros((), dtype=torch.float32))
-        if divisor.abs() < 1e-8:
-            divisor = torch.ones((), dtype=torch.float32)
-        self.divisor = np.float32(divisor.item())
+        # (numpy fp32 scalars: the same IEEE additions, without importing torch)
+        divisor = np.float32(0.0)
+        for e in experts:
+            divisor = np.float32(divisor + np.float32(float(e["weight"])))
+        if np.abs(divisor) < np.float32(1e-8):
+            divisor = np.float32(1.0)
+        self.divisor = divisor
 
     def __call__(self, block: RawBlock) -> memoryview:
         present = [name for name, _ in block.experts]

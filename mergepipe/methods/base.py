@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+from mergepipe.util.lazy import torch
 from blake3 import blake3
 
 

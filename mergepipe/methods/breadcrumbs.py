@@ -17,7 +17,7 @@ mergekit's `rescale: true` (L1 rescaling) is not supported.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import Field
 
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_breadcrumbs

@@ -17,7 +17,7 @@ mergekit's `rescale: true` (L1 rescaling) is not supported.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 
 from mergepipe.methods._common import canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs

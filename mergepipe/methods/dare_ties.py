@@ -17,7 +17,7 @@ leaves the delta untouched in both.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 
 from mergepipe.methods._common import canonical, combine, sparsify_dare
 from mergepipe.methods.base import BlockInputs

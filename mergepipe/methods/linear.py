@@ -13,11 +13,11 @@ mergekit's sum of w_k*W0 / sum w_k can be off by an ulp.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import BaseModel
 
 from mergepipe.errors import MethodError
-from mergepipe.methods._common import F32, PARAMS_CONFIG, canonical, changed_mask
+from mergepipe.methods._common import PARAMS_CONFIG, canonical, changed_mask
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
@@ -52,9 +52,9 @@ def merge(block: BlockInputs, p: LinearParams) -> torch.Tensor:
         if e.delta is None:
             inputs.append(base)
         else:  # a rescaling plan strategy's factor; 1.0 leaves the arithmetic untouched
-            inputs.append(base + (e.delta if e.scale == 1.0 else e.delta * torch.tensor(e.scale, dtype=F32)))
+            inputs.append(base + (e.delta if e.scale == 1.0 else e.delta * torch.tensor(e.scale, dtype=torch.float32)))
         coefficients.append(e.weight)
-    weights = torch.tensor(coefficients, dtype=F32)
+    weights = torch.tensor(coefficients, dtype=torch.float32)
     coefficient_shape = (1,) * base.dim()
     result = torch.zeros_like(base)
     for tensor, weight in zip(inputs, weights.unbind(0)):

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import BaseModel
 
 from mergepipe.errors import ConfigError
 from mergepipe.methods.base import BlockInputs, RawBlock
 
-MergeFn = Callable[[BlockInputs, BaseModel], torch.Tensor]
+MergeFn = Callable[[BlockInputs, BaseModel], "torch.Tensor"]
 # (normalized parameters dict, expert name -> weight) -> expert name -> |scale of delta_k|
 EffectiveWeights = Callable[[dict[str, Any], dict[str, float]], dict[str, float]]
 # (typed params, plan experts) -> kernel: RawBlock -> output bytes (bf16 in, bf16 out)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import BaseModel
 
 from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
-from mergepipe.methods._common import F32, PARAMS_CONFIG
+from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
@@ -61,8 +61,8 @@ def cosine_from_sums(base_sq: float, expert_sq: float, dot: float) -> float:
 
 def whole_tensor_cosine(base: torch.Tensor, expert: torch.Tensor) -> float:
     """cos(phi) between two whole tensors in mergekit 0.1.5's fp32 chunked arithmetic."""
-    a = base.reshape(1, -1).to(F32)
-    b = expert.reshape(1, -1).to(F32)
+    a = base.reshape(1, -1).to(torch.float32)
+    b = expert.reshape(1, -1).to(torch.float32)
     if a.shape[1] == 0:
         return 1.0
     starts = range(0, a.shape[1], _CHUNK_ELEMENTS)
@@ -79,8 +79,8 @@ def whole_tensor_cosine(base: torch.Tensor, expert: torch.Tensor) -> float:
 
 def slerp_coefficients(t: float, cosine: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(coefficient of W0, coefficient of W1, lerp?) as fp32 scalars, mergekit's way."""
-    t_ = torch.tensor(t, dtype=F32)
-    dot = torch.tensor(cosine, dtype=F32).clamp(-1, 1)
+    t_ = torch.tensor(t, dtype=torch.float32)
+    dot = torch.tensor(cosine, dtype=torch.float32).clamp(-1, 1)
     linear = dot.abs() > DOT_THRESHOLD
     phi = torch.acos(torch.where(linear, 0, dot))
     sin_phi = torch.sin(phi)

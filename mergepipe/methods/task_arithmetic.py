@@ -6,7 +6,7 @@ operation order.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 from pydantic import BaseModel, Field
 
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, combine

@@ -15,7 +15,7 @@ trimmed delta) is not supported.
 """
 from __future__ import annotations
 
-import torch
+from mergepipe.util.lazy import torch
 
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_magnitude
 from mergepipe.methods.base import BlockInputs
