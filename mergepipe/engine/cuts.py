@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mergepipe.errors import MethodError
-from mergepipe.index.build import DeltaIndex, TensorDelta
+from mergepipe.index.records import DeltaIndex, TensorDelta
 from mergepipe.methods.base import RankCut
 
 

@@ -31,7 +31,7 @@ from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import OUT_DTYPES, output_layout, shard_index_json  # noqa: F401 (re-exported)
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
-from mergepipe.index.build import DeltaIndex, ModelIndex
+from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import Method, get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_knobs
 from mergepipe.methods.slerp import cosine_from_sums

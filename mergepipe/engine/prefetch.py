@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 from mergepipe.engine.hashing import check_base_unit, check_expert_blocks
-from mergepipe.index.build import ModelIndex
+from mergepipe.index.records import ModelIndex
 
 UNIT_BYTES = 4 << 20  # base bytes per prefetch unit: adjacent blocks read with one pread
 

@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError, ConfigError
-from mergepipe.index.build import DeltaIndex, ModelIndex
+from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
