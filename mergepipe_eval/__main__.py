@@ -165,7 +165,11 @@ def cmd_strategy_screen(a) -> int:
         Path(a.markdown).write_text(st.to_markdown(result))
     if a.eval_md:
         notes = Path(a.notes).read_text() if a.notes else ""
-        st.splice(Path(a.eval_md), st.render_section(result, notes))
+        name = None
+        if a.plot:
+            st.plot(result, Path(a.plot))
+            name = os.path.relpath(a.plot, Path(a.eval_md).parent)
+        st.splice(Path(a.eval_md), st.render_section(result, notes, name))
     return 0
 
 
@@ -183,7 +187,11 @@ def cmd_report(a) -> int:
         from mergepipe_eval import strategies as st
         result = json.loads(Path(a.strategies_result).read_text())
         notes = Path(a.strategies_notes).read_text() if a.strategies_notes else ""
-        st.splice(Path(a.markdown), st.render_section(result, notes))
+        name = None
+        if a.strategies_plot:
+            st.plot(result, Path(a.strategies_plot))
+            name = os.path.relpath(a.strategies_plot, Path(a.markdown).parent)
+        st.splice(Path(a.markdown), st.render_section(result, notes, name))
     return 0
 
 
@@ -270,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--markdown", help="also write the tables here")
     s.add_argument("--eval-md", help="replace (or append) the strategy section of this EVAL.md")
     s.add_argument("--notes", help="hand-written analysis put before the tables")
+    s.add_argument("--plot", help="with --eval-md: write the KL/accuracy plot here and show it")
     s.add_argument("--budgets", default="10%,25%,50%")
     s.add_argument("--methods", default="ta_l0.5,ties")
     s.add_argument("--strategies", default="energy,balanced,compensated", help="the first is the reference")
@@ -289,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--smollm-notes")
     s.add_argument("--strategies-result", help="strategy-screen result JSON: its section is appended")
     s.add_argument("--strategies-notes")
+    s.add_argument("--strategies-plot")
     s.set_defaults(fn=cmd_report)
     a = p.parse_args(argv)
     return a.fn(a)

@@ -4,6 +4,8 @@ rule report:
         smollm_scores=sm_all_scores(),
         notes="workflows/real/eval_notes.md",
         smollm_notes="workflows/real/smollm_notes.md",
+        strategies="workflows/real/results/strategies_minilm.json",
+        strategies_notes="workflows/real/strategies_notes.md",
     output:
         markdown="EVAL.md",
         plot="workflows/real/minilm_accuracy.png",
@@ -19,4 +21,6 @@ rule report:
         " --seeds {params.seeds} --seed-check probe"
         " --markdown {output.markdown} --plot {output.plot} --summary {output.summary}"
         " --smollm-results-dir {W}/smollm --smollm-notes {input.smollm_notes}"
-        " --smollm-plot {output.smollm_plot} --smollm-summary {output.smollm_summary} > {log} 2>&1"
+        " --smollm-plot {output.smollm_plot} --smollm-summary {output.smollm_summary}"
+        " --strategies-result {input.strategies} --strategies-notes {input.strategies_notes}"
+        " --strategies-plot workflows/real/strategies_minilm.png > {log} 2>&1"

@@ -15,4 +15,5 @@ rule strategy_screen:
         LOGS + "/strategy_screen.log",
     shell:
         "nice {PY} -m mergepipe_eval strategy-screen --family {W}/minilm/probe/s0 --base {W}/minilm/base"
-        " --tasks-root {W}/tasks --out {output} > {log} 2>&1"
+        " --tasks-root {W}/tasks --out {output}"
+        " --strategies energy,balanced,compensated,compensated_balanced > {log} 2>&1"
