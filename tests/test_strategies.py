@@ -326,3 +326,22 @@ def test_explain_shows_energy_kept_and_scales(tmp_path, tiny_family, capsys):
     # before running: explain a params.yaml at a budget
     text = explain(cfg, cache_dir=None, budget="10%")
     assert "budget 10%" in text and "energy kept" in text
+
+
+def test_compensated_split_merge_is_byte_identical(tmp_path, tiny_family):
+    """merge --part I/N + gather of a rescaling plan gives the single job's bytes."""
+    cfg = write_config(tmp_path, tiny_family, budget="20%", method="ties",
+                       parameters={"lambda": 1.0, "density": 0.5}, plan={"strategy": "compensated"},
+                       cache_dir=str(tmp_path / "cache"))
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan_file)]) == 0
+    assert json.loads(plan_file.read_text())["strategy"]["scales"]
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert main(["merge", str(plan_file), "-q", "-o", str(tmp_path / "one"), *cache]) == 0
+    for i in (1, 2, 3):
+        assert main(["merge", str(plan_file), "-q", "--part", f"{i}/3", "-o", str(tmp_path / "parts"), *cache]) == 0
+    assert main(["gather", str(plan_file), str(tmp_path / "parts"), "--parts", "3", "-o", str(tmp_path / "two"),
+                 *cache]) == 0
+    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert one["outputs"] == two["outputs"]
