@@ -318,7 +318,7 @@ def test_explain_shows_energy_kept_and_scales(tmp_path, tiny_family, capsys):
     text = explain(tmp_path / "plan.json", cache_dir=tmp_path / "cache")
     assert "energy kept" in text and "rescale" in text
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert f"strategy compensated" in text
+    assert "strategy compensated" in text
     # the kept share per expert, from the index: between 0 and 1, and 100% at full budget
     assert main(["plan", str(cfg), "-q", "--budget", "full", "-o", str(tmp_path / "full.json")]) == 0
     full = explain(tmp_path / "full.json", cache_dir=tmp_path / "cache")
