@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Mapping
 
 from blake3 import blake3
 
@@ -46,6 +47,32 @@ _LITTLE = sys.byteorder == "little"
 
 class BinFormatError(ValueError):
     """Not a well-formed index file of this version."""
+
+
+class BlockEq(Mapping):
+    """A decoded tensor's split-run counts (TensorDelta.block_eq: rank position -> per-block
+    counts), cut out of the file's flat array only when a key is looked up: a bf16 family
+    has tens of thousands of such keys per expert and a merge asks for a few."""
+
+    __slots__ = ("_keys", "_flat", "_start", "_width", "_cut")
+
+    def __init__(self, keys: list[int], flat: list[int], start: int, width: int) -> None:
+        self._keys = {k: i for i, k in enumerate(keys)}
+        self._flat, self._start, self._width = flat, start, width
+        self._cut: dict[int, tuple[int, ...]] = {}
+
+    def __getitem__(self, key: int) -> tuple[int, ...]:
+        got = self._cut.get(key)
+        if got is None:
+            a = self._start + self._keys[key] * self._width
+            got = self._cut[key] = tuple(self._flat[a:a + self._width])
+        return got
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _encode(kind: int, meta: dict, tensors: list, arrays: dict[str, tuple[str, object]]) -> bytes:
@@ -242,10 +269,11 @@ def decode_delta(data: bytes) -> DeltaIndex:
     b = r = k = c = 0
     for i, (row, (numel, nonfinite, n_blocks, n_ranks, n_eq)) in enumerate(zip(f.tensors, sizes)):
         name = row[0]
-        block_eq = {}
-        for key in eq_keys[k:k + n_eq]:
-            block_eq[key] = tuple(eq[c:c + n_blocks])
-            c += n_blocks
+        keys = eq_keys[k:k + n_eq]
+        if len(set(keys)) != n_eq:
+            raise BinFormatError(f"tensor {name!r}: duplicate block_eq keys")
+        block_eq = BlockEq(keys, eq, c, n_blocks)  # each value has n_blocks counts by construction
+        c += n_blocks * n_eq
         k += n_eq
         l1, l2, base_sq, expert_sq, dot = scalars[5 * i:5 * i + 5]
         tensors[name] = TensorDelta(
