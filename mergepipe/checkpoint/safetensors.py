@@ -477,20 +477,26 @@ class SafetensorsWriter:
         return self.data_start + offset + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])
 
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
+        from mergepipe.util.fs import start_writeback
+        offset, n = self.offset_of(name, row_start), len(memoryview(data).cast("B"))
         try:
-            self._pwrite(data, self.offset_of(name, row_start))
+            self._pwrite(data, offset)
         except OSError as e:
             raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
-        self.bytes_written += len(memoryview(data).cast("B"))
+        start_writeback(self._fd, offset, n)  # so that close()'s fsync has little left
+        self.bytes_written += n
 
     def copy_rows(self, name: str, row_start: int, src_fd: int, src_offset: int, nbytes: int) -> int:
         """Copy rows of `name` from another file (base bytes the output keeps) without them
         passing through Python (util.fs.copy_range); returns the bytes the kernel copied."""
-        from mergepipe.util.fs import copy_range
+        from mergepipe.util.fs import copy_range, start_writeback
+        offset = self.offset_of(name, row_start)
         try:
-            return copy_range(src_fd, src_offset, self._fd, self.offset_of(name, row_start), nbytes)
+            kernel = copy_range(src_fd, src_offset, self._fd, offset, nbytes)
         except OSError as e:
             raise OutputError(f"{self.path}: copy of tensor {name!r} failed: {e.strerror}") from None
+        start_writeback(self._fd, offset, nbytes)
+        return kernel
 
     def close(self) -> None:
         """fsync and close; the caller publishes the folder."""

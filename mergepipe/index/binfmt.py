@@ -43,6 +43,7 @@ _PREFIX = struct.Struct("<8sIIQ")
 _DIGEST = 32
 _ITEM = {"q": 8, "d": 8, "B": 1}
 _LITTLE = sys.byteorder == "little"
+_SLICED = frozenset({"block_eq"})  # large and mostly unused: kept as a cast view, not a list
 
 
 class BinFormatError(ValueError):
@@ -146,7 +147,9 @@ class _File:
             view = body[off:end]
             self.raw[name] = view
             if code != "B":
-                if _LITTLE:
+                if _LITTLE and name in _SLICED:
+                    self.arrays[name] = view.cast(code)  # cut per key on demand (BlockEq)
+                elif _LITTLE:
                     self.arrays[name] = view.cast(code).tolist()
                 else:  # pragma: no cover (big-endian hosts)
                     import array
