@@ -24,9 +24,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 T0 = time.perf_counter()
-import torch  # noqa: E402,F401  (import cost is a phase of its own)
-
-import mergepipe.cli  # noqa: E402,F401
+import mergepipe.cli  # noqa: E402,F401  (import cost is a phase of its own; torch is imported only if a block needs it)
 from mergepipe.engine import hashing  # noqa: E402
 from mergepipe.engine import merge as engine  # noqa: E402
 from mergepipe.output import manifest  # noqa: E402
@@ -86,6 +84,7 @@ def main() -> int:
     SafetensorsWriter.write_rows = timed("write (pwrite)", SafetensorsWriter.write_rows)
     SafetensorsWriter.close = timed("fsync + close", SafetensorsWriter.close)
     engine.hash_file = timed("hash output files", engine.hash_file)
+    engine.hash_weight_file = timed("hash output files", engine.hash_weight_file)
     manifest.hash_file = engine.hash_file
     pipeline.hash_file = engine.hash_file
     engine._merge_unit = timed("_merge_unit (all)", engine._merge_unit)
@@ -112,7 +111,7 @@ def main() -> int:
     del spent["_merge_unit (all)"]
     accounted = sum(v for k, v in spent.items() if k not in ("plan (index from cache)", "verify (rehash output)"))
     spent["merge: other (loop, base-only blocks, manifest)"] = merge_total - accounted
-    rows = {"import torch + mergepipe": IMPORT_S, **spent}
+    rows = {"import mergepipe (+ numba kernels, torch if used)": IMPORT_S, **spent}
     total = IMPORT_S + spent["plan (index from cache)"] + merge_total + spent["verify (rehash output)"]
     print(f"budget {args.budget}{' (cold)' if args.cold else ''}: expert bytes read "
           f"{man['bytes']['expert_bytes_read'] / 2**20:,.0f} MiB, base {man['bytes']['base_bytes_read'] / 2**20:,.0f} MiB, "
