@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import threading
 from dataclasses import dataclass, field
 from math import prod
@@ -370,9 +371,13 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_range(self, t: TensorInfo, begin: int, end: int) -> bytearray:
-        """Read absolute bytes [begin, end) of tensor t's file into a fresh buffer."""
-        buf = bytearray(end - begin)
+    def read_range(self, t: TensorInfo, begin: int, end: int) -> bytearray | memoryview:
+        """Read absolute bytes [begin, end) of tensor t's file into a fresh, writable buffer
+        (a bytearray, or, where numpy is loaded, a view of an uninitialised numpy array: the
+        read fills every byte, so zero-filling it first, a pass over every byte merged or
+        indexed, is saved)."""
+        np = sys.modules.get("numpy")
+        buf = bytearray(end - begin) if np is None else memoryview(np.empty(end - begin, dtype=np.uint8))
         view = memoryview(buf)
         fd, got = self._fds[t.file], 0
         while got < len(buf):
