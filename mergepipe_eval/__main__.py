@@ -169,7 +169,18 @@ def cmd_strategy_screen(a) -> int:
         if a.plot:
             st.plot(result, Path(a.plot))
             name = os.path.relpath(a.plot, Path(a.eval_md).parent)
-        st.splice(Path(a.eval_md), st.render_section(result, notes, name))
+        label = f"Seed {Path(a.family).name.lstrip('s')}"
+        st.splice(Path(a.eval_md), st.render_section([(label, result)], notes, name))
+    return 0
+
+
+def cmd_strategy_seeds(a) -> int:
+    """Strategy differences averaged over fine-tuning seeds, from strategy-screen's score caches."""
+    from mergepipe_eval import strategies as st
+    res = st.across_seeds([Path(f) for f in a.family], methods=a.methods.split(","),
+                          strategies=a.strategies.split(","), budgets=a.budgets.split(","), n_boot=a.boot)
+    _write_json(Path(a.out), res)
+    print(st.seeds_markdown(res), end="")
     return 0
 
 
@@ -183,15 +194,19 @@ def cmd_report(a) -> int:
                  notes=Path(a.notes) if a.notes else None,
                  seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
                  seed_check_recipe=a.seed_check, smollm=smollm)
-    if a.strategies_result and Path(a.strategies_result).exists():  # issue 12's section, kept on regeneration
+    results = [Path(r) for r in a.strategies_result or [] if Path(r).exists()]
+    if results:  # issue 12's section, kept on regeneration
         from mergepipe_eval import strategies as st
-        result = json.loads(Path(a.strategies_result).read_text())
+        loaded = [json.loads(r.read_text()) for r in results]
+        labelled = [(f"Seed {Path(d['family']).name.lstrip('s')}", d) for d in loaded]
         notes = Path(a.strategies_notes).read_text() if a.strategies_notes else ""
         name = None
         if a.strategies_plot:
-            st.plot(result, Path(a.strategies_plot))
+            st.plot(loaded[0], Path(a.strategies_plot))
             name = os.path.relpath(a.strategies_plot, Path(a.markdown).parent)
-        st.splice(Path(a.markdown), st.render_section(result, notes, name))
+        seeds = (json.loads(Path(a.strategies_seeds).read_text())
+                 if a.strategies_seeds and Path(a.strategies_seeds).exists() else None)
+        st.splice(Path(a.markdown), st.render_section(labelled, notes, name, seeds))
     return 0
 
 
@@ -284,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--strategies", default="energy,balanced,compensated", help="the first is the reference")
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_strategy_screen)
+    s = sub.add_parser("strategy-seeds", help="strategy-screen differences averaged over seeds")
+    s.add_argument("--family", action="append", required=True, help="a screened family folder (repeat per seed)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--budgets", default="10%,25%")
+    s.add_argument("--methods", default="ta_l0.5,ties")
+    s.add_argument("--strategies", default="energy,balanced,compensated,compensated_balanced")
+    s.add_argument("--boot", type=int, default=2000)
+    s.set_defaults(fn=cmd_strategy_seeds)
     s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
     s.add_argument("--results-dir", required=True)
     s.add_argument("--markdown", required=True)
@@ -296,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--smollm-plot")
     s.add_argument("--smollm-summary")
     s.add_argument("--smollm-notes")
-    s.add_argument("--strategies-result", help="strategy-screen result JSON: its section is appended")
+    s.add_argument("--strategies-result", action="append",
+                   help="strategy-screen result JSON (repeat per seed; the first is plotted): its section is appended")
     s.add_argument("--strategies-notes")
     s.add_argument("--strategies-plot")
+    s.add_argument("--strategies-seeds", help="strategy-seeds result JSON: its table is added to the section")
     s.set_defaults(fn=cmd_report)
     a = p.parse_args(argv)
     return a.fn(a)

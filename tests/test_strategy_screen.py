@@ -36,3 +36,15 @@ def test_paired_interval_brackets_the_mean_and_is_deterministic():
     assert d == st.paired(a, b, n_boot=500)
     zero = st.paired(a, a, n_boot=200)
     assert zero == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 200}
+
+
+def test_section_is_spliced_in_place(tmp_path):
+    md = tmp_path / "EVAL.md"
+    md.write_text("# EVAL\n\nbody\n")
+    result = {"n_examples": 0, "bootstrap": {"resamples": 10}, "rows": [], "between": []}
+    st.splice(md, st.render_section([("Seed 0", result)], "first notes"))
+    once = md.read_text()
+    assert once.startswith("# EVAL\n\nbody\n") and "first notes" in once and once.count(st.BEGIN) == 1
+    st.splice(md, st.render_section([("Seed 0", result)], "second notes"))
+    twice = md.read_text()
+    assert "second notes" in twice and "first notes" not in twice and twice.count(st.END) == 1

@@ -5,6 +5,8 @@ rule report:
         notes="workflows/real/eval_notes.md",
         smollm_notes="workflows/real/smollm_notes.md",
         strategies="workflows/real/results/strategies_minilm.json",
+        strategies_s1="workflows/real/results/strategies_minilm_s1.json",
+        strategies_seeds="workflows/real/results/strategies_minilm_seeds.json",
         strategies_notes="workflows/real/strategies_notes.md",
     output:
         markdown="EVAL.md",
@@ -22,5 +24,7 @@ rule report:
         " --markdown {output.markdown} --plot {output.plot} --summary {output.summary}"
         " --smollm-results-dir {W}/smollm --smollm-notes {input.smollm_notes}"
         " --smollm-plot {output.smollm_plot} --smollm-summary {output.smollm_summary}"
-        " --strategies-result {input.strategies} --strategies-notes {input.strategies_notes}"
-        " --strategies-plot workflows/real/strategies_minilm.png > {log} 2>&1"
+        " --strategies-result {input.strategies} --strategies-result {input.strategies_s1}"
+        " --strategies-notes {input.strategies_notes}"
+        " --strategies-plot workflows/real/strategies_minilm.png --strategies-seeds {input.strategies_seeds}"
+        " > {log} 2>&1"
