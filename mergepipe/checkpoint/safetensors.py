@@ -280,7 +280,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: missing or empty 'weight_map'")
-        files = sorted({_inside(path, f) for f in weight_map.values()})
+        names = weight_map.values()
+        if all(isinstance(f, str) for f in names):
+            names = set(names)  # each shard resolved once, not once per tensor (a resolve() each)
+        files = sorted({_inside(path, f) for f in names})
         return _build(path, files, weight_map)
     files = sorted(path.glob("*.safetensors"))
     if not files:
