@@ -86,8 +86,8 @@ def main() -> int:
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=ROOT).stdout.strip(), "runs": [], "fixed": {}}
 
-    contenders = [("task_arithmetic", b) for b in args.budgets.split(",")] + \
-                 [("ties", b) for b in args.ties_budgets.split(",")]
+    contenders = [("task_arithmetic", b) for b in args.budgets.split(",") if b] + \
+                 [("ties", b) for b in args.ties_budgets.split(",") if b]
     cfgs = {f"{m}-{b}": config(out, family, args.k, m, b, f"{m}-{b.replace('%', 'pct')}") for m, b in contenders}
     # index once (not measured here: the cache is what every run below uses)
     first = next(iter(cfgs.values()))
