@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from mergepipe.commands.demo import make_family
+from mergepipe.index.store import Store
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=40)
 settings.register_profile("dev", deadline=None, max_examples=40)
@@ -28,3 +30,35 @@ def tiny_family_f32(tmp_path_factory) -> dict:
     info = make_family(root, preset="tiny", n_experts=2, dtype="float32", tied=True, seed=1)
     info["root"] = root
     return info
+
+
+@pytest.fixture(scope="session")
+def small_family(tmp_path_factory) -> dict:
+    """base + 2 bf16 experts of the "small" preset (~48 MB each), one merge ~1-3 s."""
+    root = tmp_path_factory.getbasetemp() / "small-family"
+    family = {"root": root, "base": root / "base", "experts": [root / "expert_0", root / "expert_1"],
+              "cache": root / "cache"}  # indexed at 16 KiB blocks; tests may empty its merges/ store
+    if not (root / ".done").exists():
+        make_family(root, preset="small", n_experts=2, seed=0)
+        store = Store(family["cache"])
+        base, base_index = store.model_index(family["base"], block_bytes=16 << 10)
+        for path in family["experts"]:
+            expert, index = store.model_index(path, block_bytes=16 << 10)
+            store.delta_index(base, base_index, expert, index)
+        (root / ".done").touch()
+    return family
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_family, tmp_path_factory) -> Path:
+    """A cache with the tiny family indexed at 16 KiB blocks (tests that use it empty merges/ first)."""
+    root = Path(tiny_family["root"])
+    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
+    if not (cache / ".done").exists():
+        store = Store(cache)
+        base, base_index = store.model_index(root / "base", block_bytes=16 << 10)
+        for k in range(len(tiny_family["experts"])):
+            expert, index = store.model_index(root / f"expert_{k}", block_bytes=16 << 10)
+            store.delta_index(base, base_index, expert, index)
+        (cache / ".done").touch()
+    return cache

@@ -19,8 +19,7 @@ from mergepipe.cli import main
 from mergepipe.errors import OutputError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.output.publish import Publisher
-from tests.corpus.procs import Warm, leftovers, params, small_family  # noqa: F401 (fixture)
-from tests.test_crash import published
+from tests.corpus.procs import Warm, leftovers, params, published
 
 
 def _race(argvs: list[list[str]], offset: float) -> list[tuple[int, str]]:

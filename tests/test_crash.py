@@ -8,7 +8,6 @@ uninterrupted run, and what a dead run left (temp folder, lock) is cleaned.
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
 import shutil
@@ -23,20 +22,10 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.output.manifest import MANIFEST, RUN_INFO, load_manifest, verify_outputs
-from tests.corpus.procs import REPO, Warm, leftovers, params, small_family, tiny_cache  # noqa: F401 (fixtures)
+from mergepipe.output.manifest import load_manifest
+from tests.corpus.procs import REPO, Warm, leftovers, params, published
 
 N_KILLS = 20
-
-
-def published(target: Path) -> str | None:
-    """The plan hash of what is published at target (None: nothing); asserts it is complete."""
-    if not os.path.lexists(target):
-        return None
-    assert target.is_dir()
-    man = verify_outputs(target)  # every recorded file present with its hash, nothing extra
-    assert {p.name for p in target.iterdir()} == set(man["outputs"]["files"]) | {MANIFEST, RUN_INFO}
-    return man["plan_hash"]
 
 
 class Pool:

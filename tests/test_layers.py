@@ -110,6 +110,21 @@ def test_every_module_says_what_it_owns():
     assert missing == [], "modules without a docstring"
 
 
+def test_no_test_module_imports_another():
+    """Shared fixtures live in conftest.py, shared helpers in plain modules (helpers.py, ...)."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module in ("tests", "tests.corpus") else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.relative_to(tests)}:{node.lineno}: {n}" for n in names
+                    if n.split(".")[-1].startswith("test_") or n.split(".")[-1] == "conftest"]
+    assert bad == []
+
+
 def test_imports_only_go_downward():
     assert _violations() == []
 

@@ -21,7 +21,7 @@ from mergepipe.cli import main
 from mergepipe.output.manifest import MANIFEST, dumps, load_manifest, manifest_hash
 from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.index.store import Store
-from tests.corpus.procs import leftovers, params, tiny_cache  # noqa: F401 (fixture)
+from tests.corpus.procs import leftovers, params
 
 BB = 16 << 10
 

@@ -1,5 +1,6 @@
-"""Real `mergepipe` processes for the crash and concurrency tests, plus a shared
-"small" demo family.
+"""Real `mergepipe` processes for the crash and concurrency tests, and their helpers
+(params.yaml for a family, leftovers beside a target, what is published at a target).
+The fixtures they use (small_family, tiny_cache) are in tests/conftest.py.
 
 Runs are forked from a zygote: one interpreter that has imported mergepipe (and
 torch) and forks a child per run, which calls `mergepipe.cli.main(argv)` (the
@@ -19,10 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
-from mergepipe.commands.demo import make_family
-from mergepipe.index.store import Store
+from mergepipe.output.manifest import MANIFEST, RUN_INFO, verify_outputs
 
 REPO = Path(__file__).resolve().parents[2]
 _ZYGOTE = """\
@@ -119,23 +117,6 @@ class Warm:
         self.err.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
-def small_family(tmp_path_factory) -> dict:
-    """base + 2 bf16 experts of the "small" preset (~48 MB each), one merge ~1-3 s."""
-    root = tmp_path_factory.getbasetemp() / "small-family"
-    family = {"root": root, "base": root / "base", "experts": [root / "expert_0", root / "expert_1"],
-              "cache": root / "cache"}  # indexed at 16 KiB blocks; tests may empty its merges/ store
-    if not (root / ".done").exists():
-        make_family(root, preset="small", n_experts=2, seed=0)
-        store = Store(family["cache"])
-        base, base_index = store.model_index(family["base"], block_bytes=16 << 10)
-        for path in family["experts"]:
-            expert, index = store.model_index(path, block_bytes=16 << 10)
-            store.delta_index(base, base_index, expert, index)
-        (root / ".done").touch()
-    return family
-
-
 def params(path: Path, family: dict, out: Path, cache: Path, **overrides) -> Path:
     """params.yaml for `family` (task_arithmetic, full budget, 16 KiB blocks)."""
     import yaml
@@ -156,16 +137,11 @@ def leftovers(target: Path) -> list[str]:
     return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tiny_family, tmp_path_factory) -> Path:
-    """A cache with the tiny family indexed at 16 KiB blocks (tests that use it empty merges/ first)."""
-    root = Path(tiny_family["root"])
-    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
-    if not (cache / ".done").exists():
-        store = Store(cache)
-        base, base_index = store.model_index(root / "base", block_bytes=16 << 10)
-        for k in range(len(tiny_family["experts"])):
-            expert, index = store.model_index(root / f"expert_{k}", block_bytes=16 << 10)
-            store.delta_index(base, base_index, expert, index)
-        (cache / ".done").touch()
-    return cache
+def published(target: Path) -> str | None:
+    """The plan hash of what is published at target (None: nothing); asserts it is complete."""
+    if not os.path.lexists(target):
+        return None
+    assert target.is_dir()
+    man = verify_outputs(target)  # every recorded file present with its hash, nothing extra
+    assert {p.name for p in target.iterdir()} == set(man["outputs"]["files"]) | {MANIFEST, RUN_INFO}
+    return man["plan_hash"]
