@@ -99,10 +99,8 @@ def _write_record(path: Path, obj: dict) -> None:
     if path.is_file() and path.read_bytes() == data:
         path.touch()
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    from mergepipe.util.fs import atomic_write_bytes
+    atomic_write_bytes(path, data)
 
 
 def _load(args: argparse.Namespace):
@@ -128,10 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.o:
         out = Path(args.o)
         if not (out.is_file() and out.read_bytes() == data):  # unchanged content: keep the mtime
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(out)
+            from mergepipe.util.fs import atomic_write_bytes
+            atomic_write_bytes(out, data)
     else:
         sys.stdout.write(data.decode())
     b = plan["bytes"]

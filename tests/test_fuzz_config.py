@@ -4,7 +4,6 @@ normalized form is canonical JSON, or a one-line ConfigError; never another exce
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest

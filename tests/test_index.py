@@ -1,9 +1,7 @@
 import json
-import os
-import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mergepipe.methods import requested_ranks
 from mergepipe.index.store import Store

@@ -17,7 +17,7 @@ import pytest
 from mergepipe.cli import main
 from mergepipe.commands import uptodate
 from mergepipe.output.manifest import load_manifest
-from tests.corpus.procs import params, tiny_cache  # noqa: F401 (fixture)
+from tests.corpus.procs import params
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 from mergepipe.engine.layout import output_layout
-from mergepipe.engine.merge import Inputs, Realized, hash_file, record_outputs, run_merge
+from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
+from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
 ONE_FILE = 1 << 62  # shard_bytes that keeps a part's tensors in one file
@@ -91,9 +92,7 @@ def _stored(store: Store, plan: dict) -> bool:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode())
 
 
 def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,

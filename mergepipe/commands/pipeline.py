@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import uuid
 from pathlib import Path
 
-from mergepipe.engine.merge import Inputs, hash_file, run_merge
+from mergepipe.engine.merge import Inputs, run_merge
+from mergepipe.util.fs import hash_file
 from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, dumps, load_manifest,
                                       verify_outputs)
@@ -215,7 +215,3 @@ def up_to_date(out_dir: Path, plan: dict) -> bool:
     except (IntegrityError, OSError, ValueError, TypeError, AttributeError, KeyError):
         return False  # anything unexpected: rebuild
 
-
-def log(msg: str, *, quiet: bool = False) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr)

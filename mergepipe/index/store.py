@@ -11,8 +11,6 @@ changed one (same path, new bytes) never meets a stale index.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 
 from blake3 import blake3
@@ -21,25 +19,16 @@ from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
+from mergepipe.util.fs import atomic_write_bytes
 
 # index/build.py (numpy, the scan kernels) is imported only when something is (re)built:
 # a cached `mergepipe index` and run's plan from cached indexes do not pay for it
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     except OSError as e:  # disk full, file size limit, read-only cache
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise OutputError(f"{path}: cannot write to the cache: {e.strerror}; free space or set cache_dir "
                           "elsewhere") from None
 

@@ -290,7 +290,7 @@ class Publisher:
             with os.fdopen(fd, "w") as f:
                 f.write(me)
             self._check_target()  # again under the lock: another writer may have changed it meanwhile
-            self.stale_removed = _remove_leftovers(self.target)
+            _remove_leftovers(self.target)
             self.tmp.mkdir()
         except BaseException:
             self.lock.unlink(missing_ok=True)
