@@ -6,6 +6,9 @@ Format: 8-byte little-endian header length N, N bytes of JSON
 then the data; offsets are relative to the end of the header. Everything is
 validated before a byte of tensor data is read; reads are `os.pread`s of exactly
 the requested ranges, counted per file, so a budget can be checked against them.
+One concept, the format, in one file on purpose (longer than ~400 lines): the reader's
+checks and the writer's layout must agree on alignment, dtypes and offsets, and keeping
+them side by side is how they stay in agreement.
 """
 from __future__ import annotations
 
