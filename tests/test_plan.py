@@ -1,39 +1,13 @@
 """Planner properties, on synthetic indexes (no files) and on real merges."""
 import json
 
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mergepipe.cli import main
-from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
 from mergepipe.plan.planner import PlanInput, make_plan
 from mergepipe.units import parse_budget
-from tests.helpers import load_model, write_config
-
-
-def _synthetic(tensor_blocks: list[list[float]], n_experts: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i, blocks in enumerate(tensor_blocks):
-        rows = len(blocks) * 4
-        tensors[f"t{i}"] = TensorEntry(f"t{i}", "BF16", (rows, 8), tuple((4 * b, 4 * b + 4) for b in range(len(blocks))),
-                                       tuple("0" * 64 for _ in blocks))
-    base_index = ModelIndex("b" * 64, 64, tensors)
-    experts, idx, deltas = [], {}, {}
-    for k in range(n_experts):
-        name = f"e{k}"
-        h = f"{k:064x}"
-        experts.append(PlanInput(name, f"/m/{name}", h, float(torch.rand(1, generator=g)) + 0.1))
-        idx[name] = ModelIndex(h, 64, tensors)
-        per = {}
-        for tname, blocks in zip(tensors, tensor_blocks):
-            l2 = tuple(0.0 if float(torch.rand(1, generator=g)) < 0.2 else v * (k + 1) for v in blocks)
-            n = len(blocks)
-            per[tname] = TensorDelta(tname, n * 32, sum(l2), sum(x * x for x in l2) ** 0.5, 0, l2, l2, (1,) * n,
-                                     tuple(x == 0.0 for x in l2), (), (), (), (), {})
-        deltas[name] = DeltaIndex(h, "b" * 64, 64, per)
-    return base_index, experts, idx, deltas
+from tests.helpers import load_model, synthetic_indexes, write_config
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, method="task_arithmetic"):
@@ -46,7 +20,7 @@ def _plan(base_index, experts, idx, deltas, budget_bytes, method="task_arithmeti
 @given(st.lists(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), min_size=1, max_size=4),
        st.integers(1, 4), st.integers(0, 2000), st.integers(0, 10))
 def test_plan_is_budget_sound_and_order_independent(tensor_blocks, k, budget, seed):
-    base_index, experts, idx, deltas = _synthetic(tensor_blocks, k, seed)
+    base_index, experts, idx, deltas = synthetic_indexes(tensor_blocks, k, seed)
     plan = _plan(base_index, experts, idx, deltas, budget)
     assert plan["bytes"]["planned_expert_bytes"] <= budget
     for e in experts:
@@ -64,7 +38,7 @@ def test_plan_is_budget_sound_and_order_independent(tensor_blocks, k, budget, se
        st.integers(1, 4), st.integers(0, 10), st.sampled_from(["1%", "10%", "12.5%", "50%", 0.3, "full"]))
 def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, seed, budget):
     """'10%' means a tenth of what the full merge reads (blocks identical to the base excluded)."""
-    base_index, experts, idx, deltas = _synthetic(tensor_blocks, k, seed)
+    base_index, experts, idx, deltas = synthetic_indexes(tensor_blocks, k, seed)
     kw = dict(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
               expert_indexes=idx, deltas=deltas, method="task_arithmetic", params={"lambda": 1.0}, seed=0,
               block_bytes=64, output={"dtype": None, "shard_bytes": None})
@@ -81,7 +55,7 @@ def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, se
 
 
 def test_plan_hash_covers_budget_and_method():
-    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0, 3.0]], 2, 0)
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0, 3.0]], 2, 0)
     a = _plan(base_index, experts, idx, deltas, 100)
     b = _plan(base_index, experts, idx, deltas, 101)
     c = _plan(base_index, experts, idx, deltas, 100, method="linear")

@@ -26,35 +26,10 @@ from mergepipe.plan.strategies import STRATEGIES
 from mergepipe.plan.strategies.balanced import expert_shares
 from mergepipe.plan.strategies.registry import PlanContext
 from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
-from tests.helpers import load_model, write_config
+from tests.helpers import load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},
            {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0}]
-
-
-def _synthetic(tensor_blocks: list[list[float]], n_experts: int, seed: int):
-    """Indexes without files: tensors of 4-row blocks with the given l2 per block (x (k + 1)
-    for expert k, a fifth of them identical to the base)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i, blocks in enumerate(tensor_blocks):
-        tensors[f"t{i}"] = TensorEntry(f"t{i}", "BF16", (len(blocks) * 4, 8),
-                                       tuple((4 * b, 4 * b + 4) for b in range(len(blocks))),
-                                       tuple("0" * 64 for _ in blocks))
-    base_index = ModelIndex("b" * 64, 64, tensors)
-    experts, idx, deltas = [], {}, {}
-    for k in range(n_experts):
-        name, h = f"e{k}", f"{k:064x}"
-        experts.append(PlanInput(name, f"/m/{name}", h, float(torch.rand(1, generator=g)) + 0.1))
-        idx[name] = ModelIndex(h, 64, tensors)
-        per = {}
-        for tname, blocks in zip(tensors, tensor_blocks):
-            l2 = tuple(0.0 if float(torch.rand(1, generator=g)) < 0.2 else v * (k + 1) for v in blocks)
-            n = len(blocks)
-            per[tname] = TensorDelta(tname, n * 32, sum(l2), sum(x * x for x in l2) ** 0.5, 0, l2, l2, (1,) * n,
-                                     tuple(x == 0.0 for x in l2), (), (), (), (), {})
-        deltas[name] = DeltaIndex(h, "b" * 64, 64, per)
-    return base_index, experts, idx, deltas
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task_arithmetic", lam=1.0):
@@ -71,7 +46,7 @@ def test_every_registered_strategy_is_exercised():
 @given(st.lists(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), min_size=1, max_size=4),
        st.integers(1, 4), st.integers(0, 2000), st.integers(0, 10), st.sampled_from(OPTIONS))
 def test_budget_sound_deterministic_and_full_at_full_budget(tensor_blocks, k, budget, seed, strategy):
-    base_index, experts, idx, deltas = _synthetic(tensor_blocks, k, seed)
+    base_index, experts, idx, deltas = synthetic_indexes(tensor_blocks, k, seed)
     plan = _plan(base_index, experts, idx, deltas, budget, strategy)
     assert plan["bytes"]["planned_expert_bytes"] <= budget == plan["budget_bytes"]
     for e in experts:
@@ -94,7 +69,7 @@ def test_budget_sound_deterministic_and_full_at_full_budget(tensor_blocks, k, bu
 
 
 def test_default_strategy_adds_no_key_and_keeps_the_hash():
-    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0, 3.0], [0.5, 4.0]], 3, 1)
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0, 3.0], [0.5, 4.0]], 3, 1)
     plain = _plan(base_index, experts, idx, deltas, 200, None)
     assert "strategy" not in plain
     assert _plan(base_index, experts, idx, deltas, 200, {"strategy": "energy"}) == plain
@@ -108,7 +83,7 @@ def test_default_strategy_adds_no_key_and_keeps_the_hash():
 
 
 def test_bad_strategy_options_are_config_errors():
-    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0]], 2, 0)
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0]], 2, 0)
     for bad in ({"strategy": "nope"}, {"strategy": "balanced", "shares": "x"},
                 {"strategy": "compensated", "max_scale": 0.5}, {"strategy": "energy", "max_scale": 2.0}):
         with pytest.raises(ConfigError):
@@ -161,7 +136,7 @@ def test_balanced_passes_leftovers_on():
 
 
 def test_compensated_scales_are_norm_ratios_and_enter_the_bound():
-    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0, 3.0, 4.0], [0.5, 4.0, 0.1]], 2, 3)
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0, 3.0, 4.0], [0.5, 4.0, 0.1]], 2, 3)
     budget = 300
     energy = _plan(base_index, experts, idx, deltas, budget, None)
     comp = _plan(base_index, experts, idx, deltas, budget, {"strategy": "compensated"})
@@ -187,7 +162,7 @@ def test_compensated_scales_are_norm_ratios_and_enter_the_bound():
 
 
 def test_plan_file_scales_are_checked():
-    base_index, experts, idx, deltas = _synthetic([[1.0, 2.0, 3.0, 4.0]], 2, 3)
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0, 3.0, 4.0]], 2, 3)
     plan = _plan(base_index, experts, idx, deltas, 150, {"strategy": "compensated"})
     (expert, per), = list(plan["strategy"]["scales"].items())[:1]
     tensor = next(iter(per))

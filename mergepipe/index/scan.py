@@ -89,6 +89,18 @@ class DeltaTensorScan:
         a, b = self.ranges[i]
         return self.base_r.read_rows(self.t.name, a, b), self.exp_r.read_rows(self.t.name, a, b)
 
+    def _first_read(self, i: int) -> tuple[bytearray, bytearray]:
+        """Block i of base and expert, read for the first pass: the expert's block hash is
+        taken (or checked against its index) from the same bytes."""
+        base_buf, exp_buf = self._read(i)
+        digest = blake3(exp_buf).hexdigest()
+        self.hashes.append(digest)
+        if self.progress:
+            self.progress.step(len(exp_buf))
+        if self.exp_hashes is not None and digest != self.exp_hashes[i]:
+            raise CheckpointError(f"{self.t.file}: tensor {self.t.name!r} rows {self.ranges[i]} changed while indexing")
+        return base_buf, exp_buf
+
     def _bits(self, i: int) -> np.ndarray:
         if self.keep:
             return self.cache[i]
@@ -112,13 +124,7 @@ class DeltaTensorScan:
         nonfinite = 0
         sums = [0.0, 0.0, 0.0]  # sum W0^2, sum Wk^2, sum W0*Wk
         for i in range(n_blocks):
-            base_buf, exp_buf = self._read(i)
-            digest = blake3(exp_buf).hexdigest()
-            self.hashes.append(digest)
-            if self.progress:
-                self.progress.step(len(exp_buf))
-            if self.exp_hashes is not None and digest != self.exp_hashes[i]:
-                raise CheckpointError(f"{t.file}: tensor {t.name!r} rows {self.ranges[i]} changed while indexing")
+            base_buf, exp_buf = self._first_read(i)
             if base_buf == exp_buf:
                 identical[i] = True
                 hist[0] += block_n[i]
@@ -182,13 +188,7 @@ class DeltaTensorScan:
         kernels = _kernels()
         parts: list[np.ndarray] = []
         for i in range(n_blocks):
-            base_buf, exp_buf = self._read(i)
-            digest = blake3(exp_buf).hexdigest()
-            self.hashes.append(digest)
-            if self.progress:
-                self.progress.step(len(exp_buf))
-            if self.exp_hashes is not None and digest != self.exp_hashes[i]:
-                raise CheckpointError(f"{t.file}: tensor {t.name!r} rows {self.ranges[i]} changed while indexing")
+            base_buf, exp_buf = self._first_read(i)
             if base_buf == exp_buf:
                 identical[i] = True
                 self.cache.append(None)
