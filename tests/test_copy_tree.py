@@ -25,7 +25,7 @@ from mergepipe.cli import main
 from mergepipe.index.store import Store
 from mergepipe.output.manifest import load_manifest
 from mergepipe.util import fs
-from tests.corpus.procs import params, tiny_cache  # noqa: F401 (fixture)
+from tests.corpus.procs import params
 
 BB = 16 << 10
 
