@@ -71,7 +71,16 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
 
 
 def _model_card(plan: dict) -> str:
-    lines = ["---", "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
+    """README.md: the Hub's merge metadata in the front matter (every input model as written in
+    the config; strings JSON-quoted, which YAML reads as they are), then the merge in words and
+    its configuration. A function of the plan only, so the same plan gives the same bytes."""
+    models = [plan["base"]["path"], *(e["path"] for e in plan["experts"])]
+    config = {"method": plan["method"], "parameters": plan["parameters"], "budget": plan["budget"],
+              "base": plan["base"]["path"],
+              "experts": [{k: e[k] for k in ("name", "path", "weight", "density", "gamma") if k in e}
+                          for e in plan["experts"]]}
+    lines = ["---", "base_model:", *(f"- {json.dumps(m)}" for m in models), "base_model_relation: merge",
+             "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
              f"{CARD_TITLE}{plan['method']})", "",
              f"- plan hash: `{plan['plan_hash']}`",
              f"- base: `{plan['base']['path']}` (content `{plan['base']['content_hash'][:16]}`)",
@@ -83,7 +92,8 @@ def _model_card(plan: dict) -> str:
     for e in plan["experts"]:
         lines.append(f"| {e['name']} | {e['weight']} | `{e['content_hash'][:16]}` |")
     params = json.dumps(plan["parameters"], sort_keys=True)
-    lines += ["", f"parameters: `{params}`", ""]
+    lines += ["", f"parameters: `{params}`", "", "## Configuration", "", "```json",
+              json.dumps(config, sort_keys=True, indent=1), "```", ""]
     return "\n".join(lines)
 
 
