@@ -119,7 +119,7 @@ def _load(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import plan_config
-    from mergepipe.plan.planner import canonical_json
+    from mergepipe.util.fs import canonical_json
     from mergepipe.index.store import Store
     if args.o:
         _check_overwrite(Path(args.o), args, key="plan_hash", what="plan", inputs=(args.config,))

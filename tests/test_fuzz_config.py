@@ -15,7 +15,7 @@ from mergepipe.cli import one_line
 from mergepipe.config.params import config_from_dict, load_config
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS
-from mergepipe.plan.planner import canonical_json
+from mergepipe.util.fs import canonical_json
 
 SETTINGS = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

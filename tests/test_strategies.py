@@ -25,7 +25,7 @@ from mergepipe.plan.record import validate_plan
 from mergepipe.plan.strategies import STRATEGIES
 from mergepipe.plan.strategies.balanced import expert_shares
 from mergepipe.plan.strategies.registry import PlanContext
-from mergepipe.index.build import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
+from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
 from tests.helpers import load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},

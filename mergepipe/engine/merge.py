@@ -29,7 +29,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
-from mergepipe.engine.layout import OUT_DTYPES, output_layout, shard_index_json  # noqa: F401 (re-exported)
+from mergepipe.engine.layout import output_layout, shard_index_json
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import Method, get_method

@@ -32,9 +32,6 @@ from mergepipe.index.scan import DeltaTensorScan
 from mergepipe.util.memory import keep_freed_memory
 from mergepipe.util.progress import Progress
 
-__all__ = ["DeltaIndex", "ModelIndex", "TensorDelta", "TensorEntry", "build_delta_index", "build_expert_index",
-           "build_model_index", "check_compatible", "content_hash"]  # the records are re-exported from records.py
-
 
 def _blocks(t: TensorInfo, block_bytes: int) -> list[tuple[int, int]]:
     return block_ranges(t.shape, t.itemsize, block_bytes)
