@@ -132,6 +132,9 @@ class _Merge:
     # a tensor listed here always takes the torch path (the kernels have no scale)
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
     torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
+    # the method's output differs from the base where no expert is read (Method.rewrites_base):
+    # no float block is copied or passed through, every one goes through `fn`
+    rewrites: bool = False
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -156,11 +159,13 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
+    rewrites = method.rewrites_base is not None and method.rewrites_base(params)
     work = []
     for name, t in base.tensors.items():
         planned = set().union(*(r.get(name, ()) for r in reads.values()))
+        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites and t.dtype in FLOAT_DTYPES)
         work += [(name, kind, blocks) for kind, blocks in
-                 segments(t, inputs.base_index.tensors[name].ranges, planned, copy_ok=out_of[name][1].dtype == t.dtype)]
+                 segments(t, inputs.base_index.tensors[name].ranges, planned, copy_ok=copy_ok)]
     hasher: OutputHasher | None = None
     base_fds: dict[Path, int] = {}
     try:
@@ -168,7 +173,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
         hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
-                   _scales_by_tensor(plan))
+                   _scales_by_tensor(plan), rewrites=rewrites)
 
         def load(name: str, kind: str, blocks: list[int]):
             if kind == MERGE:
@@ -234,7 +239,7 @@ def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], bas
         raw = base_buf[pos:pos + n]
         pos += n
         shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
-        if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
+        if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)):
             # nothing to merge here: the base rows, cast if the output dtype differs
             out = raw if same_dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
         elif m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:

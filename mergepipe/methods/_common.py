@@ -244,3 +244,12 @@ def combine(block: BlockInputs, experts: Sequence[ExpertBlock],
     if lambda_ != 1:
         mixed = mixed * lambda_
     return base + mixed
+
+
+# --- per-expert pieces the elementwise methods share (passthrough, nearswap, ram, nuslerp) ---
+
+def scaled_delta(expert: ExpertBlock) -> torch.Tensor | None:
+    """The expert's read delta times its plan `scale` (1.0 skips the product); None when unread."""
+    if expert.delta is None or expert.scale == 1.0:
+        return expert.delta
+    return expert.delta * torch.tensor(expert.scale, dtype=torch.float32)

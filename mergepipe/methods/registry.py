@@ -48,6 +48,9 @@ class Method:
     effective_weights: EffectiveWeights = scaled_weights
     # compiled kernel for bf16 blocks written as bf16, same bytes as `fn`; None: `fn` only
     compiled: KernelFactory | None = None
+    # typed params -> True when a block no expert is read for is NOT the base's rows (passthrough
+    # with a scale): the engine then sends every float block through `fn` instead of copying it
+    rewrites_base: Callable[[BaseModel], bool] | None = None
 
 
 METHODS: dict[str, Method] = {}
@@ -56,12 +59,13 @@ METHODS: dict[str, Method] = {}
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
              magnitude: bool = False, max_experts: int | None = None, cosine: bool = False,
              effective_weights: EffectiveWeights = scaled_weights,
-             compiled: KernelFactory | None = None) -> Callable[[MergeFn], MergeFn]:
+             compiled: KernelFactory | None = None,
+             rewrites_base: Callable[[BaseModel], bool] | None = None) -> Callable[[MergeFn], MergeFn]:
     def wrap(fn: MergeFn) -> MergeFn:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} registered twice")
         METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
-                               effective_weights, compiled)
+                               effective_weights, compiled, rewrites_base)
         return fn
     return wrap
 
