@@ -11,7 +11,7 @@ from math import prod
 from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import ITEMSIZE, OutTensor, SafetensorsWriter, TensorInfo
-from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order
+from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order, tensor_digest
 from mergepipe.errors import IntegrityError
 
 
@@ -71,6 +71,11 @@ class OutputHasher:
     def end_tensor(self, name: str) -> None:
         self._queue.put((name, None, None))
 
+    def add_whole(self, items: list[tuple[str, object]], *, digests: bool = False) -> None:
+        """Whole single-block tensors in one message (engine/packs.py): (name, bytes), or
+        (name, block digest) with `digests`; each tensor is complete."""
+        self._queue.put((None, items, digests))
+
     def finish(self) -> dict[str, str]:
         """Wait for the queue; returns file -> hash (tensors that got no block: their empty tree)."""
         self._queue.put(None)
@@ -93,7 +98,14 @@ class OutputHasher:
             except BaseException as e:  # re-raised in the merging thread by finish()
                 self._error = e
 
-    def _hash(self, name: str, data, digests) -> None:
+    def _hash(self, name: str | None, data, digests) -> None:
+        if name is None:  # a pack of whole single-block tensors: hash tree = blake3(block digest)
+            for tensor, x in data:
+                if len(self.sizes[tensor]) != 1:
+                    raise ValueError(f"tensor {tensor!r} is not one block")
+                self._digests[tensor] = tensor_digest([x if digests else blake3(x).digest()])
+                self.tensors[tensor] = self._digests[tensor].hex()
+            return
         if data is None and digests is None:
             h = self._open.pop(name, None) or TensorHasher(self.sizes[name])
             self._digests[name] = h.digest()

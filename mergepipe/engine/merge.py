@@ -30,8 +30,10 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import output_layout, shard_index_json
+from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.index.records import DeltaIndex, ModelIndex
+from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_knobs
 from mergepipe.methods.slerp import cosine_from_sums
@@ -80,7 +82,7 @@ def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: d
         realized.files[INDEX_JSON] = {"blake3": hash_file(index_path), "size": size}
 
 
-MERGE, COPY = "merge", "copy"
+MERGE, COPY, PACK = "merge", "copy", "pack"
 COPY_BYTES = 64 << 20  # base bytes per in-kernel copy (runs are cut so that the pool shares them)
 
 
@@ -132,9 +134,6 @@ class _Merge:
     # a tensor listed here always takes the torch path (the kernels have no scale)
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
     torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
-    # the method's output differs from the base where no expert is read (Method.rewrites_base):
-    # no float block is copied or passed through, every one goes through `fn`
-    rewrites: bool = False
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -159,13 +158,23 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
-    rewrites = method.rewrites_base is not None and method.rewrites_base(params)
-    work = []
+    work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
+    packs = PackBuilder()
     for name, t in base.tensors.items():
         planned = set().union(*(r.get(name, ()) for r in reads.values()))
-        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites and t.dtype in FLOAT_DTYPES)
-        work += [(name, kind, blocks) for kind, blocks in
-                 segments(t, inputs.base_index.tensors[name].ranges, planned, copy_ok=copy_ok)]
+        copy_ok = out_of[name][1].dtype == t.dtype
+        ranges = inputs.base_index.tensors[name].ranges
+        if copy_ok and packable(t, ranges):  # small tensors: one unit per run of them (engine/packs.py)
+            fname = out_of[name][0]
+            done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
+            if done is not None:
+                work.append((done, PACK, ()))
+            continue
+        if (done := packs.flush()) is not None:
+            work.append((done, PACK, ()))
+        work += [(name, kind, blocks) for kind, blocks in segments(t, ranges, planned, copy_ok=copy_ok)]
+    if (done := packs.flush()) is not None:
+        work.append((done, PACK, ()))
     hasher: OutputHasher | None = None
     base_fds: dict[Path, int] = {}
     try:
@@ -173,9 +182,11 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
         hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
-                   _scales_by_tensor(plan), rewrites=rewrites)
+                   _scales_by_tensor(plan))
 
-        def load(name: str, kind: str, blocks: list[int]):
+        def load(name: str | Pack, kind: str, blocks: list[int]):
+            if kind == PACK:
+                return _load_pack(name, reader, writers, base_fds)
             if kind == MERGE:
                 return reader.load(name, blocks)
             t = base.tensors[name]
@@ -187,6 +198,10 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
 
         with ThreadPoolExecutor(max(1, threads)) as pool, _torch_threads(m):
             for (name, kind, blocks), result in prefetched(pool, load, work, 2 * max(1, threads)):
+                if kind == PACK:
+                    _finish_pack(m, name, result, out_of, writers, realized)
+                    prog.step(name.end - name.begin)
+                    continue
                 entry = inputs.base_index.tensors[name]
                 if kind == MERGE:
                     base_buf, got = result
@@ -231,23 +246,85 @@ def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], bas
     """Merge, write and hash the blocks of one unit (rows read together)."""
     ranges = m.inputs.base_index.tensors[t.name].ranges
     row_bytes = t.row_bytes()
-    same_dtype = out_t.dtype == t.dtype
     pos = 0
     for b in unit:
         r0, r1 = ranges[b]
         n = (r1 - r0) * row_bytes
-        raw = base_buf[pos:pos + n]
+        out = _block_bytes(m, t, out_t, b, r0, r1, base_buf[pos:pos + n], got)
         pos += n
-        shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
-        if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)):
-            # nothing to merge here: the base rows, cast if the output dtype differs
-            out = raw if same_dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
-        elif m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
-            out = m.kernel(_raw_block(m, t, b, raw, got))
-        else:
-            out = _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
         writer.write_rows(t.name, r0, out)
         m.hasher.add(t.name, out)
+
+
+def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1: int, raw: memoryview,
+                 got: Got) -> memoryview:
+    """The output bytes of block b (rows r0:r1, base bytes `raw`): the base's, cast, or merged
+    by the method's kernel or its torch code."""
+    shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
+    if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
+        # nothing to merge here: the base rows, cast if the output dtype differs
+        return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
+    if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
+        return m.kernel(_raw_block(m, t, b, raw, got))
+    return _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
+
+
+def _load_pack(pack: Pack, reader: UnitReader, writers: dict[str, SafetensorsWriter],
+               base_fds: dict[Path, int]) -> PackRead | tuple[int, int]:
+    """In a pool thread: read a MERGE pack (engine/packs.py), or copy a COPY pack file to file
+    (returns (bytes, bytes the kernel copied))."""
+    if pack.kind == MERGE:
+        return read_pack(pack, reader.base, reader.base_index, reader.base_reader, reader.experts,
+                         reader.expert_indexes, reader.readers, reader.reads)
+    nbytes = pack.end - pack.begin
+    return nbytes, writers[pack.out_file].copy_rows(pack.names[0], 0, base_fds[pack.file], pack.begin, nbytes)
+
+
+def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_of: dict,
+                 writers: dict[str, SafetensorsWriter], realized: Realized) -> None:
+    """Merge, write and hash a MERGE pack, or hash a copied COPY pack (from the base index's
+    block digests, as for copied runs). Each tensor of a pack is one whole block."""
+    tensors = m.inputs.base.tensors
+    if pack.kind == COPY:
+        nbytes, kernel_bytes = result
+        entries = m.inputs.base_index.tensors
+        m.hasher.add_whole([(n, bytes.fromhex(entries[n].hashes[0])) for n in pack.names], digests=True)
+        realized.base_bytes_copied += nbytes
+        realized.kernel_bytes_copied += kernel_bytes
+        return
+    if _elementwise(m, pack, result):
+        # one kernel call for the pack: its tensors are adjacent in every buffer, and an
+        # elementwise kernel's output element depends only on the same element of its inputs
+        present = tuple((e.name, result.whole[e.name]) for e in m.experts if e.name in result.whole)
+        first = tensors[pack.names[0]]
+        out = m.kernel(RawBlock(first.name, first.numel, result.base, present, _no_cut))
+    else:
+        buf = bytearray(len(result.base))
+        for name in pack.names:
+            t = tensors[name]
+            a, z = t.begin - pack.begin, t.end - pack.begin
+            got = {e: {0: views[name]} for e, views in result.got.items() if name in views}
+            r1 = m.inputs.base_index.tensors[name].ranges[0][1]
+            buf[a:z] = _block_bytes(m, t, out_of[name][1], 0, 0, r1, result.base[a:z], got)
+        out = memoryview(buf)
+    writers[pack.out_file].write_rows(pack.names[0], 0, out)
+    m.hasher.add_whole([(n, out[tensors[n].begin - pack.begin:tensors[n].end - pack.begin]) for n in pack.names])
+    for name in pack.names:
+        m.cuts.drop(name)
+
+
+def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
+    """Whether a MERGE pack can be merged by one call of the method's kernel: the kernel is
+    elementwise, every tensor bf16 with no strategy scale, and each expert read either for
+    every tensor of the pack (one buffer) or for none."""
+    if m.kernel is None or not getattr(m.kernel, "elementwise", False) or result.got.keys() != result.whole.keys():
+        return False
+    tensors = m.inputs.base.tensors
+    return all(tensors[n].dtype == "BF16" and n not in m.scales for n in pack.names)
+
+
+def _no_cut(expert: str, rank: int):
+    raise MethodError(f"expert {expert!r}: a rank cut was asked of an elementwise kernel merging a pack")
 
 
 def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got) -> RawBlock:

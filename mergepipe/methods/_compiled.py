@@ -24,6 +24,9 @@ class CompiledCombine:
         from mergepipe.methods import _kernels as kernels
         self.k = kernels
         self.ties = consensus
+        # output element i depends only on element i of the base and experts (no per-tensor
+        # cut): the engine may merge a run of small tensors as one block (engine/packs.py)
+        self.elementwise = not consensus
         self.normalize = bool(params.normalize)
         self.lambda_ = np.float32(params.lambda_)
         self.apply_lambda = params.lambda_ != 1

@@ -1,0 +1,125 @@
+"""Packs: runs of small single-block tensors that the engine handles as one unit.
+
+A checkpoint of many small tensors (MoE experts' norms and routers, biases: tens of
+thousands) would otherwise cost one prefetch future, one pread per input, one
+pwrite, one writeback hint and one hasher message per tensor. A pack is a run of
+consecutive tensors, each a single non-empty block of at most SMALL_TENSOR_BYTES,
+all merged or all copied (the same kind), whose bytes are one contiguous range in
+the base file and one in the output file. It is read with one pread of the base
+(MERGE) and one per contiguous run of planned tensors in each expert, or copied
+with one in-kernel copy (COPY); written with one pwrite; hashed with one message.
+
+What is read, copied, written and hashed is exactly what the tensor-by-tensor path
+does (the same bytes counted, the same block hashes checked), so the output and
+its manifest are byte-identical; only the number of calls changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, TensorInfo
+from mergepipe.errors import IntegrityError
+from mergepipe.index.records import ModelIndex
+
+SMALL_TENSOR_BYTES = 64 << 10  # larger tensors take the per-tensor path (their own unit or runs)
+PACK_BYTES = 4 << 20  # base bytes per pack, like a prefetch unit (engine/prefetch.py UNIT_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class Pack:
+    """Consecutive single-block tensors, contiguous in the base file and in one output file."""
+
+    kind: str  # engine.merge MERGE or COPY
+    names: tuple[str, ...]
+    file: Path  # the base file
+    begin: int  # absolute byte range in the base file
+    end: int
+    out_file: str  # the output weight file, where the range starts at the first tensor's offset
+
+
+def packable(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a tensor may join a pack: one non-empty block, small."""
+    return len(ranges) == 1 and 0 < t.nbytes <= SMALL_TENSOR_BYTES
+
+
+class PackBuilder:
+    """Groups a stream of packable tensors into Packs; `add` returns a finished pack when
+    the new tensor cannot extend the open one (other kind, file, gap, or full)."""
+
+    def __init__(self) -> None:
+        self._open: list[str] = []
+        self._kind = self._file = self._out_file = None
+        self._begin = self._end = self._out_end = 0
+
+    def add(self, t: TensorInfo, kind: str, out_file: str, out_offset: int) -> Pack | None:
+        extends = (self._open and kind == self._kind and t.file == self._file and t.begin == self._end
+                   and out_file == self._out_file and out_offset == self._out_end
+                   and t.end - self._begin <= PACK_BYTES)
+        done = None if extends else self.flush()
+        if not extends:
+            self._kind, self._file, self._out_file, self._begin = kind, t.file, out_file, t.begin
+        self._open.append(t.name)
+        self._end, self._out_end = t.end, out_offset + t.nbytes
+        return done
+
+    def flush(self) -> Pack | None:
+        """The open pack, if any (and none open after)."""
+        if not self._open:
+            return None
+        pack = Pack(self._kind, tuple(self._open), self._file, self._begin, self._end, self._out_file)
+        self._open = []
+        return pack
+
+
+def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader: CheckpointReader,
+              experts: dict[str, Checkpoint], expert_indexes: dict[str, ModelIndex],
+              readers: dict[str, CheckpointReader], reads: dict[str, dict[str, set[int]]]) -> PackRead:
+    """The base bytes of a MERGE pack and, per expert, the bytes of each tensor the plan
+    reads of it (adjacent ones with one pread), every block checked against its index."""
+    first = base.tensors[pack.names[0]]
+    buf = memoryview(base_reader.read_range(first, pack.begin, pack.end)).cast("B")
+    for name in pack.names:
+        t = base.tensors[name]
+        entry = base_index.tensors[name]
+        if blake3(buf[t.begin - pack.begin:t.end - pack.begin]).hexdigest() != entry.hashes[0]:
+            raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:{entry.ranges[0][1]} do not "
+                                 f"match the index of {base.root} (corrupted or modified since indexing)")
+    got: dict[str, dict[str, memoryview]] = {}
+    whole: dict[str, memoryview] = {}
+    for expert, planned in reads.items():
+        ckpt = experts[expert]
+        wanted = [ckpt.tensors[n] for n in pack.names if 0 in planned.get(n, ())]
+        if not wanted:
+            continue
+        mine = got[expert] = {}
+        i = 0
+        while i < len(wanted):  # one pread per run adjacent in the expert's file
+            j = i
+            while j + 1 < len(wanted) and wanted[j + 1].file == wanted[j].file and wanted[j + 1].begin == wanted[j].end:
+                j += 1
+            run = memoryview(readers[expert].read_range(wanted[i], wanted[i].begin, wanted[j].end)).cast("B")
+            for t in wanted[i:j + 1]:
+                view = run[t.begin - wanted[i].begin:t.end - wanted[i].begin]
+                entry = expert_indexes[expert].tensors[t.name]
+                if blake3(view).hexdigest() != entry.hashes[0]:
+                    raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:"
+                                         f"{entry.ranges[0][1]} do not match the index (corrupted or modified "
+                                         "since indexing); re-index with `mergepipe index`")
+                mine[t.name] = view
+            if i == 0 and j == len(pack.names) - 1:
+                whole[expert] = run  # every tensor of the pack, in one buffer, in pack order
+            i = j + 1
+    return PackRead(buf, got, whole)
+
+
+@dataclass(frozen=True, slots=True)
+class PackRead:
+    """What `read_pack` read: the base range, the planned expert tensors, and, for an expert
+    read for every tensor of the pack in one pread, that buffer (pack order)."""
+
+    base: memoryview
+    got: dict[str, dict[str, memoryview]]  # expert -> tensor -> its bytes
+    whole: dict[str, memoryview]
