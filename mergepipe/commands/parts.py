@@ -115,7 +115,8 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
             base = inputs.base
             sub = Checkpoint(base.root, base.files, {name: base.tensors[name] for name in names})
             sub_plan = {**plan, "output": {**plan["output"], "shard_bytes": ONE_FILE}}
-            sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas)
+            sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
+                                cache_dir=inputs.cache_dir)
             realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
             info.update(tensors=realized.tensors, base_bytes_read=realized.base_bytes_read,
                         base_bytes_copied=realized.base_bytes_copied, expert_bytes_read=realized.expert_bytes_read)

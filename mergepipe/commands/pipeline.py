@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import IntegrityError, OutputError
@@ -46,7 +47,7 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
-    return Inputs(base, base_index, experts, expert_indexes, deltas)
+    return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root)
 
 
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[dict, Inputs]:
@@ -59,15 +60,27 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
         # one scan per new expert: block hashes and delta statistics from the same reads
         experts[e.name], expert_indexes[e.name], deltas[e.name] = store.expert_index(
             e.path, base, base_index, threads=threads)
-        plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash, float(e.weight),
-                                     e_norm.get("density"), e_norm.get("gamma")))
+        # a per-tensor weight/density/gamma is in the plan's tensor_parameters, not here
+        plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash,
+                                     float(_scalar_or(e.weight, 0.0)), _scalar_or(e_norm.get("density"), None),
+                                     _scalar_or(e_norm.get("gamma"), None)))
     budget = budget if budget is not None else cfg.budget
+    calibration = None
+    if (norm.get("plan") or {}).get("strategy") == "calibrated":  # importance from the base on the user's text
+        from mergepipe.commands.calibration import calibration_inputs
+        calibration = calibration_inputs(norm["plan"], cfg.config_path(norm["plan"]["text"]), store, base,
+                                         base_index, {n: (experts[n], expert_indexes[n]) for n in experts})
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
-                     params=norm["parameters"], seed=norm["seed"], budget=budget, block_bytes=bb,
+                     params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
                      output={"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]},
-                     nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"))
-    return plan, Inputs(base, base_index, experts, expert_indexes, deltas)
+                     nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"),
+                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration)
+    return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root)
+
+
+def _scalar_or(value, default):
+    return value if value is None or isinstance(value, int | float) else default
 
 
 def _model_card(plan: dict) -> str:
@@ -138,6 +151,8 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             (tmp / MANIFEST).write_bytes(dumps(man))
             run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
+            if realized.joint_statistics:  # a joint method's statistics artifact (engine/stats.py)
+                run_info["joint_statistics"] = {**realized.joint_statistics, "bytes_read": realized.joint_bytes_read}
             _save_to_store(tmp, cached)
         # stat keys of the files as published (renaming their folder changes none of them):
         # `up_to_date` compares them, so an output edited in place is rebuilt

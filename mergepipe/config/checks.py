@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from mergepipe.config.fields import check_density, check_gamma
+from mergepipe.config.settings import is_setting
 
 if TYPE_CHECKING:
     from mergepipe.config.models import ExpertConfig
@@ -79,6 +80,8 @@ def check_expert_overrides(experts: list[ExpertConfig], method: str,
     for i, expert in enumerate(experts):
         density = effective(expert, "density", params)
         gamma = effective(expert, "gamma", params)
+        if is_setting(density) or is_setting(gamma):
+            continue  # per tensor: checked where resolved (config/tensor_params.py)
         if density is not None and gamma is not None:
             # blame the key the user has to change
             own = expert.density is not None or expert.gamma is not None
@@ -89,6 +92,8 @@ def check_weight_sum(experts: list[ExpertConfig], method: str, params: BaseModel
     if not getattr(params, "normalize", False):
         return
     base_weight = getattr(params, "base_weight", None) or 0.0
+    if any(is_setting(e.weight) for e in experts):
+        return  # per-tensor weights: the method refuses a zero sum tensor by tensor
     weights = [e.weight for e in experts] + [float(base_weight)]
     total = math.fsum(weights)
     scale = math.fsum(abs(w) for w in weights)

@@ -11,9 +11,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
+                      WithJsonSchema, WrapValidator)
 
 from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, parse_block_bytes
+from mergepipe.config.settings import is_setting, parse_setting
 from mergepipe.units import BUDGET_PATTERN, SIZE_PATTERN, Budget, UnitError, parse_budget, parse_bytes, short_repr
 
 DEFAULT_CACHE_DIR = ".mergepipe"
@@ -108,6 +110,38 @@ BudgetField = Annotated[Budget, PlainValidator(_parse_budget_field), PlainSerial
                             {"type": "string", "pattern": BUDGET_PATTERN},
                             {"type": "integer", "minimum": 1},
                             {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]})]
+
+
+
+def setting_schema(leaf: dict[str, Any]) -> dict[str, Any]:
+    """JSON schema of a per-tensor setting (config/settings.py) whose values match `leaf`."""
+    gradient = {"type": "array", "minItems": 1, "items": leaf}
+    condition = {"type": "object", "additionalProperties": False, "required": ["value"],
+                 "properties": {"filter": {"type": "string", "minLength": 1},
+                                "value": {"anyOf": [leaf, gradient]}}}
+    return {"anyOf": [gradient, condition, {"type": "array", "minItems": 1, "items": condition}]}
+
+
+def _scalar_or_setting(value: Any, handler: Any) -> Any:
+    """A scalar through the field's own validation; a list or mapping as a per-tensor
+    Setting whose every value goes through that same validation."""
+    if is_setting(value):
+        return parse_setting(value, handler)
+    return handler(value)
+
+
+def per_tensor(leaf_schema: dict[str, Any]) -> tuple[Any, ...]:
+    """Annotated metadata that lets a numeric field also take a per-tensor setting."""
+    return (WrapValidator(_scalar_or_setting),
+            WithJsonSchema({"anyOf": [leaf_schema, setting_schema(leaf_schema)]}),
+            PlainSerializer(lambda v: v.to_json() if is_setting(v) else v))
+
+
+_DENSITY_SCHEMA = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+_GAMMA_SCHEMA = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
+TensorWeight = Annotated[Weight, *per_tensor({"type": "number"})]
+TensorDensity = Annotated[Density, *per_tensor(_DENSITY_SCHEMA)]
+TensorGamma = Annotated[Gamma, *per_tensor(_GAMMA_SCHEMA)]
 
 OutputDtype = Literal["bfloat16", "float16", "float32"]
 

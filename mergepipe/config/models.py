@@ -5,6 +5,7 @@ the plan strategy's options validated by the registered strategy's own params mo
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,30 +27,34 @@ from mergepipe.config.fields import (
     BlockBytes,
     BudgetField,
     ConfigPath,
-    Density,
-    Gamma,
     Name,
     OutputDtype,
     ShardBytes,
-    Weight,
+    TensorDensity,
+    TensorGamma,
+    TensorWeight,
 )
+from mergepipe.config.settings import Setting, is_setting, parse_setting
 from mergepipe.config.messages import describe
 from mergepipe.methods import METHODS
 from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_options
 
 
 class ExpertConfig(BaseModel):
-    """One expert checkpoint. density/gamma override the method's parameters."""
+    """One expert checkpoint. density/gamma override the method's parameters. weight,
+    density and gamma may be per-tensor settings (config/settings.py)."""
 
     model_config = MODEL_CONFIG
     name: Name = Field(description="unique, filename-safe label (letters, digits, . _ -)")
     path: ConfigPath = Field(description="Hugging Face model folder, relative to params.yaml")
-    weight: Weight = Field(description="w_k; finite, may be negative")
-    density: Density | None = Field(None, description="per-expert density in (0, 1]")
-    gamma: Gamma | None = Field(None, description="per-expert gamma in [0, 1) (breadcrumbs)")
+    weight: TensorWeight = Field(description="w_k; finite, may be negative; or a per-tensor setting")
+    density: TensorDensity | None = Field(None, description="per-expert density in (0, 1]")
+    gamma: TensorGamma | None = Field(None, description="per-expert gamma in [0, 1) (breadcrumbs)")
 
     @model_validator(mode="after")
     def _density_plus_gamma(self) -> ExpertConfig:
+        if isinstance(self.density, Setting) or isinstance(self.gamma, Setting):
+            return self  # checked tensor by tensor when resolved (config/tensor_params.py)
         if self.density is not None and self.gamma is not None:
             check_density_gamma(self.density, self.gamma, "")
         return self
@@ -97,8 +102,10 @@ class MergeConfig(BaseModel):
         f"(default {DEFAULT_STRATEGY}; checked by the strategy)")
 
     _method_params: BaseModel | None = PrivateAttr(None)
+    _param_settings: dict[str, Setting] = PrivateAttr(default_factory=dict)
     _written: dict[str, str] = PrivateAttr(default_factory=dict)
     _source: str = PrivateAttr("<dict>")
+    _root: Path = PrivateAttr(default_factory=Path.cwd)  # the folder relative paths are relative to
 
     @field_validator("method")
     @classmethod
@@ -111,11 +118,13 @@ class MergeConfig(BaseModel):
     def _cross_checks(self) -> MergeConfig:
         check_unique_names(self.experts)
         method = METHODS[self.method]
+        scalars = {k: v for k, v in self.parameters.items() if not is_setting(v)}
         try:
-            params = method.params.model_validate(self.parameters)
+            params = method.params.model_validate(scalars)
         except ValidationError as err:
             raise ValueError(describe(err, method.params, ("parameters",))) from None
         self._method_params = params
+        self._param_settings = self._parse_param_settings(method.params, scalars)
         if method.max_experts is not None and len(self.experts) > method.max_experts:
             limit = "exactly 1 expert" if method.max_experts == 1 else \
                 f"at most {method.max_experts} experts"
@@ -125,6 +134,25 @@ class MergeConfig(BaseModel):
         check_weight_sum(self.experts, self.method, params)
         self._check_plan(method)
         return self
+
+    def _parse_param_settings(self, params_cls: type[BaseModel], scalars: dict[str, Any]) -> dict[str, Setting]:
+        """Per-tensor method parameters, each value checked by the method's params model."""
+        out = {}
+        for key, value in sorted(self.parameters.items()):
+            if not is_setting(value):
+                continue
+
+            def check(leaf: Any, key: str = key) -> Any:
+                try:
+                    params_cls.model_validate({**scalars, key: leaf})
+                except ValidationError as err:
+                    raise ValueError(describe(err, params_cls)) from None
+                return leaf
+            try:
+                out[key] = parse_setting(value, check)
+            except ValueError as err:
+                raise ValueError(f"parameters.{key}: {err}") from None
+        return out
 
     def _check_plan(self, method) -> None:
         name = self.plan.get("strategy", DEFAULT_STRATEGY)
@@ -150,23 +178,46 @@ class MergeConfig(BaseModel):
         return self._method_params
 
     @property
+    def param_settings(self) -> dict[str, Setting]:
+        """The method parameters given per tensor (settings), by name; {} for most configs."""
+        if not self._param_settings and any(is_setting(v) for v in self.parameters.values()):
+            self._param_settings = self._parse_param_settings(METHODS[self.method].params, {})
+        return self._param_settings
+
+    @property
     def source(self) -> str:
         """The file (or "<dict>") this config came from, for error messages."""
         return self._source
 
-    def expert_density(self, expert: ExpertConfig) -> float | None:
-        """The expert's density, else the method's; None if the method has none."""
+    def expert_density(self, expert: ExpertConfig) -> float | Setting | None:
+        """The expert's density, else the method's; None if the method has none or gives
+        it per tensor (then config/tensor_params.py resolves it tensor by tensor)."""
+        if expert.density is None and "density" in self.param_settings:
+            return None
         return effective(expert, "density", self.method_params)
 
-    def expert_gamma(self, expert: ExpertConfig) -> float | None:
-        """The expert's gamma, else the method's; None if the method has none."""
+    def expert_gamma(self, expert: ExpertConfig) -> float | Setting | None:
+        """The expert's gamma, else the method's; None if the method has none or gives it
+        per tensor."""
+        if expert.gamma is None and "gamma" in self.param_settings:
+            return None
         return effective(expert, "gamma", self.method_params)
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether any parameter, weight, density or gamma is a per-tensor setting."""
+        return bool(self.param_settings) or any(
+            isinstance(getattr(e, k), Setting) for e in self.experts for k in ("weight", "density", "gamma"))
 
     @property
     def plan_options(self) -> dict[str, Any] | None:
         """The plan strategy's options, normalized; None for the default strategy with
         default options (then plans carry no `strategy` key)."""
         return normalized_options(self.plan)
+
+    def config_path(self, written: str) -> Path:
+        """A path written in the config (e.g. `plan.text`), made absolute against params.yaml's folder."""
+        return Path(os.path.normpath(self._root / Path(written).expanduser()))
 
     def normalized(self) -> dict[str, Any]:
         """Canonical JSON-able form for plan hashes and manifests.
@@ -179,18 +230,23 @@ class MergeConfig(BaseModel):
         def written(key: str, path: Path) -> str:
             return self._written.get(key, path.as_posix())
 
+        def shown(value: Any) -> Any:
+            return value.to_json() if isinstance(value, Setting) else value
+
         experts = [{
             "name": e.name,
             "path": written(f"experts[{i}].path", e.path),
-            "weight": e.weight,
-            "density": self.expert_density(e),
-            "gamma": self.expert_gamma(e),
+            "weight": shown(e.weight),
+            "density": shown(self.expert_density(e)),
+            "gamma": shown(self.expert_gamma(e)),
         } for i, e in enumerate(self.experts)]
+        parameters = self.method_params.model_dump(mode="json", by_alias=True)
+        parameters.update({k: s.to_json() for k, s in self.param_settings.items()})
         norm = {
             "base": written("base", self.base),
             "experts": experts,
             "method": self.method,
-            "parameters": self.method_params.model_dump(mode="json", by_alias=True),
+            "parameters": parameters,
             "seed": self.seed,
             "budget": str(self.budget),
             "block_bytes": self.block_bytes,

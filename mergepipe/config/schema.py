@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from mergepipe.config.fields import setting_schema
 from mergepipe.config.models import MergeConfig
 from mergepipe.methods import METHODS
 from mergepipe.plan.strategies import STRATEGIES
@@ -25,6 +26,16 @@ def _drop_titles(node: Any) -> Any:
     if isinstance(node, list):
         return [_drop_titles(v) for v in node]
     return node
+
+
+def _per_tensor_properties(params_schema: dict[str, Any]) -> dict[str, Any]:
+    """Every method parameter may also be a per-tensor setting (config/settings.py)."""
+    props = {}
+    for key, sub in params_schema.get("properties", {}).items():
+        leaf = {k: v for k, v in sub.items() if k not in ("default", "description")}
+        wrapped = {k: v for k, v in sub.items() if k in ("default", "description")}
+        props[key] = {"anyOf": [leaf, setting_schema(leaf)], **wrapped}
+    return {**params_schema, "properties": props}
 
 
 def json_schema() -> dict[str, Any]:
@@ -46,6 +57,7 @@ def json_schema() -> dict[str, Any]:
         for key, sub in params_schema.pop("$defs", {}).items():
             if defs.setdefault(key, sub) != sub:
                 raise RuntimeError(f"schema name clash on {key!r} (method {name!r})")
+        params_schema = _per_tensor_properties(params_schema)
         key = params_cls.__name__
         if defs.setdefault(key, params_schema) != params_schema:
             raise RuntimeError(f"schema name clash on {key!r} (method {name!r})")

@@ -32,6 +32,7 @@ from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import output_layout, shard_index_json
 from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
+from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -52,6 +53,7 @@ class Inputs:
     experts: dict[str, Checkpoint]
     expert_indexes: dict[str, ModelIndex]
     deltas: dict[str, DeltaIndex]
+    cache_dir: Path | None = None  # the store, where joint statistics are kept (engine/stats.py)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Realized:
     bytes_written: int = 0
     files: dict[str, dict] = field(default_factory=dict)  # name -> {tree, size} (weights) or {blake3, size}
     tensors: dict[str, str] = field(default_factory=dict)  # name -> tensor hash (checkpoint/treehash.py)
+    joint_statistics: dict = field(default_factory=dict)  # {key, blake3} of a joint method's statistics
+    joint_bytes_read: int = 0  # bytes the joint scan read (0: loaded from the store)
     seconds: float = 0.0
 
 
@@ -134,6 +138,7 @@ class _Merge:
     # a tensor listed here always takes the torch path (the kernels have no scale)
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
     torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
+    joint: JointStatistics | None = None  # a joint method's per-tensor statistics (engine/stats.py)
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -158,6 +163,10 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
+    joint = joint_statistics(plan, inputs, method, params, threads=threads)  # None unless method.joint
+    if joint is not None:
+        realized.joint_statistics = {"key": joint.key, "blake3": joint.digest}
+        realized.joint_bytes_read = joint.bytes_read
     work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
     packs = PackBuilder()
     for name, t in base.tensors.items():
@@ -182,7 +191,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
         hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
-                   _scales_by_tensor(plan))
+                   _scales_by_tensor(plan), joint=joint)
 
         def load(name: str | Pack, kind: str, blocks: list[int]):
             if kind == PACK:
@@ -356,7 +365,9 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
         scale = m.scales.get(t.name, {}).get(e.name, 1.0)
         blocks.append(ExpertBlock(e.name, e.content_hash, e.weight, delta, **e.knobs, cut=cut, cosine=cosine,
                                   scale=scale))
-    merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed), m.params)
+    joint = m.joint.tensors.get(t.name) if m.joint is not None else None
+    merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed, joint=joint),
+                         m.params)
     return tensor_bytes(merged.to(st.DTYPES[out_t.dtype][1]))
 
 

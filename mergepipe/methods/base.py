@@ -59,6 +59,9 @@ class BlockInputs:
     base: torch.Tensor  # fp32, this block's rows of the base
     experts: tuple[ExpertBlock, ...]  # canonical order: sorted by content hash
     seed: int = 0
+    # a joint method's whole-tensor statistics (fp64 numpy array, methods/joint.py), from the
+    # engine's joint scan; None for other methods (or when a test hands over the whole tensor)
+    joint: object | None = None
 
     @property
     def tensor_numel(self) -> int:

@@ -3,7 +3,9 @@
 A Method carries everything the plan and the engine need to know about it, so neither
 names a method: its params model (defaults), its torch `fn`, what it needs from the
 index (`magnitude`, `cosine`), how it scales each delta for the plan's bound
-(`effective_weights`) and, optionally, a compiled bf16 kernel (`compiled`).
+(`effective_weights`), optionally a compiled bf16 kernel (`compiled`), and, for a
+method that couples experts over whole tensors, its joint statistics (`joint`,
+methods/joint.py: then every block is read for all experts or none).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel
 
 from mergepipe.errors import ConfigError
 from mergepipe.methods.base import BlockInputs, RawBlock
+from mergepipe.methods.joint import JointSpec
 
 MergeFn = Callable[[BlockInputs, BaseModel], "torch.Tensor"]
 # (normalized parameters dict, expert name -> weight) -> expert name -> |scale of delta_k|
@@ -51,6 +54,8 @@ class Method:
     # typed params -> True when a block no expert is read for is NOT the base's rows (passthrough
     # with a scale): the engine then sends every float block through `fn` instead of copying it
     rewrites_base: Callable[[BaseModel], bool] | None = None
+    # whole-tensor statistics coupling the experts (methods/joint.py); None: block-local
+    joint: JointSpec | None = None
 
 
 METHODS: dict[str, Method] = {}
@@ -60,12 +65,13 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
              magnitude: bool = False, max_experts: int | None = None, cosine: bool = False,
              effective_weights: EffectiveWeights = scaled_weights,
              compiled: KernelFactory | None = None,
-             rewrites_base: Callable[[BaseModel], bool] | None = None) -> Callable[[MergeFn], MergeFn]:
+             rewrites_base: Callable[[BaseModel], bool] | None = None,
+             joint: JointSpec | None = None) -> Callable[[MergeFn], MergeFn]:
     def wrap(fn: MergeFn) -> MergeFn:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} registered twice")
         METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
-                               effective_weights, compiled, rewrites_base)
+                               effective_weights, compiled, rewrites_base, joint)
         return fn
     return wrap
 

@@ -28,6 +28,8 @@ from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError, ConfigError
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
+from mergepipe.methods.joint import statistics_key
+from mergepipe.plan import joint_reads
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
@@ -60,7 +62,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
               expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
               method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
               block_bytes: int, output: dict, nonfinite: str = "error",
-              strategy: dict | None = None) -> dict:
+              strategy: dict | None = None, tensor_parameters: dict | None = None,
+              calibration: dict | None = None) -> dict:
     """Build the plan (a canonical, JSON-able dict with its own hash).
 
     `budget` is resolved against the plan's own full-read bytes (every expert
@@ -68,7 +71,10 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     reads a tenth of a full merge; `budget_bytes`, if given, overrides that.
     The plan records both the budget as written and the resolved bytes.
     `strategy` is the `plan:` mapping of params.yaml ({strategy: NAME, ...options};
-    None or the default: `energy`).
+    None or the default: `energy`); `calibration` what a calibrated strategy scores with
+    (commands/calibration.py). `tensor_parameters` (config/tensor_params.py) gives
+    per-tensor parameters and expert weights: recorded in the plan, and each tensor's
+    scores use its own effective weights.
 
     Raises:
         BudgetError: budget_bytes < 0.
@@ -82,6 +88,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         strat, strat_params = strategy_options(strategy)
     except ValueError as e:
         raise ConfigError(f"plan: {e}") from None
+    if m.joint is not None:
+        joint_reads.check_strategy(method, strat.name)
     if strat.rescales and m.cosine:
         raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {method!r} does not merge "
                           "weighted deltas, use strategy energy or balanced")
@@ -91,6 +99,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
     eff = effective_weights(method, params, experts)
+    eff_of = _tensor_effective_weights(method, params, experts, tensor_parameters)
     items: list[Candidate] = []
     skipped_identical: dict[str, int] = {}
     total_expert_bytes = 0
@@ -112,7 +121,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                     continue
                 if entry.dtype not in FLOAT_DTYPES:
                     continue  # integer buffers are copied from the base, never merged
-                score = eff[e.name] * td.block_l2[b]
+                score = eff_of(name, eff)[e.name] * td.block_l2[b]
                 mass_sq += score * score
                 ratio = score / cost if cost else math.inf
                 items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score,
@@ -127,8 +136,21 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             raise BudgetError(f"budget {budget} is smaller than any expert block ({smallest} bytes), so the merge "
                               f"would read nothing; for a share write a percentage (e.g. '{budget_bytes}%') "
                               "or a size like '2GiB'")
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff))
-    selection = strat.select(items, budget_bytes, ctx, strat_params)
+    if tensor_parameters is not None:  # strategies' shares: each expert's largest per-tensor weight
+        for g in range(len(tensor_parameters["groups"])):
+            for k, v in eff_of(None, eff, g).items():
+                eff[k] = max(eff[k], v)
+    scores = None
+    if strat.calibrated:  # calibration: {artifact, text, energies: expert -> tensor -> [per block]}
+        if calibration is None:
+            raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
+        scores = {(name, t, b): v for name, per in calibration["energies"].items()
+                  for t, vs in per.items() for b, v in enumerate(vs)}
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores)
+    if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)
+        selection = joint_reads.select_groups(strat, items, budget_bytes, ctx, strat_params)
+    else:
+        selection = strat.select(items, budget_bytes, ctx, strat_params)
     scales = selection.scales
     reads: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
     planned = {e.name: 0 for e in experts}
@@ -187,11 +209,38 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             "relative": omitted / full_norm if full_norm else 0.0,
         },
     }
+    if tensor_parameters is not None:
+        plan["tensor_parameters"] = tensor_parameters
+    if m.joint is not None:  # the statistics' content address (methods/joint.py); None: none needed
+        active = m.joint.active(m.params.model_validate(params))
+        plan["joint"] = {"reads": joint_reads.READS, "key": statistics_key(
+            m.joint, method=method, params=params, base_hash=base.content_hash,
+            experts=plan["experts"], seed=seed, block_bytes=block_bytes) if active else None}
     if strategy_json is not None:
         plan["strategy"] = {"name": strat.name, "parameters": strategy_json,
                             "scales": {k: dict(sorted(v.items())) for k, v in sorted(scales.items())}}
+        if scores is not None:  # what the importance came from, so the plan hash covers it
+            plan["strategy"]["calibration"] = {k: calibration[k] for k in ("artifact", "text")}
     plan["plan_hash"] = plan_hash(plan)
     return plan
+
+
+def _tensor_effective_weights(method: str, params: dict, experts: list[PlanInput], tensor_parameters: dict | None):
+    """(tensor, top-level eff[, group]) -> that tensor's effective weights, one computation per group."""
+    cache: dict[int, dict[str, float]] = {}
+
+    def eff_of(tensor: str | None, eff: dict[str, float], group: int | None = None) -> dict[str, float]:
+        if tensor_parameters is None:
+            return eff
+        g = tensor_parameters["tensors"].get(tensor) if group is None else group
+        if g is None:
+            return eff
+        if g not in cache:
+            over = tensor_parameters["groups"][g]
+            weights = {e.name: float(over["experts"].get(e.name, {}).get("weight", e.weight)) for e in experts}
+            cache[g] = get_method(method).effective_weights({**params, **over["parameters"]}, weights)
+        return cache[g]
+    return eff_of
 
 
 def plan_hash(plan: dict) -> str:

@@ -28,6 +28,7 @@ from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES
 from mergepipe.config.fields import MIN_SHARD_BYTES
 from mergepipe.errors import ConfigError
 from mergepipe.methods import get_method
+from mergepipe.plan import tensor_params
 
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
@@ -72,6 +73,14 @@ class BoundRecord(BaseModel):
     relative: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+class CalibrationRecord(BaseModel):
+    """What a calibrated plan's importance came from: the artifact's and the text's blake3."""
+
+    model_config = _STRICT
+    artifact: Hash
+    text: Hash
+
+
 class StrategyRecord(BaseModel):
     """Present only when the plan strategy is not the default (plan/strategies/)."""
 
@@ -79,6 +88,15 @@ class StrategyRecord(BaseModel):
     name: StrictStr
     parameters: dict[StrictStr, object]
     scales: dict[StrictStr, dict[StrictStr, Annotated[float, Field(ge=1, allow_inf_nan=False)]]]
+    calibration: CalibrationRecord | None = None  # only for a calibrated strategy
+
+
+class JointRecord(BaseModel):
+    """Present exactly for a method with joint statistics (methods/joint.py)."""
+
+    model_config = _STRICT
+    reads: Literal["all-or-none"]
+    key: Hash | None  # None when the parameters need no statistics
 
 
 class PlanRecord(BaseModel):
@@ -101,6 +119,8 @@ class PlanRecord(BaseModel):
     bytes: BytesRecord
     bound: BoundRecord
     strategy: StrategyRecord | None = None
+    joint: JointRecord | None = None  # joint methods only (plan/joint_reads.py)
+    tensor_parameters: dict[StrictStr, object] | None = None  # checked by plan/tensor_params.py
     plan_hash: Hash
 
 
@@ -152,6 +172,8 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
                                   "non-negative, sorted and distinct")
     if rec.strategy is not None:
         _check_strategy(rec, where)
+    _check_joint(plan, method, params, where)
+    tensor_params.check(plan, method, where)
     b = rec.bytes
     for key in ("planned_by_expert", "skipped_identical_by_expert"):
         if sorted(getattr(b, key)) != sorted(names):
@@ -166,6 +188,25 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
     return rec
 
 
+def _check_joint(plan: dict, method, params, where: str) -> None:
+    """A joint method's plan names the statistics key its inputs and parameters give; any
+    other plan has no `joint` key."""
+    from mergepipe.methods.joint import statistics_key
+    joint = plan.get("joint")
+    if method.joint is None:
+        if joint is not None:
+            raise ConfigError(f"{where}: plan key joint: method {plan['method']!r} has no joint statistics")
+        return
+    if joint is None:
+        raise ConfigError(f"{where}: plan key joint: missing; method {plan['method']!r} needs it")
+    want = statistics_key(method.joint, method=plan["method"], params=plan["parameters"],
+                          base_hash=plan["base"]["content_hash"], experts=plan["experts"], seed=plan["seed"],
+                          block_bytes=plan["block_bytes"]) if method.joint.active(params) else None
+    if joint["key"] != want:
+        raise ConfigError(f"{where}: plan key joint.key: not the statistics key of the plan's inputs and "
+                          "parameters; make the plan again with `mergepipe plan`")
+
+
 def _check_strategy(rec: PlanRecord, where: str) -> None:
     """A registered strategy with valid options; rescale factors only from a rescaling
     strategy, within its max_scale, for tensors the expert reads."""
@@ -176,6 +217,9 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
         norm = normalized_options(st.parameters)
     except (ConfigError, ValueError) as e:
         raise ConfigError(f"{where}: plan key strategy: {e}") from None
+    if (st.calibration is not None) != strategy.calibrated:
+        raise ConfigError(f"{where}: plan key strategy.calibration: "
+                          + ("missing" if strategy.calibrated else f"strategy {st.name!r} is not calibrated"))
     if norm is None or norm != st.parameters or norm.get("strategy") != st.name:
         raise ConfigError(f"{where}: plan key strategy.parameters: not the normalized options of strategy "
                           f"{st.name!r} (the default strategy is never recorded)")
@@ -236,6 +280,9 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
                           f"{plan['budget_bytes']}")
     if deltas:
         _check_budget(plan, expert_indexes, deltas, where)
+        if get_method(plan["method"]).joint is not None:
+            from mergepipe.plan.joint_reads import check_all_or_none
+            check_all_or_none(plan, deltas, where)
 
 
 def _check_budget(plan: dict, expert_indexes: dict, deltas: dict, where: str) -> None:

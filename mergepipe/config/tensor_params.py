@@ -1,0 +1,126 @@
+"""Resolve a config's per-tensor settings over a checkpoint's tensor names.
+
+The result is what the plan records as `tensor_parameters` (docs/design.md, "Plan"):
+
+  {"groups": [{"parameters": {key: value}, "experts": {expert: {weight|density|gamma: value}}}],
+   "tensors": {tensor name: group index}}
+
+Only the per-tensor keys appear in a group; everything else is the plan's top-level
+`parameters` and expert entries. Groups are the distinct resolved combinations, numbered in
+the order of the sorted tensor names, so the same config and names give the same bytes.
+
+Precedence, as in mergekit's `resolve_parameter`: an expert's own setting, else (density,
+gamma) the method's value for that tensor, else the method's default. An expert weight with
+no matching condition is an error naming the tensor.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from mergepipe.config.fields import check_density, check_gamma
+from mergepipe.config.messages import describe
+from mergepipe.config.settings import Setting, layer_positions
+from mergepipe.errors import ConfigError
+from mergepipe.methods import METHODS
+from mergepipe.util.fs import canonical_json
+
+if TYPE_CHECKING:
+    from mergepipe.config.models import MergeConfig
+
+KNOBS = ("density", "gamma")
+
+
+def _on_grid(value: float) -> bool:
+    # the delta index holds exact magnitude cuts for densities/gammas of two decimals only
+    return abs(value * 100 - round(value * 100)) < 1e-9
+
+
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
+    """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
+    config has no per-tensor setting (then plans are as before settings existed).
+
+    Raises:
+        ConfigError: a weight no condition gives for some tensor, or a value that is out of
+            range for a tensor (naming the config key and the tensor).
+    """
+    if not cfg.per_tensor:
+        return None
+    method = METHODS[cfg.method]
+    params_cls = method.params
+    scalars = {k: v for k, v in cfg.parameters.items() if k not in cfg.param_settings}
+    defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
+    names = sorted(names)
+    position = layer_positions(names)
+    groups: list[dict[str, Any]] = []
+    index: dict[bytes, int] = {}
+    tensors: dict[str, int] = {}
+    checked: dict[bytes, dict[str, Any]] = {}
+    for name in names:
+        t = position[name]
+        where = f"{cfg.source}: tensor {name!r}"
+        given = {}
+        for key, setting in cfg.param_settings.items():
+            value = setting.evaluate(name, t)
+            if value is not None:
+                given[key] = value
+        key_bytes = canonical_json(given)
+        if key_bytes not in checked:
+            try:
+                dumped = params_cls.model_validate({**scalars, **given}).model_dump(mode="json", by_alias=True)
+            except ValidationError as err:
+                raise ConfigError(f"{where}: {describe(err, params_cls, ('parameters',))}") from None
+            checked[key_bytes] = {k: dumped[k] for k in cfg.param_settings}
+        params = checked[key_bytes]
+        experts: dict[str, dict[str, Any]] = {}
+        for i, e in enumerate(cfg.experts):
+            over = {}
+            if isinstance(e.weight, Setting):
+                w = e.weight.evaluate(name, t)
+                if w is None:
+                    raise ConfigError(f"{where}: experts[{i}].weight: no condition matches this tensor; "
+                                      "add a condition without a filter ({value: ...})")
+                if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
+                    raise ConfigError(f"{where}: experts[{i}].weight: must be a finite number, got {w!r}")
+                over["weight"] = float(w)
+            for knob in KNOBS:
+                own = getattr(e, knob)
+                if not isinstance(own, Setting) and knob not in cfg.param_settings:
+                    continue
+                value = own.evaluate(name, t) if isinstance(own, Setting) else own
+                if value is None:
+                    value = params.get(knob, defaults.get(knob))
+                if value is None:
+                    continue
+                over[knob] = _knob(float(value), knob, f"{where}: experts[{i}].{knob}", method.magnitude)
+            if "density" in over or "gamma" in over:
+                density = over.get("density", cfg.expert_density(e))
+                gamma = over.get("gamma", cfg.expert_gamma(e))
+                if isinstance(density, float) and isinstance(gamma, float) and density < 1 and \
+                        density + gamma > 1 + 1e-12:
+                    raise ConfigError(f"{where}: experts[{i}]: density + gamma must be <= 1, "
+                                      f"got {density!r} + {gamma!r}")
+            if over:
+                experts[e.name] = dict(sorted(over.items()))
+        group = {"parameters": dict(sorted(params.items())), "experts": dict(sorted(experts.items()))}
+        gkey = canonical_json(group)
+        if gkey not in index:
+            index[gkey] = len(groups)
+            groups.append(group)
+        tensors[name] = index[gkey]
+    return {"groups": groups, "tensors": tensors}
+
+
+def _knob(value: float, knob: str, where: str, magnitude: bool) -> float:
+    try:
+        (check_density if knob == "density" else check_gamma)(value)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if magnitude and value < 1 and not _on_grid(value):
+        raise ConfigError(f"{where}: resolves to {value!r}; magnitude methods (ties, breadcrumbs) need "
+                          "two decimals per tensor (the index's exact cuts): choose gradient values "
+                          "that land on them or use filters")
+    return value
