@@ -73,22 +73,30 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(w / total) for name, w in weights.items()}
 
 
-def nuslerp_rows(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
-    """Interpolate each vector along the last axis of v0 toward v1's (same shape, fp32)."""
+def row_cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """cos between each row of a and of b (2-d fp32): fp64 fixed-order sums, rounded to fp32, (rows, 1)."""
     from mergepipe.methods._rowsums import row_sums
 
-    shape = v0.shape
-    n = shape[-1] if v0.dim() else 1
-    a, b = v0.reshape(-1, n), v1.reshape(-1, n)
     sums = torch.from_numpy(row_sums(a.numpy(), b.numpy()))
     norms = sums[:, :2].sqrt().clamp(min=NORM_EPS)
-    cos = (sums[:, 2] / (norms[:, 0] * norms[:, 1])).to(torch.float32).clamp(-1, 1).reshape(-1, 1)
+    return (sums[:, 2] / (norms[:, 0] * norms[:, 1])).to(torch.float32).clamp(-1, 1).reshape(-1, 1)
+
+
+def slerp_rows(t: float, a: torch.Tensor, b: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """mergekit's interpolation of rows a toward rows b given each row's cos (fp32, its operations)."""
     colinear = (1 - cos.square()) <= COLINEAR_EPS ** 2
     theta = torch.acos(torch.where(colinear, 0, cos))
     sin_theta = torch.sin(theta)
     result = (torch.sin((1 - t) * theta) * a + torch.sin(t * theta) * b) / sin_theta
-    result = torch.where(colinear, (1 - t) * a + t * b, result)
-    return result.reshape(shape)
+    return torch.where(colinear, (1 - t) * a + t * b, result)
+
+
+def nuslerp_rows(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
+    """Interpolate each vector along the last axis of v0 toward v1's (same shape, fp32)."""
+    shape = v0.shape
+    n = shape[-1] if v0.dim() else 1
+    a, b = v0.reshape(-1, n), v1.reshape(-1, n)
+    return slerp_rows(t, a, b, row_cosines(a, b)).reshape(shape)
 
 
 @register("nuslerp", params=NuslerpParams, additive=False, max_experts=2,
