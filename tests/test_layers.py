@@ -1,6 +1,6 @@
 """The import-layer contract: imports inside mergepipe/ only go downward.
 
-    errors, units, util -> checkpoint -> index -> methods -> config, plan -> engine
+    errors, units, util -> checkpoint -> index -> methods -> config, plan, calibrate -> engine
     -> output -> commands -> cli
 
 Same-layer imports are allowed; methods may use index.ranks only (not the index
@@ -23,7 +23,7 @@ LAYERS = [
     {"checkpoint"},
     {"index"},
     {"methods"},
-    {"config", "plan"},
+    {"config", "plan", "calibrate"},
     {"engine"},
     {"output"},
     {"commands"},

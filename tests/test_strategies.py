@@ -29,14 +29,33 @@ from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorE
 from tests.helpers import load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},
-           {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0}]
+           {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0},
+           {"strategy": "calibrated", "text": "c.txt"}, {"strategy": "calibrated", "text": "c.txt", "shares": "equal"}]
+
+# real merges of the non-default strategies; calibrated needs a transformers model as base
+# (its real merges are in tests/test_calibrated.py)
+REAL_OPTIONS = [o for o in OPTIONS[2:] if o["strategy"] != "calibrated"]
+
+
+def _calibration(idx, deltas) -> dict:
+    """Synthetic importance energies (what commands/calibration.py would give): l2^2 times a
+    factor that reorders blocks; every third tensor uncovered."""
+    energies = {}
+    for name, delta in deltas.items():
+        per = {}
+        for i, (t, td) in enumerate(sorted(delta.tensors.items())):
+            if i % 3 != 2:
+                per[t] = [l2 * l2 * (1 + (b * 7) % 3) for b, l2 in enumerate(td.block_l2)]
+        energies[name] = per
+    return {"artifact": "a" * 64, "text": "c" * 64, "energies": energies}
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task_arithmetic", lam=1.0):
     return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
                      expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
                      budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
-                     output={"dtype": None, "shard_bytes": None}, strategy=strategy)
+                     output={"dtype": None, "shard_bytes": None}, strategy=strategy,
+                     calibration=_calibration(idx, deltas) if (strategy or {}).get("strategy") == "calibrated" else None)
 
 
 def test_every_registered_strategy_is_exercised():
@@ -195,7 +214,7 @@ def _run(tmp_path, family, name, **over):
                                            ("ties", {"lambda": 1.0, "density": 0.5})])
 def test_full_budget_is_the_plain_merge_byte_for_byte(tmp_path, tiny_family, method, params):
     plain = _run(tmp_path, tiny_family, "plain", method=method, parameters=params)
-    for i, opts in enumerate(OPTIONS[2:]):
+    for i, opts in enumerate(REAL_OPTIONS):
         man = _run(tmp_path, tiny_family, f"s{i}", method=method, parameters=params, plan=opts)
         # the weights byte for byte (the model card names the plan hash, which covers the strategy)
         assert man["outputs"]["tensors"] == plain["outputs"]["tensors"], opts
@@ -271,7 +290,7 @@ def test_compensated_bf16_bypasses_the_kernels_with_the_same_bytes(tmp_path, tin
 
 def test_certified_bound_holds_for_every_strategy(tmp_path, tiny_family):
     full = load_model(_run_dir(tmp_path, tiny_family, "full", budget="full"))
-    for i, opts in enumerate(OPTIONS[2:]):
+    for i, opts in enumerate(REAL_OPTIONS):
         for budget in ("10%", "40%"):
             out = _run_dir(tmp_path, tiny_family, f"s{i}-{budget}", budget=budget, plan=opts)
             part = load_model(out)

@@ -1,7 +1,8 @@
 """`mergepipe explain`: planned/realized bytes and the bound as readable tables, and what
 a budget costs: the share of each expert's update energy the plan keeps
 (sum of planned s_kb^2 / sum of all s_kb^2, s_kb = |e_k| ||delta_kb|| from the delta
-index) and the plan strategy's rescale factors. A params.yaml target is planned first
+index), for calibrated plans the share of importance-weighted energy kept (the
+store's calibrated energies), and the plan strategy's rescale factors. A params.yaml target is planned first
 (at `--budget`), so the cost is shown before anything is merged."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from mergepipe.errors import ConfigError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
+from mergepipe.plan import joint_reads
 
 
 def _mib(n: int) -> str:
@@ -79,21 +81,21 @@ def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: 
         from mergepipe.config.params import load_config
         from mergepipe.index.store import Store
         cfg = load_config(target, overrides={"budget": budget} if budget is not None else None)
-        plan, inputs = plan_config(cfg, Store(cache_dir if cache_dir is not None else cfg.cache_dir),
-                                   threads=threads)
-        return _render(plan, None, inputs, "")
+        store = Store(cache_dir if cache_dir is not None else cfg.cache_dir)
+        plan, inputs = plan_config(cfg, store, threads=threads)
+        return _render(plan, None, inputs, "", store)
     if budget is not None:
         raise ConfigError(f"{target}: --budget applies to a params.yaml, not to a plan or output")
     plan, man = _load(target)
-    inputs, note = None, ""
+    inputs, note, store = None, "", None
     try:
         from mergepipe.commands.pipeline import open_inputs
         from mergepipe.index.store import Store
-        inputs = open_inputs(plan, Store(cache_dir if cache_dir is not None else ".mergepipe"),
-                             Path(root).resolve(), threads=threads, where=str(target))
+        store = Store(cache_dir if cache_dir is not None else ".mergepipe")
+        inputs = open_inputs(plan, store, Path(root).resolve(), threads=threads, where=str(target))
     except MergepipeError as e:  # inputs moved or changed: the byte tables still hold
         note = f"(energy kept not shown: the plan's inputs cannot be indexed: {e})"
-    return _render(plan, man, inputs, note)
+    return _render(plan, man, inputs, note, store)
 
 
 def _load(target: Path) -> tuple[dict, dict | None]:
@@ -109,7 +111,38 @@ def _load(target: Path) -> tuple[dict, dict | None]:
     return plan, man
 
 
-def _render(plan: dict, man: dict | None, inputs, note: str) -> str:
+def importance_kept(plan: dict, store, inputs) -> float | None:
+    """For a calibrated plan: sum over planned (k, b) of e_k^2 * energy_kb over the sum over
+    every covered candidate (index/weighted.py's energies, from the store); None when the
+    plan is not calibrated or the energies are not in the store."""
+    cal = (plan.get("strategy") or {}).get("calibration")
+    if cal is None or store is None or inputs is None:
+        return None
+    from mergepipe.index import weighted
+    from mergepipe.plan.planner import PlanInput, effective_weights
+    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
+    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    base = inputs.base_index
+    kept = total = 0.0
+    for e in plan["experts"]:
+        path = weighted.cache_path(store.root, e["content_hash"], base.content_hash, cal["artifact"],
+                                   plan["block_bytes"])
+        energies = weighted.load_cached(path, base)
+        if energies is None:
+            return None
+        reads = plan["reads"].get(e["name"], {})
+        identical = inputs.deltas[e["name"]].tensors
+        w2 = eff[e["name"]] ** 2
+        for tname, values in energies.items():
+            read = set(reads.get(tname, ()))
+            for b, v in enumerate(values):
+                if not identical[tname].identical[b]:
+                    total += w2 * v
+                    kept += w2 * v if b in read else 0.0
+    return kept / total if total > 0 else 1.0
+
+
+def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
     """The tables; `inputs` (engine.merge.Inputs, or None) give the energy-kept columns."""
     deltas = inputs.deltas if inputs is not None else None
     b = plan["bytes"]
@@ -141,6 +174,10 @@ def _render(plan: dict, man: dict | None, inputs, note: str) -> str:
             kept_sq = _kept_mass_sq(plan, deltas)
             lines.append(f"update energy kept, all experts (sum of planned s^2 / sum of all s^2): "
                          f"{kept_sq / (full * full):.2%}")
+        imp = importance_kept(plan, store, inputs)
+        if imp is not None:
+            lines.append(f"importance kept (calibrated: sum of planned e^2 * Fisher-weighted energy / sum of all): "
+                         f"{imp:.2%}")
     elif note:
         lines.append(note)
     bound = plan["bound"]
@@ -149,6 +186,7 @@ def _render(plan: dict, man: dict | None, inputs, note: str) -> str:
                  f"heuristic omitted mass {bound['omitted_mass']:.6g} (relative {bound['relative']:.4%}); "
                  "not a bound for this method")
     lines += _scales_summary(plan)
+    lines += joint_reads.describe(plan)
     tensors: dict[str, dict[str, int]] = {}
     for ename, per in plan["reads"].items():
         for tname, blocks in per.items():

@@ -36,6 +36,7 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     })
     resolved._written = written
     resolved._source = source
+    resolved._root = root
     resolved._method_params = cfg._method_params
 
     inputs = [("base", resolved.base)] + [

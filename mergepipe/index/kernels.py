@@ -122,3 +122,21 @@ def slerp_sums(b: np.ndarray, e: np.ndarray) -> tuple[float, float, float]:
         ee[i % LANES] += y * y
         be[i % LANES] += x * y
     return _combine(bb), _combine(ee), _combine(be)
+
+
+@njit(nogil=True, cache=True)
+def weighted_energy(b: np.ndarray, e: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:
+    """sum_i rows[i] * sum_j cols[j] * (e_ij - b_ij)^2 over a (len(rows), len(cols)) block of
+    fp32 (flattened), in fp64: per row 8 fixed lanes, rows added in order. A calibrated
+    plan's block score (index/weighted.py)."""
+    n_cols = cols.size
+    total = 0.0
+    acc = np.zeros(LANES, dtype=np.float64)
+    for i in range(rows.size):
+        acc[:] = 0.0
+        off = i * n_cols
+        for j in range(n_cols):
+            d = np.float64(e[off + j]) - np.float64(b[off + j])
+            acc[j % LANES] += np.float64(cols[j]) * (d * d)
+        total += np.float64(rows[i]) * _combine(acc)
+    return total

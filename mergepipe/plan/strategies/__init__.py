@@ -3,8 +3,9 @@ which (expert, block) pairs a budgeted merge reads and, optionally, how the read
 are rescaled. Importing this package registers all of them.
 
 energy.py (default; today's greedy by |lambda w|*||delta||/byte), balanced.py (a budget
-share per expert), compensated.py (norm-matching rescale of what is read)."""
-from mergepipe.plan.strategies import balanced, compensated, energy  # noqa: F401
+share per expert), compensated.py (norm-matching rescale of what is read), calibrated.py (importance from
+the base on calibration text)."""
+from mergepipe.plan.strategies import balanced, calibrated, compensated, energy  # noqa: F401
 from mergepipe.plan.strategies.registry import (  # noqa: F401
     DEFAULT_STRATEGY,
     STRATEGIES,

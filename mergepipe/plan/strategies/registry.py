@@ -49,6 +49,9 @@ class PlanContext:
 
     experts: tuple[tuple[str, str], ...]  # (name, content hash), canonical order (content hash)
     effective: dict[str, float]  # expert -> |scale of its delta| in the output (Method.effective_weights)
+    # (expert, tensor, block) -> importance-weighted delta energy (index/weighted.py); only
+    # for strategies that declare `calibrated` (None otherwise)
+    block_scores: dict[tuple[str, str, int], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +72,19 @@ class Strategy:
     select: SelectFn
     rescales: bool  # may return scales != 1 (the plan records them; the engine applies them)
     doc: str
+    calibrated: bool = False  # needs PlanContext.block_scores (a calibration artifact)
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def register(name: str, *, params: type[BaseModel], rescales: bool = False) -> Callable[[SelectFn], SelectFn]:
+def register(name: str, *, params: type[BaseModel], rescales: bool = False,
+             calibrated: bool = False) -> Callable[[SelectFn], SelectFn]:
     def wrap(fn: SelectFn) -> SelectFn:
         if name in STRATEGIES:
             raise ValueError(f"plan strategy {name!r} registered twice")
-        STRATEGIES[name] = Strategy(name, params, fn, rescales, (fn.__doc__ or "").strip().splitlines()[0])
+        STRATEGIES[name] = Strategy(name, params, fn, rescales, (fn.__doc__ or "").strip().splitlines()[0],
+                                    calibrated)
         return fn
     return wrap
 

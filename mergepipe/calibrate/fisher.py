@@ -1,0 +1,105 @@
+"""The calibration pass: a factored diagonal Fisher of the base model on the user's text.
+
+The base is loaded with transformers (fp32, eval mode: no dropout) and run over the
+calibration text cut into sequences of `seq_len` tokens (at most `max_tokens` in all).
+Each sequence's next-token loss is backpropagated and its squared gradient g^2 added
+per tensor as row sums and column sums (fp64):
+
+    R_i = sum_s sum_j g_sij^2,  C_j = sum_s sum_i g_sij^2,  T = sum_ij = sum_i R_i
+
+and F_ij ~ R_i C_j / T (the rank-1 fit with the same margins), stored as rows = R/sqrt(T*S),
+cols = C/sqrt(T*S) for S sequences (so rows_i * cols_j is a mean over sequences). 1-D
+tensors keep their exact diagonal (rows = sum_s g^2 / S, cols = [1]). Rows carry what
+single rows matter for (the embedding rows of the tokens used and predicted), columns what
+input channels matter for (as AWQ's activation statistics do). Only the base is run,
+never an expert.
+
+The numbers come from torch's float kernels, so their last bits can depend on the CPU;
+the plan records the artifact's hash, and a replay uses the same artifact, so a merge is
+byte-reproducible given its artifact (docs/design.md, "Calibrated plans").
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint
+from mergepipe.errors import ConfigError
+
+Importance = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def read_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: calibration text not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read calibration text as UTF-8 ({e})") from None
+    if not text.strip():
+        raise ConfigError(f"{path}: calibration text is empty")
+    return text
+
+
+def fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
+           progress: bool = False) -> tuple[Importance, dict[str, str]]:
+    """(importance per base tensor, metadata) from one pass over `text`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # our own progress line, not one bar per loaded file
+    root = base.root
+    try:
+        tok = AutoTokenizer.from_pretrained(root)
+        model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{root}: the calibrated strategy needs the base as a transformers causal LM "
+                          f"with its tokenizer: {msg}") from None
+    ids = tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
+    seqs = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+    seqs = [s for s in seqs if len(s) >= 2]
+    if not seqs:
+        raise ConfigError(f"calibration text has {len(ids)} tokens; at least 2 are needed")
+    model.eval()
+    params = {n: p for n, p in model.named_parameters()}  # tied weights appear once
+    covered = {n: p for n, p in params.items()
+               if n in base.tensors and base.tensors[n].dtype in FLOAT_DTYPES
+               and tuple(base.tensors[n].shape) == tuple(p.shape)}
+    if not covered:
+        raise ConfigError(f"{root}: none of the model's parameters match the checkpoint's tensor names")
+    sums = {n: (torch.zeros(p.shape[0] if p.dim() else 1, dtype=torch.float64),
+                torch.zeros(math.prod(p.shape[1:]) if p.dim() > 1 else 1, dtype=torch.float64))
+            for n, p in covered.items()}
+    t0 = time.monotonic()
+    for k, s in enumerate(seqs, 1):
+        x = torch.tensor([s])
+        model.zero_grad(set_to_none=True)
+        model(input_ids=x, labels=x).loss.backward()
+        for n, p in covered.items():
+            if p.grad is None:
+                continue
+            g2 = p.grad.detach().double().reshape(sums[n][0].numel(), -1).square()
+            sums[n][0].add_(g2.sum(dim=1))
+            sums[n][1].add_(g2.sum(dim=0))
+        if progress and sys.stderr.isatty():
+            sys.stderr.write(f"\rcalibrating {k}/{len(seqs)} sequences  {time.monotonic() - t0:.0f} s")
+            sys.stderr.write("\n" if k == len(seqs) else "")
+    out: Importance = {}
+    n_seq = len(seqs)
+    for n, (r, c) in sums.items():
+        r, c = r.numpy(), c.numpy()
+        if c.size == 1:  # 1-D: the exact diagonal
+            out[n] = (r / n_seq, np.ones(1))
+            continue
+        total = float(r.sum())
+        norm = math.sqrt(total * n_seq) if total > 0 else 1.0
+        out[n] = (r / norm, c / norm)
+    meta = {"sequences": str(n_seq), "tokens": str(sum(len(s) for s in seqs)),
+            "seconds": f"{time.monotonic() - t0:.1f}"}
+    return out, meta

@@ -1,0 +1,45 @@
+"""What a `calibrated` plan scores with: the importance artifact of the base on the
+calibration text (made once, mergepipe/calibrate/) and each expert's importance-weighted
+block energies (one scan per expert and artifact, index/weighted.py), both cached in
+the store by content. Returns the `calibration` mapping `planner.make_plan` takes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from blake3 import blake3
+
+from mergepipe.calibrate import artifact
+from mergepipe.calibrate.fisher import read_text
+from mergepipe.checkpoint.safetensors import Checkpoint
+from mergepipe.index import weighted
+from mergepipe.index.records import ModelIndex
+from mergepipe.index.store import Store
+
+RECIPE = "fisher-rank1"
+
+
+def calibration_inputs(options: dict, text_path: Path, store: Store, base: Checkpoint, base_index: ModelIndex,
+                       experts: dict[str, tuple[Checkpoint, ModelIndex]], *, progress: bool = False) -> dict:
+    """{artifact, text, energies: expert name -> tensor -> [energy per block]}."""
+    text = read_text(text_path)
+    text_hash = blake3(text.encode()).hexdigest()
+    recipe = {"kind": RECIPE, "max_tokens": options["max_tokens"], "seq_len": options["seq_len"]}
+    path = artifact.artifact_path(store.root, base_index.content_hash, text_hash, recipe)
+    if not path.exists():
+        from mergepipe.calibrate.fisher import fisher
+        importance, meta = fisher(base, text, max_tokens=recipe["max_tokens"], seq_len=recipe["seq_len"],
+                                  progress=progress)
+        artifact.save(path, importance, {"base": base_index.content_hash, "text": text_hash,
+                                         "recipe": RECIPE, **meta})
+    importance = artifact.load(path, base)
+    art_hash = artifact.artifact_hash(path)
+    energies = {}
+    for name, (ckpt, index) in sorted(experts.items()):
+        cache = weighted.cache_path(store.root, index.content_hash, base_index.content_hash, art_hash,
+                                    base_index.block_bytes)
+        found = weighted.load_cached(cache, base_index)
+        if found is None:
+            found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
+            weighted.save(cache, found)
+        energies[name] = found
+    return {"artifact": art_hash, "text": text_hash, "energies": energies}

@@ -1,0 +1,70 @@
+"""`calibrated`: greedy by importance-weighted update energy per byte.
+
+Importance comes from the base model only, on calibration text the user names
+(`plan: {strategy: calibrated, text: calib.txt}`): a factored diagonal Fisher
+F_ij ~ rows_i * cols_j (mergepipe/calibrate/). A block's score is
+
+    s_kb = |e_k| * sqrt(sum_{i in b} rows_i * sum_j cols_j * delta_kij^2)
+
+(index/weighted.py), the square root of the second-order loss change its delta would
+cause alone, so blocks compete by what they do to the base's predictions, not by raw
+size: an embedding row of a token the text uses, a channel the activations load.
+Candidates are taken by s/c descending (ties: the energy order); blocks of tensors the
+artifact does not cover come after every covered one, in the energy order. With
+`shares: weight | equal` each expert first gets its own share of the budget, as
+`balanced` does, greedy by this score inside it.
+
+At a budget of at least the full read every candidate is chosen, so the merge is the
+plain one. Deterministic given the artifact, whose hash the plan records.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mergepipe.plan.strategies.balanced import select_balanced
+from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, greedy,
+                                                register)
+
+
+class CalibratedParams(BaseModel):
+    model_config = STRATEGY_CONFIG
+    strategy: Literal["calibrated"] = "calibrated"
+    text: str = Field(min_length=1, description="calibration text file (UTF-8), relative to params.yaml")
+    max_tokens: int = Field(16384, ge=2, le=1 << 24, description="tokens of the text used, from its start")
+    seq_len: int = Field(256, ge=2, le=1 << 16, description="tokens per calibration sequence")
+    shares: Literal["none", "weight", "equal"] = "none"
+
+
+def calibrated_order(cands: list[Candidate], ctx: PlanContext) -> list[int]:
+    """Candidate indices by calibrated score per byte, descending; uncovered ones last (energy order)."""
+    scores = ctx.block_scores or {}
+
+    def key(i: int):
+        c = cands[i]
+        energy = scores.get((c.expert, c.tensor, c.block))
+        if energy is None:
+            return (1, 0.0, i)
+        s = abs(ctx.effective.get(c.expert, 0.0)) * math.sqrt(energy)
+        return (0, -(s / c.cost) if c.cost else -math.inf, i)
+
+    return sorted(range(len(cands)), key=key)
+
+
+@register("calibrated", params=CalibratedParams, calibrated=True)
+def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: CalibratedParams) -> Selection:
+    """Greedy by base-Fisher-weighted update energy per byte (importance from calibration text)."""
+    if ctx.block_scores is None:
+        raise ValueError("strategy calibrated needs block scores from a calibration artifact")
+    order = calibrated_order(cands, ctx)
+    chosen = [False] * len(cands)
+    if p.shares == "none":
+        greedy(cands, order, chosen, budget_bytes)
+        return Selection(chosen)
+    reordered = [cands[i] for i in order]
+    picked = select_balanced(reordered, budget_bytes, ctx, p.shares)
+    for j, i in enumerate(order):
+        chosen[i] = picked[j]
+    return Selection(chosen)

@@ -1,0 +1,168 @@
+"""The `calibrated` plan strategy: importance from the base on calibration text.
+
+A tiny Llama (random init, a word-level tokenizer) stands in for a real decoder: the
+calibration pass runs transformers on it, so this checks the whole path (text ->
+factored Fisher artifact -> weighted block energies -> plan -> merge) and its contracts:
+budget-sound, deterministic, cached by content, full budget = the plain merge, untrusted
+artifacts and cache entries refused, one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mergepipe.calibrate import artifact
+from mergepipe.checkpoint.safetensors import open_checkpoint
+from mergepipe.plan.strategies import STRATEGIES, Candidate, PlanContext
+from mergepipe.plan.strategies.calibrated import CalibratedParams
+
+WORDS = "the cat dog sat on a mat ran far away and then slept in sun rain".split()
+
+
+def _tiny_llama(root: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg)
+    base = root / "base"
+    model.save_pretrained(base, safe_serialization=True)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(base)
+    for k, scale in enumerate([0.05, 0.02]):
+        g = torch.Generator().manual_seed(k + 1)
+        with torch.no_grad():
+            expert = LlamaForCausalLM(cfg)
+            expert.load_state_dict(model.state_dict())
+            for p in expert.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g))
+        expert.save_pretrained(root / f"expert_{k}", safe_serialization=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    root = _tiny_llama(tmp_path_factory.mktemp("llama"))
+    rng = np.random.default_rng(0)
+    (root / "calib.txt").write_text(" ".join(rng.choice(WORDS[:8], 600)))  # uses only some rows
+    return root
+
+
+def _config(tmp: Path, root: Path, budget: str, **plan) -> Path:
+    cfg = {"base": str(root / "base"),
+           "experts": [{"name": "a", "path": str(root / "expert_0"), "weight": 1.0},
+                       {"name": "b", "path": str(root / "expert_1"), "weight": 1.0}],
+           "method": "task_arithmetic", "parameters": {"lambda": 0.5}, "budget": budget,
+           "block_bytes": "4KiB", "output": {"dir": str(tmp / f"out-{budget.rstrip('%')}"),
+                                             "dtype": "float32"},
+           "cache_dir": str(root / "cache"),
+           "plan": {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 512, "seq_len": 64, **plan}}
+    path = root / f"params-{tmp.name}-{budget.rstrip('%')}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "mergepipe", *args], capture_output=True, text=True)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def _plan(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())["plan"]
+
+
+def test_calibrated_budget_plan_records_its_importance(llama, tmp_path):
+    r = _run("run", str(_config(tmp_path, llama, "30%")))
+    plan = _plan(tmp_path / "out-30")
+    assert plan["bytes"]["planned_expert_bytes"] <= plan["budget_bytes"]
+    assert 0 < plan["bytes"]["planned_expert_bytes"] < plan["bytes"]["full_read_expert_bytes"]
+    cal = plan["strategy"]["calibration"]
+    assert len(cal["artifact"]) == 64 and len(cal["text"]) == 64
+    # the text uses 8 of the 17 tokens: their rows of the tied embedding carry its importance
+    arts = list((llama / "cache" / "calibration").glob("*.safetensors"))
+    assert len(arts) == 1
+    imp = artifact.load(arts[0], open_checkpoint(llama / "base"))
+    rows, _ = imp["model.embed_tokens.weight"]
+    used = [i + 1 for i in range(8)]
+    assert rows[used].min() > 3 * rows[[0, *range(9, 17)]].max()
+    # a second run is a no-op; a new budget reuses the artifact and the energies (no new file)
+    _run("run", str(_config(tmp_path, llama, "30%")))
+    _run("run", str(_config(tmp_path, llama, "60%")))
+    assert list((llama / "cache" / "calibration").glob("*.safetensors")) == arts
+    assert len(list((llama / "cache" / "weighted").glob("*.json"))) == 2
+    # explain says what the budget keeps of the importance, before a merge (params.yaml)
+    # and after (the output folder)
+    for target in (str(_config(tmp_path, llama, "30%")), str(tmp_path / "out-30")):
+        r = _run("explain", target, "--cache-dir", str(llama / "cache"))
+        line = next(x for x in r.stdout.splitlines() if x.startswith("importance kept"))
+        assert 30 < float(line.rsplit(" ", 1)[1].rstrip("%")) <= 100
+
+
+def test_calibrated_full_budget_is_the_plain_merge(llama, tmp_path):
+    _run("run", str(_config(tmp_path, llama, "100%")))
+    cfg = yaml.safe_load(_config(tmp_path, llama, "100%").read_text())
+    cfg.pop("plan")
+    cfg["output"]["dir"] = str(tmp_path / "plain")
+    p = tmp_path / "plain.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _run("run", str(p))
+    a = (tmp_path / "out-100" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "plain" / "model.safetensors").read_bytes()
+
+
+def test_select_is_budget_sound_deterministic_and_complete():
+    rng = np.random.default_rng(3)
+    cands, scores = [], {}
+    for i in range(60):
+        expert = "ab"[i % 2]
+        cost = int(rng.integers(100, 400))
+        cands.append(Candidate(-float(rng.random()), f"t{i // 6}", i, f"{expert}hash", expert, i, cost, 1.0, 1.0))
+        if i % 7:  # some tensors uncovered
+            scores[(expert, f"t{i // 6}", i)] = float(rng.random())
+    cands.sort(key=lambda c: c[:4])
+    ctx = PlanContext((("a", "ahash"), ("b", "bhash")), {"a": 1.0, "b": 0.5}, scores)
+    s = STRATEGIES["calibrated"]
+    total = sum(c.cost for c in cands)
+    for shares in ("none", "weight", "equal"):
+        p = CalibratedParams(text="x", shares=shares)
+        for budget in (0, 500, 3000, total // 2):
+            chosen = s.select(cands, budget, ctx, p).chosen
+            assert sum(c.cost for c, t in zip(cands, chosen) if t) <= budget
+            assert chosen == s.select(cands, budget, ctx, p).chosen
+        assert all(s.select(cands, total, ctx, p).chosen)
+    # the highest calibrated score per byte is taken first, whatever its energy order
+    best = max(scores, key=lambda k: (0.5 if k[0] == "b" else 1.0) * scores[k] ** 0.5
+               / next(c.cost for c in cands if (c.expert, c.tensor, c.block) == k))
+    first = s.select(cands, max(c.cost for c in cands), ctx, CalibratedParams(text="x")).chosen
+    assert any(t and (c.expert, c.tensor, c.block) == best for c, t in zip(cands, first))
+
+
+def test_bad_text_and_tampered_artifact_are_one_line_errors(llama, tmp_path):
+    r = _run("run", str(_config(tmp_path, llama, "30%", text="missing.txt")), check=False)
+    assert r.returncode != 0 and "missing.txt: calibration text not found" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    _run("run", str(_config(tmp_path, llama, "40%")))
+    art = next((llama / "cache" / "calibration").glob("*.safetensors"))
+    saved = art.read_bytes()
+    try:
+        data = bytearray(saved)
+        data[-4:] = np.array([-1.0], dtype="<f4").tobytes()  # a negative importance
+        art.write_bytes(bytes(data))
+        (tmp_path / "out-40").rename(tmp_path / "old")  # force a re-plan
+        r = _run("run", str(_config(tmp_path, llama, "40%")), check=False)
+        assert r.returncode != 0 and "importance artifact" not in r.stdout
+        assert str(art) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    finally:
+        art.write_bytes(saved)
