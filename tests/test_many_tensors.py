@@ -109,3 +109,40 @@ def test_small_tensors_are_written_in_packs(family, tmp_path, monkeypatch):
     # 2 x 600 small tensors; packs break at the copied ones, the fp32 and int ones, and
     # the big tensor: a few hundred writes at most, against one per tensor (1,200+)
     assert 0 < len(writes) < 600
+
+
+def test_batched_index_equals_tensor_by_tensor(family, monkeypatch):
+    """Index batches (index/build.py: small tensors read in few preads, one task per batch)
+    give the records and the read counts of one task per tensor."""
+    from mergepipe.checkpoint.safetensors import ReadCounter, open_checkpoint
+    from mergepipe.index import build
+
+    def index(batched: bool):
+        with monkeypatch.context() as mp:
+            if not batched:
+                mp.setattr(build, "SMALL_TENSOR_BYTES", -1)
+            base, e1 = open_checkpoint(family / "base"), open_checkpoint(family / "e1")
+            counter = ReadCounter()
+            bi = build.build_model_index(base, block_bytes=4096, counter=counter)
+            ei, delta = build.build_expert_index(base, e1, bi, block_bytes=4096, counter=counter)
+            again = build.build_delta_index(base, e1, bi, ei, counter=counter)
+            return bi, ei, delta, again, counter.by_file
+
+    batched, plain = index(True), index(False)
+    assert batched == plain
+    assert batched[2] == batched[3]
+
+
+def test_truncated_file_in_a_batch_names_the_tensor(tmp_path):
+    from mergepipe.checkpoint.safetensors import open_checkpoint
+    from mergepipe.errors import CheckpointError
+    from mergepipe.index import build
+
+    tensors = {f"t{i}": torch.full((3,), float(i)).bfloat16() for i in range(10)}
+    (tmp_path / "m").mkdir()
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    ckpt = open_checkpoint(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-4])  # t9 loses its last two elements
+    with pytest.raises(CheckpointError, match="'t9'.*truncated"):
+        build.build_model_index(ckpt, block_bytes=4096)

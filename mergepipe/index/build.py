@@ -53,10 +53,15 @@ def build_model_index(ckpt: Checkpoint, *, block_bytes: int, threads: int = 2,
                       counter: ReadCounter | None = None, progress: bool = False) -> ModelIndex:
     """Hash every block of a checkpoint (one read of every byte)."""
     prog = Progress(ckpt.total_bytes, f"hashing {ckpt.root.name}", progress)
+    ranges = {name: _blocks(t, block_bytes) for name, t in ckpt.tensors.items()}
     with CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
+        def task(names: list[str]) -> list[TensorEntry]:
+            with _readers(names, ranges, reader) as r:
+                return [_hash_tensor(r, ckpt.tensors[n], block_bytes, prog) for n in names]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            entries = list(pool.map(lambda t: _hash_tensor(reader, t, block_bytes, prog), ckpt.tensors.values()))
-    tensors = {e.name: e for e in entries}
+            done = [e for es in pool.map(task, _tasks(ckpt, list(ckpt.tensors), ranges)) for e in es]
+    entries = {e.name: e for e in done}
+    tensors = {name: entries[name] for name in ckpt.tensors}
     return ModelIndex(content_hash(tensors), block_bytes, tensors)
 
 
@@ -111,9 +116,9 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
     keep_freed_memory()
     if base_index.block_bytes != block_bytes:
         raise ValueError(f"base index has block_bytes {base_index.block_bytes}, expert {block_bytes}")
-    with CheckpointReader(base, counter=counter, random_access=False) as base_r, \
-            CheckpointReader(expert, counter=counter, random_access=False) as exp_r:
-        def scan(name: str) -> tuple[tuple[str, ...], TensorDelta]:
+    with CheckpointReader(base, counter=counter, random_access=False) as base_all, \
+            CheckpointReader(expert, counter=counter, random_access=False) as exp_all:
+        def scan(name: str, base_r, exp_r) -> tuple[tuple[str, ...], TensorDelta]:
             t = expert.tensors[name]
             if t.dtype not in FLOAT_DTYPES:
                 # integer buffers (position ids) are copied from the base, never merged
@@ -128,10 +133,108 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
             scan.progress = prog
             delta = scan.run()
             return tuple(scan.hashes), delta
+        def task(names: list[str]) -> list[tuple[tuple[str, ...], TensorDelta]]:
+            with _readers(names, ranges, base_all) as base_r, _readers(names, ranges, exp_all) as exp_r:
+                return [scan(n, base_r, exp_r) for n in names]
         # parallel across tensors (the kernels, numpy and blake3 release the GIL), largest
         # first, so that the big embedding does not start last and run alone
         order = sorted(base.tensors, key=lambda n: -base.tensors[n].numel)
+        tasks = _tasks(expert, order, ranges)
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            done = dict(zip(order, pool.map(scan, order)))
+            done = {n: r for names, rs in zip(tasks, pool.map(task, tasks)) for n, r in zip(names, rs)}
     return ({name: done[name][0] for name in base.tensors},
             {name: done[name][1] for name in base.tensors})
+
+
+SMALL_TENSOR_BYTES = 64 << 10  # one-block tensors up to this size are indexed in batches
+BATCH_BYTES = 4 << 20  # bytes of small tensors per batch (and per read)
+BATCH_TENSORS = 2048
+
+
+def _tasks(ckpt: Checkpoint, order: list[str], ranges: dict) -> list[list[str]]:
+    """Units of work for the pool: each large tensor alone (in `order`), then the small
+    one-block tensors in batches, in file order (so that a batch's bytes are few ranges).
+    A future per tiny tensor cost more than indexing it (checkpoints of 100k tensors)."""
+    def small(n: str) -> bool:
+        return _small(ckpt.tensors[n], ranges[n])
+    tasks = [[n] for n in order if not small(n)]
+    batch, size = [], 0
+    for n in sorted((n for n in order if small(n)), key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].begin)):
+        if batch and (size + ckpt.tensors[n].nbytes > BATCH_BYTES or len(batch) >= BATCH_TENSORS):
+            tasks.append(batch)
+            batch, size = [], 0
+        batch.append(n)
+        size += ckpt.tensors[n].nbytes
+    if batch:
+        tasks.append(batch)
+    return tasks
+
+
+def _small(t: TensorInfo, ranges) -> bool:
+    return len(ranges) == 1 and t.nbytes <= SMALL_TENSOR_BYTES
+
+
+def _readers(names: list[str], ranges: dict, reader: CheckpointReader) -> BatchReader | _Shared:
+    """A reader for one task: a BatchReader over a batch of small tensors, else the shared one."""
+    if all(_small(reader.ckpt.tensors[n], ranges[n]) for n in names):
+        return BatchReader(reader, names)
+    return _Shared(reader)
+
+
+class _Shared:
+    """The shared reader, as a context manager that does not close it."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+
+    def __enter__(self) -> CheckpointReader:
+        return self.reader
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class BatchReader:
+    """`read_rows` over a batch of small tensors, served from their bytes read in few preads
+    (one per run adjacent in the file) and counted exactly as the tensor-by-tensor reads
+    (`reader`'s counter, bytes per call), so index read accounting does not change.
+    Where a run cannot be read whole (a truncated file), its tensors are read one by one,
+    so that the error names the tensor."""
+
+    def __init__(self, reader: CheckpointReader, names: list[str]) -> None:
+        self.reader, self.ckpt = reader, reader.ckpt
+        self.where: dict[str, tuple[memoryview, int]] = {}
+        ts = sorted((self.ckpt.tensors[n] for n in names), key=lambda t: (str(t.file), t.begin))
+        with CheckpointReader(self.ckpt, counter=ReadCounter(), random_access=False) as scratch:  # uncounted
+            self._read(scratch, ts)
+
+    def _read(self, scratch: CheckpointReader, ts: list[TensorInfo]) -> None:
+        i = 0
+        while i < len(ts):
+            j = i
+            while j + 1 < len(ts) and ts[j + 1].file == ts[i].file and ts[j + 1].begin == ts[j].end:
+                j += 1
+            try:
+                buf = memoryview(scratch.read_range(ts[i], ts[i].begin, ts[j].end)).cast("B")
+            except CheckpointError:
+                buf = None  # left to read_rows, tensor by tensor
+            if buf is not None:
+                for t in ts[i:j + 1]:
+                    self.where[t.name] = (buf, t.begin - ts[i].begin)
+            i = j + 1
+
+    def read_rows(self, name: str, row_start: int, row_end: int):
+        if name not in self.where:
+            return self.reader.read_rows(name, row_start, row_end)
+        t = self.ckpt.tensors[name]
+        rb = t.row_bytes()
+        buf, off = self.where[name]
+        n = (row_end - row_start) * rb
+        self.reader.counter.add(t.file, n)
+        return buf[off + row_start * rb:off + row_start * rb + n]
+
+    def __enter__(self) -> BatchReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.where.clear()
