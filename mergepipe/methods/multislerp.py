@@ -6,7 +6,8 @@ n_i = |d_i| and u_i = d_i / (n_i + eps): m = sum w_i u_i normalized; the tangent
 t = sum w_i (u_i - <u_i,m> m); with |t|' = |t| + eps, r = cos(|t|') m + sin(|t|')/|t|' t;
 theta = W0 + (sum_i w_i n_i) r. One expert: theta = W0 + d_1 (mergekit returns that
 model). |sum w_i u_i| < eps: two experts fall back to W0 + w_1 d_1 + w_2 d_2, more are an
-error (antipodal deltas with balancing weights), as in mergekit.
+error (antipodal deltas with balancing weights), as in mergekit. A tensor no expert
+changes is the base (mergekit raises on it with more than two experts).
 
 Norms are of whole tensors, so r is a linear combination of the d_i whose coefficients
 come from the deltas' Gram matrix (joint statistics, methods/_gram.py) in fp64; then
@@ -46,6 +47,8 @@ def multislerp_coefficients(dd: np.ndarray, weights: list[float], normalize: boo
         return math.sqrt(max(float(c @ dd @ c), 0.0))
 
     norms = np.sqrt(np.maximum(np.diagonal(dd), 0.0))
+    if not norms.any():  # no expert changes the tensor: the base (mergekit raises here for k > 2)
+        return np.zeros(len(weights))
     inv = 1.0 / (norms + eps)
     mean = w * inv
     mean_norm = norm(mean)

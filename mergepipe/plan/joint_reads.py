@@ -65,3 +65,21 @@ def check_all_or_none(plan: dict, deltas: dict, where: str) -> None:
             if missing:
                 raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: method {plan['method']!r} reads each "
                                   f"block for all experts or none, block {missing[0]} is read for others only")
+
+
+def describe(plan: dict) -> list[str]:
+    """`explain`'s lines for a joint plan (empty for any other): the all-or-none reads and
+    where the statistics come from."""
+    joint = plan.get("joint")
+    if not joint:
+        return []
+    blocks = {(t, b) for per in plan["reads"].values() for t, bs in per.items() for b in bs}
+    lines = ["", f"joint method {plan['method']}: each block is read for all experts or for none "
+                 f"({len(blocks)} (tensor, block) groups read; an expert whose block equals the base is not read there)"]
+    if joint["key"] is None:
+        lines.append("joint statistics: none needed with these parameters")
+    else:
+        lines.append(f"joint statistics {joint['key'][:16]}: one scan of every block of the base and every expert "
+                     "before the merge, kept in the store (joint/<key>.stats) and reused by any merge of this family "
+                     "and method; like the index, not counted in the budget")
+    return lines
