@@ -69,13 +69,15 @@ def split_rows(rows: int, boundaries: list[int] | None) -> list[tuple[int, int]]
 
 def run_method(method: str, params: dict, base: torch.Tensor, experts: list[dict], *,
                boundaries: list[int] | None = None, seed: int = 0, tensor: str = "model.w",
-               omit: set[tuple[str, int]] = frozenset(), cosine: bool | None = None) -> torch.Tensor:
+               omit: set[tuple[str, int]] = frozenset(), cosine: bool | None = None,
+               joint=None) -> torch.Tensor:
     """Merge one whole tensor block by block, as the engine does at full budget.
 
     experts: dicts with name, hash, weight, delta (full fp32 tensor or None) and
     optional density / gamma. omit: (expert name, row_start) pairs whose block is
     left unread (delta None). cosine: give slerp the whole-tensor cosine (default:
-    only when there are several blocks).
+    only when there are several blocks). joint: the tensor's joint statistics, handed to
+    every block (BlockInputs.joint), as the engine's joint scan does.
     """
     from mergepipe.methods import get_method
     from mergepipe.methods.base import BlockInputs, ExpertBlock
@@ -106,7 +108,7 @@ def run_method(method: str, params: dict, base: torch.Tensor, experts: list[dict
                                       gamma=e.get("gamma", 0.01),
                                       cut=None if cuts is None else cuts(r0, r1), cosine=cos))
         block = BlockInputs(tensor=tensor, row_start=r0, row_end=r1, tensor_shape=shape,
-                            base=base_block, experts=tuple(blocks), seed=seed)
+                            base=base_block, experts=tuple(blocks), seed=seed, joint=joint)
         outputs.append(m.fn(block, p))
     return torch.cat(outputs) if shape else outputs[0]
 

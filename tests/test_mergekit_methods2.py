@@ -1,5 +1,6 @@
 """Equivalence with mergekit 0.1.5 of the methods added for issue 14 that need no whole-tensor
-statistics: passthrough, nearswap, ram, della, della_linear, nuslerp (row mode).
+statistics: passthrough, nearswap, ram, della, della_linear, nuslerp (row mode; and its whole-tensor
+flatten and column modes, whose sums come from the joint scan, here on whole tensors).
 
 As tests/test_mergekit_equivalence.py: a script in the mergekit virtualenv applies
 `mergekit.merge_methods.api.merge_tensors` (dtype float32) to tensors from a safetensors
@@ -150,7 +151,15 @@ CASES = [
     Case("nuslerp_cancel", "nuslerp", ROW, family="nuslerp", n_experts=2, weights=[0.5, -0.5]),
     Case("nuslerp_nobase", "nuslerp", ROW, family="nuslerp", n_experts=2, weights=[0.3, 0.9], base_index=None,
          ours_params={**ROW, "base_weight": 0.3}),
+    Case("nuslerp_flat", "nuslerp", {}, family="bf16", n_experts=2, weights=[0.6, 1.0]),
+    Case("nuslerp_flat_nobase", "nuslerp", {}, family="bf16", n_experts=2, weights=[0.3, 0.9], base_index=None,
+         ours_params={"base_weight": 0.3}),
+    Case("nuslerp_column", "nuslerp", {**ROW, "nuslerp_row_wise": True}, family="nuslerp", n_experts=2,
+         weights=[0.6, 1.0]),
+    Case("nuslerp_column_nobase", "nuslerp", {**ROW, "nuslerp_row_wise": True}, family="bf16", n_experts=2,
+         weights=[0.3, 0.9], base_index=None, ours_params={**ROW, "nuslerp_row_wise": True, "base_weight": 0.3}),
 ]
+WHOLE_TENSOR = {"nuslerp_flat", "nuslerp_flat_nobase", "nuslerp_column", "nuslerp_column_nobase"}
 
 
 def _masks(case: Case, base: torch.Tensor, experts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -182,7 +191,9 @@ def _ours(case: Case, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.
              "delta": w - base}
         e.update({key: values[i] for key, values in case.expert_params.items()})
         entries.append(e)
-    return run_method(case.method, case.ours_params, base, entries, boundaries=BOUNDARIES, tensor="w")
+    # the whole-tensor modes get their sums from the engine's joint scan; one block computes them itself
+    boundaries = None if case.cid in WHOLE_TENSOR else BOUNDARIES
+    return run_method(case.method, case.ours_params, base, entries, boundaries=boundaries, tensor="w")
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +261,13 @@ def _nuslerp_vectors(case: Case, base: torch.Tensor, experts: list[torch.Tensor]
     return interpolation_t(w0, w1), experts[0] - base, experts[1] - base, base
 
 
+def _as_vectors(case: Case, x: torch.Tensor) -> torch.Tensor:
+    """x as (vectors, n): its rows, the whole tensor, or its columns, by the case's mode."""
+    if case.params.get("nuslerp_flatten", True):
+        return x.reshape(1, -1)
+    return x.transpose(0, -1) if case.params.get("nuslerp_row_wise") else x  # a view, as mergekit's
+
+
 def _mergekit_cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """mergekit's per-row cos: fp32 norms (clamped at 1e-7), normalized rows, fp32 sum."""
     def unit(x):
@@ -272,18 +290,24 @@ def test_method_matches_mergekit(reference, case):
         # the knife edge: exactly colinear (lerp), where mergekit's cos -1 + 2^-24 takes the
         # ill-conditioned slerp branch.
         t, v0, v1, added = _nuslerp_vectors(case, base, experts)
-        cos_ours, cos_theirs = row_cosines(v0, v1), _mergekit_cosines(v0, v1)
-        exact = (v0.double() * v1.double()).sum(1, keepdim=True) / (
-            v0.double().norm(dim=1, keepdim=True) * v1.double().norm(dim=1, keepdim=True))
+        a, b = _as_vectors(case, v0), _as_vectors(case, v1)
+        cos_ours, cos_theirs = row_cosines(a, b), _mergekit_cosines(a, b)
+        exact = (a.double() * b.double()).sum(1, keepdim=True) / (
+            a.double().norm(dim=1, keepdim=True) * b.double().norm(dim=1, keepdim=True))
         assert torch.equal(cos_ours, exact.float().clamp(-1, 1))
-        at_theirs = added + slerp_rows(t, v0, v1, cos_theirs)
-        same_formula = judge(at_theirs.reshape(-1), theirs.reshape(-1), scale=_scale(case, base, experts).reshape(-1))
+        interpolated = slerp_rows(t, a, b, cos_theirs)
+        interpolated = interpolated.T if case.params.get("nuslerp_row_wise") else interpolated.reshape(base.shape)
+        same_formula = judge((added + interpolated).reshape(-1), theirs.reshape(-1),
+                             scale=_scale(case, base, experts).reshape(-1))
         assert same_formula.misses == 0, f"mergekit's formula at mergekit's cos: {same_formula}"
-        compare = (cos_ours == cos_theirs).expand_as(ours)
-        assert compare.float().mean() > 0.25, "too few rows with the same cos to compare"
+        same_cos = cos_ours == cos_theirs
+        compare = (same_cos.T if case.params.get("nuslerp_row_wise") else same_cos).expand_as(ours) \
+            if same_cos.numel() > 1 else same_cos.reshape(1, 1).expand_as(ours)
+        if same_cos.numel() > 1:
+            assert same_cos.float().mean() > 0.25, "too few vectors with the same cos to compare"
     verdict = judge(ours[compare], theirs[compare], scale=_scale(case, base, experts)[compare])
     assert verdict.misses == 0, str(verdict)
-    # every case must merge something, and most elements must be bit-identical
+    # every case must merge something, and most elements compared must be bit-identical
     assert not torch.equal(ours, base) and verdict.identical >= 0.5 * verdict.compared, str(verdict)
 
 

@@ -1,4 +1,5 @@
-"""passthrough, nearswap, ram, della, della_linear and nuslerp (row mode) through `mergepipe run`.
+"""passthrough, nearswap, ram, della, della_linear and nuslerp (row, flatten and column modes)
+through `mergepipe run`.
 
 At full budget the output is the method's plain merge of the whole tensors (run block by block
 at the engine's block layout, tests/_cuts.run_method, cast to the output dtype): bit for bit.
@@ -19,6 +20,7 @@ from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, open_checkpoint
 from mergepipe.cli import main
 from mergepipe.methods import get_method
+from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
 from tests.helpers import load_model, write_config
 
 # (id, method, parameters, expert indexes with weights and knobs)
@@ -31,6 +33,10 @@ CASES = [
     ("della_linear", "della_linear", {"epsilon": 0.2, "density": 0.4}, [(0, {"weight": 0.6}), (2, {"weight": 0.9})]),
     ("nuslerp", "nuslerp", {"nuslerp_flatten": False}, [(0, {"weight": 0.4}), (1, {"weight": 0.8})]),
     ("nuslerp_nobase", "nuslerp", {"nuslerp_flatten": False, "base_weight": 0.3}, [(2, {"weight": 0.9})]),
+    ("nuslerp_flat", "nuslerp", {}, [(0, {"weight": 0.4}), (1, {"weight": 0.8})]),
+    ("nuslerp_flat_nobase", "nuslerp", {"base_weight": 0.3}, [(2, {"weight": 0.9})]),
+    ("nuslerp_column", "nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+     [(1, {"weight": 0.5}), (2, {"weight": 0.5})]),
 ]
 
 
@@ -61,9 +67,23 @@ def _expected(out: Path, family: dict) -> dict[str, torch.Tensor]:
                     "delta": models[e["name"]][name].float() - w0.float(),
                     **{k: e[k] for k in ("density", "gamma") if e.get(k) is not None}} for e in plan["experts"]]
         merged = run_method(plan["method"], plan["parameters"], w0.float(), entries, tensor=name, seed=plan["seed"],
-                            boundaries=[r0 for r0, _ in ranges[1:]], omit=omit)
+                            boundaries=[r0 for r0, _ in ranges[1:]], omit=omit,
+                            joint=_joint_statistics(plan, name, w0.float(), entries, ranges))
         out_tensors[name] = merged.to(w0.dtype)
     return out_tensors
+
+
+def _joint_statistics(plan: dict, name: str, base: torch.Tensor, entries: list[dict], ranges):
+    """What the engine's joint scan gives a joint method for this tensor: sums over every
+    block of every expert (the scan is outside the budget), in block order; None otherwise."""
+    method = get_method(plan["method"])
+    params = method.params.model_validate(plan["parameters"])
+    if method.joint is None or not method.joint.active(params):
+        return None
+    experts = tuple(JointExpert(e["name"], e["hash"], e["weight"]) for e in entries)
+    ctx = TensorContext(name, tuple(base.shape), experts, params, plan["seed"])
+    return in_memory_statistics(method.joint, ctx, base.numpy(), [e["delta"].numpy() for e in entries],
+                                list(ranges))
 
 
 def _assert_output_is(out: Path, expected: dict[str, torch.Tensor]) -> None:
