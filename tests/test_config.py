@@ -210,7 +210,7 @@ def test_models_are_frozen(example):
         "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "output",
         "cache_dir", "nonfinite", "plan"}
     assert set(ExpertConfig.model_fields) == {"name", "path", "weight", "density", "gamma"}
-    assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes"}
+    assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes", "tokenizer_source"}
 
 
 def test_per_method_density_check_exempts_density_one(fake_methods):

@@ -13,8 +13,15 @@ from mergepipe.methods import METHODS
 
 
 def _write(tmp_path: Path, text: str, name: str = "mergekit.yml") -> Path:
+    """The config in tmp_path, with a folder for each relative model it names (a relative
+    reference that is no folder is a Hugging Face id, as in mergekit)."""
     path = tmp_path / name
     path.write_text(text)
+    data = yaml.safe_load(text) or {}
+    refs = [data.get("base_model")] + [m.get("model") if isinstance(m, dict) else m for m in data.get("models") or []]
+    for ref in refs:
+        if isinstance(ref, str) and not ref.startswith("/") and "+" not in ref and "@" not in ref:
+            (tmp_path / ref).mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -242,16 +249,14 @@ models:
     ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [0, 32]}]\n",
      "mk.yml: slices: layer slices"),
     ("merge_method: ties\nbase_model: b\nmodules: {text: {models: [{model: e}]}}\n", "mk.yml: modules:"),
-    ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\nparameters: {t: [0, 0.5, 1]}\n",
-     "mk.yml: parameters.t: gradient [0, 0.5, 1]"),
-    ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\n"
-     "parameters:\n  t:\n    - {filter: self_attn, value: [0, 0.5]}\n    - {value: 0.5}\n",
-     "mk.yml: parameters.t: per-tensor filter 'self_attn'"),
-    ("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters:\n"
-     "      weight: {filter: mlp, value: 0.5}\n",
-     "mk.yml: models[0].parameters.weight: per-tensor filter 'mlp'"),
     ("merge_method: ties\nbase_model: b\nmodels:\n  - {model: e, parameters: {density: [0.2, 0.8]}}\n",
-     "mk.yml: models[0].parameters.density: gradient"),
+     "mk.yml: models[0].parameters.weight: required"),
+    ("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: [{filter: mlp}]}\n",
+     "mk.yml: models[0].parameters.weight: condition {'filter': 'mlp'} has no value"),
+    ("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: [{value: 1, x: 2}]}\n",
+     "mk.yml: models[0].parameters.weight: unexpected keys ['x']"),
+    ("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: [{value: 1}, 2]}\n",
+     "mk.yml: models[0].parameters.weight: mixes conditions and plain values"),
     ("merge_method: slerp\nbase_model: b\nmodels: [{model: e}]\n", "mk.yml: parameters.t: required"),
     ("merge_method: della\nbase_model: b\nmodels: [{model: e}]\n", "mk.yml: merge_method: 'della'"),
     ("merge_method: passthrough\nmodels: [{model: e}]\n", "merge_method: 'passthrough'"),
@@ -327,3 +332,90 @@ def test_write_params_is_deterministic_and_loadable(tmp_path):
     assert str(cfg.budget) == "25%" and cfg.output.dir == tmp_path / "out"
     write_params(params, first)  # overwrite in place
     assert load_config(first).method_params.lambda_ == 0.5
+
+
+GRADIENT_SLERP = """\
+slices:
+merge_method: slerp
+base_model: models/a
+models:
+  - model: models/a
+  - model: models/b
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5
+dtype: bfloat16
+"""
+
+
+def test_gradients_and_filters_become_settings(tmp_path):
+    params = import_mergekit(_write(tmp_path, GRADIENT_SLERP))
+    assert params["parameters"]["t"] == [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                                         {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]
+    cfg = load_config(write_and_return(tmp_path, params))
+    assert set(cfg.param_settings) == {"t"}
+
+
+def write_and_return(tmp_path: Path, params: dict) -> Path:
+    out = tmp_path / "params.yaml"
+    write_params(params, out)
+    return out
+
+
+def test_model_setting_falls_back_to_the_global_one():
+    params = _convert("""\
+merge_method: ties
+base_model: b
+parameters: {weight: 0.25, density: [0.2, 0.6]}
+models:
+  - model: e1
+    parameters:
+      weight: [{filter: mlp, value: 0.5}]
+      density: {filter: self_attn, value: 0.9}
+  - model: e2
+    parameters: {weight: [{filter: "*", value: [0.1, 0.3]}]}
+  - model: e3
+    parameters: {weight: [{filter: mlp, value: 0.5}, {value: 2}]}
+""")
+    e1, e2, e3 = params["experts"]
+    assert e1["weight"] == [{"filter": "mlp", "value": 0.5}, {"value": 0.25}]
+    assert e1["density"] == [{"filter": "self_attn", "value": 0.9}]  # then the method's, per tensor
+    assert e2["weight"] == [0.1, 0.3]  # an unfiltered first condition: a plain gradient
+    assert e3["weight"] == [{"filter": "mlp", "value": 0.5}, {"value": 2}]
+    assert params["parameters"]["density"] == [0.2, 0.6]
+
+
+def test_tokenizer_source_model_and_base(tmp_path):
+    text = "merge_method: ties\nbase_model: b\nmodels:\n  - {model: e, parameters: {weight: 1}}\n"
+    params = import_mergekit(_write(tmp_path, text + "tokenizer_source: e\n"))
+    assert params["output"]["tokenizer_source"] == "e"
+    params = import_mergekit(_write(tmp_path, text + "tokenizer_source: base\n"))
+    assert "tokenizer_source" not in params["output"]
+
+
+def test_hub_ids_resolve_from_the_local_cache(tmp_path, monkeypatch):
+    hub = tmp_path / "hf" / "hub"
+    snap = hub / "models--org--base-7b" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (hub / "models--org--base-7b" / "snapshots" / "old").mkdir()
+    (hub / "models--org--base-7b" / "refs").mkdir()
+    (hub / "models--org--base-7b" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    text = "merge_method: ties\nbase_model: org/base-7b\nmodels:\n  - {model: ./e, parameters: {weight: 1}}\n"
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "mk.yml"
+    path.write_text(text)
+    (tmp_path / "cfg" / "e").mkdir()
+    params = import_mergekit(path)
+    assert params["base"] == str(snap)
+    path.write_text(text.replace("org/base-7b", "org/missing"))
+    with pytest.raises(ConfigError) as err:
+        import_mergekit(path)
+    message = str(err.value)
+    assert "base_model: Hugging Face model 'org/missing' is neither a local folder nor in the local" in message
+    assert "\n" not in message

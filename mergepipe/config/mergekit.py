@@ -1,11 +1,11 @@
 """Convert a mergekit YAML config into a mergepipe params dict, and write one.
 
 Owns the mapping from mergekit's config language to params.yaml. Only what
-mergepipe can reproduce exactly is converted; everything else (slices,
-modules, per-layer gradients, tensor filters, LoRA or revision references,
-tokenizer merging, unsupported methods) is a ConfigError that names the
-mergekit key, never a silent approximation. Reads the mergekit file and
-writes params files; opens no model.
+mergepipe can reproduce exactly is converted; everything else (modules, LoRA or
+revision references, tokenizer merging, unsupported methods) is a ConfigError
+that names the mergekit key, never a silent approximation. Reads the mergekit
+file and writes params files; opens no model (a Hugging Face id is looked up
+in the local cache, config/hf_cache.py).
 
 Semantics carried over from mergekit:
 - A model's own parameter wins over the global one (`parameters.weight`
@@ -20,6 +20,12 @@ Semantics carried over from mergekit:
 - Other global parameters (lambda, normalize, density, gamma, t, rescale,
   int8_mask, ...) pass through to `parameters`, where the method's params
   model accepts or rejects them.
+- Gradients and filters (`t: [0, 0.5, 1]`, `weight: [{filter: mlp, value: 0.3}]`)
+  become params.yaml's per-tensor settings (config/settings.py), same grammar;
+  a model's filtered setting with no catch-all falls back to the global one,
+  which is appended as its last condition.
+- `tokenizer_source: base` keeps the base's tokenizer; a model copies that
+  model's tokenizer files (`output.tokenizer_source`); `union` is refused.
 """
 from __future__ import annotations
 
@@ -30,10 +36,15 @@ from typing import Any
 
 import yaml
 
+from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
 from mergepipe.config.params import DEFAULT_OUTPUT_DIR, config_from_dict, read_yaml
 from mergepipe.errors import ConfigError
 from mergepipe.util.fs import atomic_write_bytes
 
+# ---- mergekit's names, one row per method. Engineers adding a method add it here:
+# METHOD_NAMES (mergekit name -> ours), NO_BASE (what `base_model` absent means),
+# MODEL_KEYS (per-model parameters kept per expert) and SHARED_MODEL_KEYS (per-model
+# parameters that are method parameters here: every model must give the same value).
 METHOD_NAMES = {
     "linear": "linear",
     "task_arithmetic": "task_arithmetic",
@@ -45,7 +56,20 @@ METHOD_NAMES = {
     "model_breadcrumbs": "breadcrumbs",  # older mergekit names
     "model_breadcrumbs_ties": "breadcrumbs_ties",
     "slerp": "slerp",
+    "model_stock": "model_stock",
+    "karcher": "karcher",
+    "multislerp": "multislerp",
 }
+# base_model absent: "first" = the first model plays the base, its weight becomes
+# parameters.base_weight (mergekit averages it in); "self" = the one model is base and expert
+NO_BASE = {"linear": "first", "karcher": "member"}
+# "member" = the first model plays the base and stays one of the averaged inputs (karcher's
+# include_base). UNWEIGHTED: methods whose models take no weight (1.0 unless one is given)
+UNWEIGHTED = {"model_stock", "karcher"}
+MODEL_KEYS = ("weight", "density", "gamma")
+SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {}
+# ---- end of the per-method rows
+
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 _TOP_KEYS = {"models", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
@@ -57,7 +81,6 @@ _NOT_EXPRESSIBLE = {
     "chat_template": "chat templates are not merged; mergepipe copies the base's tokenizer "
                      "files: remove it",
 }
-_MODEL_PARAM_KEYS = ("weight", "density", "gamma")
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -65,37 +88,73 @@ def _fail(source: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {message}")
 
 
-def _scalar(value: Any, key: str, source: str) -> Any:
-    """A mergekit parameter setting that is one value for every tensor.
-
-    Accepts a scalar, a one-element list, and a condition without a filter
-    (or filter "*") as the first of a list, which mergekit applies to every
-    tensor. Gradients and filtered conditions vary by layer or tensor.
-    """
+def _leaf(value: Any, key: str, source: str) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    raise _fail(source, key, f"unsupported value {value!r}; expected a number, boolean or string")
+
+
+def _setting(value: Any, key: str, source: str) -> Any:
+    """A mergekit `ParameterSetting` as params.yaml writes it: a scalar when it is one value
+    for every tensor (a scalar, a one-element list, an unfiltered first condition with a
+    scalar value), else the per-tensor setting in mergekit's own grammar (gradient list or
+    list of {filter, value}), checked here so that errors name the mergekit key."""
     if isinstance(value, dict):
-        unknown = set(value) - {"filter", "value"}
+        value = [value]
+    if not isinstance(value, list):
+        return _leaf(value, key, source)
+    if not value:
+        raise _fail(source, key, "empty list; give a value")
+    if not any(isinstance(v, dict) for v in value):
+        leaves = [_leaf(v, key, source) for v in value]
+        return leaves[0] if len(leaves) == 1 else leaves
+    conditions = []
+    for cond in value:
+        if not isinstance(cond, dict):
+            raise _fail(source, key, f"mixes conditions and plain values: {value!r}")
+        unknown = set(cond) - {"filter", "value"}
         if unknown:
             raise _fail(source, key, f"unexpected keys {sorted(unknown)} in a conditional "
                                      "parameter; expected {filter, value}")
-        if value.get("filter") not in (None, "*"):
-            raise _fail(source, key, f"per-tensor filter {value['filter']!r} cannot be "
-                                     "expressed; mergepipe uses one value for every tensor")
-        return _scalar(value.get("value"), key, source)
-    if isinstance(value, list):
-        if not value:
-            raise _fail(source, key, "empty list; give one value")
-        if all(isinstance(v, dict) for v in value):
-            return _scalar(value[0], key, source)
-        if len(value) == 1:
-            return _scalar(value[0], key, source)
-        raise _fail(source, key, f"gradient {value!r} (values interpolated across layers) "
-                                 "cannot be expressed; give one value")
-    raise _fail(source, key, f"unsupported value {value!r}")
+        if "value" not in cond:
+            raise _fail(source, key, f"condition {cond!r} has no value")
+        inner = cond["value"]
+        if isinstance(inner, list):
+            inner = [_leaf(v, key, source) for v in inner]
+            inner = inner[0] if len(inner) == 1 else inner
+        else:
+            inner = _leaf(inner, key, source)
+        flt = cond.get("filter")
+        if flt is not None and not isinstance(flt, str):
+            raise _fail(source, key, f"filter must be a string, got {flt!r}")
+        conditions.append({"value": inner} if flt in (None, "*") else {"filter": flt, "value": inner})
+    if "filter" not in conditions[0]:
+        return conditions[0]["value"]  # the first condition matches every tensor
+    return conditions
 
 
-def _model_ref(value: Any, key: str, source: str) -> str:
+def _catch_all(setting: Any) -> bool:
+    """Whether `setting` gives a value for every tensor."""
+    return not isinstance(setting, list) or not setting or not isinstance(setting[0], dict) or \
+        any("filter" not in c for c in setting)
+
+
+def _with_fallback(own: Any, default: Any) -> Any:
+    """A model's setting, else the global one where none of its conditions matches
+    (mergekit's precedence, as one setting: the global one's conditions appended)."""
+    if own is None:
+        return default
+    if default is None or _catch_all(own):
+        return own
+    tail = default if isinstance(default, list) and default and isinstance(default[0], dict) \
+        else [{"value": default}]
+    return [*own, *tail]
+
+
+def _model_ref(value: Any, key: str, source: str, roots: tuple[Path, ...] | None = None) -> str:
+    """A model reference as a params.yaml path: a local folder (under one of `roots`) as
+    written, else (like mergekit) a Hugging Face id, taken from the local cache (its snapshot
+    folder) or refused naming the id. `roots` None: kept as written (no lookup)."""
     if not isinstance(value, str) or not value.strip():
         raise _fail(source, key, f"must be a model path string, got {value!r}")
     if "+" in value:
@@ -104,7 +163,12 @@ def _model_ref(value: Any, key: str, source: str) -> str:
     if "@" in value:
         raise _fail(source, key, f"revision reference {value!r} ('model@revision') cannot be "
                                  "expressed; download that revision to a local folder")
-    return value
+    if roots is None or any((root / value).is_dir() for root in roots) or not looks_like_hub_id(value):
+        return value
+    try:
+        return str(hub_snapshot(value))
+    except ConfigError as err:
+        raise _fail(source, key, str(err)) from None
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -134,10 +198,9 @@ def _dtype(value: Any, key: str, source: str) -> str:
 
 def _check_tokenizer(data: dict[str, Any], source: str) -> None:
     token_source = data.get("tokenizer_source")
-    if token_source not in (None, "base"):
-        raise _fail(source, "tokenizer_source", f"{token_source!r} cannot be expressed; "
-                                                "mergepipe keeps the base's tokenizer: remove "
-                                                "it or use 'base'")
+    if token_source == "union":
+        raise _fail(source, "tokenizer_source", "'union' (a merged vocabulary) cannot be expressed; "
+                                                "use 'base' or one model's tokenizer")
     tokenizer = data.get("tokenizer")
     if tokenizer is None:
         return
@@ -153,8 +216,13 @@ def _check_tokenizer(data: dict[str, Any], source: str) -> None:
 
 
 def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
-                       output_dir: str = DEFAULT_OUTPUT_DIR) -> dict[str, Any]:
+                       output_dir: str = DEFAULT_OUTPUT_DIR,
+                       roots: tuple[Path, ...] | None = None) -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
+
+    `roots`: the folders a relative model path may be in; given, a reference found in none
+    of them that looks like `org/name` is resolved from the Hugging Face cache
+    (config/hf_cache.py), as mergekit downloads what is not a local folder.
 
     Raises:
         ConfigError: for anything mergepipe cannot reproduce, naming the key.
@@ -180,8 +248,10 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
     global_params = data.get("parameters") or {}
     if not isinstance(global_params, dict):
         raise _fail(source, "parameters", f"must be a mapping, got {global_params!r}")
-    settings = {k: _scalar(v, f"parameters.{k}", source) for k, v in global_params.items()}
+    settings = {k: _setting(v, f"parameters.{k}", source) for k, v in global_params.items()}
     default_weight = settings.pop("weight", None)
+    shared_keys = SHARED_MODEL_KEYS.get(mk_method, ())
+    shared: dict[str, tuple[str, Any]] = {}  # per-model keys that are method parameters here
 
     models = data.get("models")
     if not isinstance(models, list) or not models:
@@ -197,48 +267,65 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         if unknown:
             raise _fail(source, f"{key}.{sorted(unknown)[0]}", "unknown key; expected model, "
                                                                "parameters")
-        path = _model_ref(entry.get("model"), f"{key}.model", source)
+        path = _model_ref(entry.get("model"), f"{key}.model", source, roots)
         own = entry.get("parameters") or {}
         if not isinstance(own, dict):
             raise _fail(source, f"{key}.parameters", f"must be a mapping, got {own!r}")
         params = {}
         for name, value in own.items():
-            if name not in _MODEL_PARAM_KEYS:
-                raise _fail(source, f"{key}.parameters.{name}",
-                            f"per-model {name!r} cannot be expressed; per-model keys: "
-                            f"{', '.join(_MODEL_PARAM_KEYS)}")
-            params[name] = _scalar(value, f"{key}.parameters.{name}", source)
+            where = f"{key}.parameters.{name}"
+            if name in shared_keys:
+                value = _setting(value, where, source)
+                if name in shared and shared[name][1] != value:
+                    raise _fail(source, where, f"{value!r} differs from {shared[name][0]}'s "
+                                               f"{shared[name][1]!r}; mergepipe takes one {name} for all models")
+                shared.setdefault(name, (where, value))
+                continue
+            if name not in MODEL_KEYS:
+                raise _fail(source, where, f"per-model {name!r} cannot be expressed; per-model keys: "
+                                           f"{', '.join((*MODEL_KEYS, *shared_keys))}")
+            params[name] = _setting(value, where, source)
         entries.append((key, path, params))
 
+    for name, (_, value) in shared.items():
+        settings.setdefault(name, value)
     base = data.get("base_model")
     if base is not None:
-        base = _model_ref(base, "base_model", source)
+        base = _model_ref(base, "base_model", source, roots)
     out: dict[str, Any] = {}
     parameters: dict[str, Any] = {}
 
-    if method == "linear":
-        if base is None:
-            key, base, first = entries.pop(0)
-            if not entries:
-                raise _fail(source, "models", "linear needs at least two models")
-            parameters["base_weight"] = _weight(first, default_weight, key, source)
+    if base is None and NO_BASE.get(method) == "first":
+        key, base, first = entries.pop(0)
+        if not entries:
+            raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
+        parameters["base_weight"] = _weight(first, default_weight, key, source)
+    elif base is None and NO_BASE.get(method) == "member":
+        key, base, _ = entries.pop(0)
+        if not entries:
+            raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
+    elif base is None and NO_BASE.get(method) == "self":
+        if len(entries) != 1:
+            raise _fail(source, "models", f"{mk_method} takes exactly one model, got {len(entries)}")
+        base = entries[0][1]
+    elif method == "linear":
+        listed = [e for e in entries if _same_model(e[1], base)]
+        entries = [e for e in entries if not _same_model(e[1], base)]
+        if listed:
+            key, _, base_params = listed[0]
+            parameters["base_weight"] = _weight(base_params, default_weight, key, source)
+        elif default_weight is not None:
+            # mergekit adds the unlisted base as a source; only the global weight applies
+            parameters["base_weight"] = default_weight
         else:
-            listed = [e for e in entries if _same_model(e[1], base)]
-            entries = [e for e in entries if not _same_model(e[1], base)]
-            if listed:
-                key, _, base_params = listed[0]
-                parameters["base_weight"] = _weight(base_params, default_weight, key, source)
-            elif default_weight is not None:
-                # mergekit adds the unlisted base as a source; only the global weight applies
-                parameters["base_weight"] = default_weight
-            else:
-                raise _fail(source, "base_model", "mergekit's linear merge also averages the "
-                                                  "base model; list it in models with a weight")
+            raise _fail(source, "base_model", "mergekit's linear merge also averages the "
+                                              "base model; list it in models with a weight")
     else:
         if base is None:
             raise _fail(source, "base_model", f"required: {mk_method} merges deltas from a "
                                               "base model")
-        entries = [e for e in entries if not _same_model(e[1], base)]
+        if NO_BASE.get(method) != "self":
+            entries = [e for e in entries if not _same_model(e[1], base)]
         if method == "slerp" and settings.get("t") is None:
             raise _fail(source, "parameters.t", "required by slerp (0 gives the base, 1 the "
                                                 "other model)")
@@ -248,6 +335,8 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         if not entries:
             raise _fail(source, "models", "lists only the base model; nothing to merge")
 
+    if method in UNWEIGHTED and default_weight is None:
+        default_weight = 1.0
     taken: set[str] = set()
     experts = []
     for key, path, params in entries:
@@ -279,11 +368,16 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
     dtype = data.get(dtype_key)
     out["output"] = {"dir": output_dir,
                      "dtype": None if dtype is None else _dtype(dtype, dtype_key, source)}
+    token_source = data.get("tokenizer_source")
+    if token_source not in (None, "base"):
+        token_path = _model_ref(token_source, "tokenizer_source", source, roots)
+        if not _same_model(token_path, base):
+            out["output"]["tokenizer_source"] = token_path
     return out
 
 
 def _weight(params: dict[str, Any], default: Any, key: str, source: str) -> Any:
-    weight = params.get("weight", default)
+    weight = _with_fallback(params.get("weight"), default)
     if weight is None:
         raise _fail(source, f"{key}.parameters.weight", "required (or set parameters.weight "
                                                         "for all models)")
@@ -306,7 +400,8 @@ def import_mergekit(path: str | os.PathLike[str], *, output_dir: str = DEFAULT_O
         ConfigError: unreadable file, or anything mergepipe cannot reproduce.
     """
     source = os.fspath(path)
-    params = mergekit_to_params(read_yaml(path), source=source, output_dir=output_dir)
+    roots = (Path(path).parent, Path.cwd())
+    params = mergekit_to_params(read_yaml(path), source=source, output_dir=output_dir, roots=roots)
     if validate:
         config_from_dict(params, source=f"{source} (converted to mergepipe params)",
                          root=Path(path).parent)

@@ -68,6 +68,9 @@ class OutputConfig(BaseModel):
         None, description="output dtype; null keeps the base's dtypes")
     shard_bytes: ShardBytes | None = Field(
         None, description="shard size; null mirrors the base's sharding")
+    tokenizer_source: ConfigPath | None = Field(
+        None, description="model folder whose tokenizer files the output gets, relative to "
+        "params.yaml; null: the base's (embeddings are not remapped: same vocabulary only)")
 
 
 class MergeConfig(BaseModel):
@@ -254,6 +257,9 @@ class MergeConfig(BaseModel):
                 "dir": written("output.dir", self.output.dir),
                 "dtype": self.output.dtype,
                 "shard_bytes": self.output.shard_bytes,
+                # only when set, so that configs without it keep their normalized form
+                **({} if self.output.tokenizer_source is None else
+                   {"tokenizer_source": written("output.tokenizer_source", self.output.tokenizer_source)}),
             },
             "cache_dir": written("cache_dir", self.cache_dir),
             "nonfinite": self.nonfinite,

@@ -28,10 +28,14 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     for i, expert in enumerate(cfg.experts):
         written[f"experts[{i}].path"] = expert.path.as_posix()
         experts.append(expert.model_copy(update={"path": _absolute(root, expert.path)}))
+    output = {"dir": _absolute(root, cfg.output.dir)}
+    if cfg.output.tokenizer_source is not None:
+        written["output.tokenizer_source"] = cfg.output.tokenizer_source.as_posix()
+        output["tokenizer_source"] = _absolute(root, cfg.output.tokenizer_source)
     resolved = cfg.model_copy(update={
         "base": _absolute(root, cfg.base),
         "experts": experts,
-        "output": cfg.output.model_copy(update={"dir": _absolute(root, cfg.output.dir)}),
+        "output": cfg.output.model_copy(update=output),
         "cache_dir": _absolute(root, cfg.cache_dir),
     })
     resolved._written = written
