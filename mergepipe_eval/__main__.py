@@ -184,6 +184,25 @@ def cmd_strategy_seeds(a) -> int:
     return 0
 
 
+def cmd_calib_text(a) -> int:
+    """Calibration and held-out text from Debian data in no task split (mergepipe_eval/calib.py)."""
+    from mergepipe_eval import calib
+    print(json.dumps(calib.write(Path(a.tasks_root), Path(a.out), target_chars=a.chars), sort_keys=True))
+    return 0
+
+
+def cmd_smollm_strategy_screen(a) -> int:
+    """SmolLM2: plan strategies x budgets, dev/held-out screen, then test accuracy (smollm_screen.py)."""
+    from mergepipe_eval import smollm_screen as ss
+    ints = lambda pairs: {k: int(v) for k, v in _pairs(pairs).items()}  # noqa: E731
+    ss.run_screen(Path(a.family), Path(a.base), Path(a.tasks_root), Path(a.calib), Path(a.heldout), Path(a.out),
+                  methods=a.methods.split(","), strategies=a.strategies.split(","), budgets=a.budgets.split(","),
+                  dev_per_class=ints(a.dev_per_class), test_per_class=ints(a.test_per_class), seen=a.seen,
+                  train_seed=a.train_seed, heldout_seqs=a.heldout_seqs, heldout_len=a.heldout_len,
+                  test_budgets=a.test_budgets.split(",") if a.test_budgets else None, n_boot=a.boot)
+    return 0
+
+
 def cmd_report(a) -> int:
     from mergepipe_eval.report import write_report
     smollm = None
@@ -307,6 +326,30 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--strategies", default="energy,balanced,compensated,compensated_balanced")
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_strategy_seeds)
+    s = sub.add_parser("calib-text", help="calibration + held-out text from Debian data in no task split")
+    s.add_argument("--tasks-root", required=True)
+    s.add_argument("--out", required=True, help="folder: calib.txt, heldout.txt, texts.json")
+    s.add_argument("--chars", type=int, default=80_000)
+    s.set_defaults(fn=cmd_calib_text)
+    s = sub.add_parser("smollm-strategy-screen", help="SmolLM2 plan strategies: dev/held-out screen, test accuracy")
+    s.add_argument("--family", required=True, help="folder with experts/<task>/model")
+    s.add_argument("--base", required=True)
+    s.add_argument("--tasks-root", required=True)
+    s.add_argument("--calib", required=True, help="calibration text (plan.text of the calibrated strategy)")
+    s.add_argument("--heldout", required=True, help="held-out text for KL(full || budgeted)")
+    s.add_argument("--out", required=True, help="result JSON (rewritten after every model)")
+    s.add_argument("--methods", default="ta_l1.0,ties")
+    s.add_argument("--strategies", default="energy,calibrated,balanced,compensated")
+    s.add_argument("--budgets", default="25%,10%,50%", help="in the order they are run")
+    s.add_argument("--test-budgets", default="", help="budgets of the test-accuracy stage (empty: none)")
+    s.add_argument("--dev-per-class", action="append", required=True, help="TASK=N (repeat)")
+    s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
+    s.add_argument("--seen", type=int, required=True, help="train examples each expert saw (steps x batch)")
+    s.add_argument("--train-seed", type=int, default=0)
+    s.add_argument("--heldout-seqs", type=int, default=12)
+    s.add_argument("--heldout-len", type=int, default=128)
+    s.add_argument("--boot", type=int, default=2000)
+    s.set_defaults(fn=cmd_smollm_strategy_screen)
     s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
     s.add_argument("--results-dir", required=True)
     s.add_argument("--markdown", required=True)

@@ -1,0 +1,415 @@
+"""Plan strategies on SmolLM2-135M (issue 12): a continuous, paired screen, then test accuracy.
+
+One expert family (3 SmolLM2 experts: noun_cat, pos, topic) is merged by the mergepipe CLI
+for every (method, strategy, budget); each merge is compared with the same method's full
+read on the same examples:
+
+- **dev label log-likelihood**: log softmax over the task's label tokens at the answer
+  position (the model can only answer a label), on a dev split = training examples that no
+  expert saw (each expert trained on the first steps*batch_size examples of a seeded
+  permutation of its train split; the rest is recomputed here and never trained on), the
+  first `dev_per_class` of each class in file order. Test examples are never used here.
+- **KL(full merge || budgeted merge)** of the next-token distributions over the whole
+  vocabulary, at every position of `heldout_seqs` sequences of `heldout_len` tokens of the
+  held-out text (Debian text in no task split, disjoint from the calibration text:
+  mergepipe_eval/calib.py), averaged per sequence.
+- then **test accuracy** (the first `test_per_class` test examples per class, as the
+  SmolLM2 accuracy table uses) for the full read, energy and the strategy the screen ranks
+  best, at the chosen budgets, and for each expert alone.
+
+Differences are means over pooled examples with a paired bootstrap 95% interval (resampling
+examples or held-out sequences, fixed seed); accuracy differences also get McNemar's exact
+two-sided p from the discordant pairs. Merges are cached by mergepipe (an unchanged plan is a
+no-op) and per-model scores are cached as JSON keyed by the manifest hash (and the full
+read's for KL), so a rerun only rescores what changed. Rows are written after every model,
+so an interrupted run leaves a usable partial result.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from mergepipe_eval.strategies import heavy, paired
+
+METHODS = {
+    "ta_l1.0": {"method": "task_arithmetic", "parameters": {"lambda": 1.0}},
+    "ties": {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}},
+}
+TASKS = ("noun_cat", "pos", "topic")
+
+
+def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256) -> dict[str, dict]:
+    cal = {"strategy": "calibrated", "text": str(calib_text), "max_tokens": max_tokens, "seq_len": seq_len}
+    return {
+        "energy": {},
+        "balanced": {"strategy": "balanced"},
+        "compensated": {"strategy": "compensated"},
+        "calibrated": {**cal, "shares": "none"},
+        "calibrated_weight": {**cal, "shares": "weight"},
+    }
+
+
+def write_config(path: Path, *, base: Path, experts: dict[str, Path], method: dict, strategy: dict,
+                 cache_dir: Path) -> None:
+    def rel(p: Path | str) -> str:
+        return Path(os.path.relpath(Path(p).resolve(), path.parent.resolve())).as_posix()
+
+    cfg = {"base": rel(base),
+           "experts": [{"name": n, "path": rel(p), "weight": 1.0} for n, p in experts.items()],
+           "method": method["method"], "parameters": method["parameters"], "seed": 0, "budget": "full",
+           "block_bytes": "1MiB", "output": {"dir": "unused", "dtype": None, "shard_bytes": None},
+           "cache_dir": rel(cache_dir)}
+    if strategy:
+        plan = dict(strategy)
+        if "text" in plan:
+            plan["text"] = rel(plan["text"])
+        cfg["plan"] = plan
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def merge(config: Path, budget: str, out: Path, log: list[dict]) -> None:
+    t0 = time.monotonic()
+    with heavy():
+        subprocess.run(["nice", "-n", "19", sys.executable, "-m", "mergepipe", "run", str(config),
+                        "--budget", budget, "-o", str(out), "-q", "--threads", "1"], check=True)
+    log.append({"merge": out.name, "seconds": round(time.monotonic() - t0, 1)})
+
+
+def unseen_train_indices(n: int, seen: int, seed: int) -> set[int]:
+    """Train-split indices an expert never saw: smollm.train_expert draws
+    torch.randperm(n, Generator().manual_seed(seed)) and trains on its first `seen`."""
+    if seen > n:
+        return set()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return set(order[seen:])
+
+
+class Screen:
+    """Encoded dev/test prompts and held-out sequences; per-model scores."""
+
+    def __init__(self, base: Path, task_dirs: dict[str, Path], heldout: Path, *, dev_per_class: dict[str, int],
+                 test_per_class: dict[str, int], seen: int, train_seed: int, heldout_seqs: int,
+                 heldout_len: int, max_text_tokens: int = 48, batch_size: int = 16):
+        from mergepipe_eval.smollm import load_tokenizer, prompt, set_threads
+        from mergepipe_eval.tasks import read_split
+        set_threads()
+        self.base, self.batch_size = base, batch_size
+        self.tok = load_tokenizer(base)
+
+        def enc(task: str, texts: list[str]) -> list[list[int]]:
+            labels = json.loads((task_dirs[task] / "task.json").read_text())["labels"]
+            out = []
+            for text in texts:
+                ids = self.tok(text, add_special_tokens=False)["input_ids"][:max_text_tokens]
+                out.append(self.tok(prompt(task, labels, self.tok.decode(ids)),
+                                    add_special_tokens=False)["input_ids"])
+            return out
+
+        self.labels, self.dev, self.test = {}, {}, {}
+        for task, d in task_dirs.items():
+            labels = json.loads((d / "task.json").read_text())["labels"]
+            ids = [self.tok(" " + lab, add_special_tokens=False)["input_ids"] for lab in labels]
+            if any(len(i) != 1 for i in ids):
+                raise ValueError(f"{task}: every label must be one token, got {ids}")
+            self.labels[task] = [i[0] for i in ids]
+            texts, y, _ = read_split(d, "train")
+            unseen = unseen_train_indices(len(y), seen, train_seed)
+            keep, count = [], {}
+            for i, c in enumerate(y):
+                if i in unseen and count.get(c, 0) < dev_per_class[task]:
+                    count[c] = count.get(c, 0) + 1
+                    keep.append(i)
+            if min(count.get(c, 0) for c in range(len(labels))) < dev_per_class[task]:
+                raise ValueError(f"{task}: not enough unseen train examples for the dev split")
+            self.dev[task] = (enc(task, [texts[i] for i in keep]), [y[i] for i in keep])
+            texts, y, _ = read_split(d, "test")
+            keep, count = [], {}
+            for i, c in enumerate(y):
+                if count.get(c, 0) < test_per_class[task]:
+                    count[c] = count.get(c, 0) + 1
+                    keep.append(i)
+            self.test[task] = (enc(task, [texts[i] for i in keep]), [y[i] for i in keep])
+        text = heldout.read_text(encoding="utf-8")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < heldout_seqs * heldout_len:
+            raise ValueError(f"{heldout}: {len(ids)} tokens, need {heldout_seqs * heldout_len}")
+        self.heldout = torch.tensor(ids[:heldout_seqs * heldout_len]).view(heldout_seqs, heldout_len)
+        self.heldout_sha = hashlib.sha256(text.encode()).hexdigest()
+        self._models: dict[str, object] = {}
+        self._ref_logp: dict[str, torch.Tensor] = {}
+
+    def n(self) -> dict:
+        return {"dev": {t: len(v[1]) for t, v in self.dev.items()},
+                "test": {t: len(v[1]) for t, v in self.test.items()},
+                "heldout": {"sequences": int(self.heldout.shape[0]), "tokens_per_sequence": int(self.heldout.shape[1])}}
+
+    def _load(self, model_dir: Path):
+        from mergepipe_eval.smollm import load_model
+        model = load_model(model_dir, config_dir=self.base)
+        model.eval()
+        return model
+
+    @torch.no_grad()
+    def _label_scores(self, model, split: dict) -> dict[str, dict]:
+        from mergepipe_eval.smollm import _next_token_logprobs
+        out = {}
+        for task, (prompts, y) in split.items():
+            rows = []
+            for i in range(0, len(y), self.batch_size):
+                lp = _next_token_logprobs(model, prompts[i:i + self.batch_size], self.tok.pad_token_id)
+                rows += lp[:, self.labels[task]].double().tolist()
+            out[task] = {"y": y, "label_logprobs": rows}  # full-vocabulary log p of each label token
+        return out
+
+    @torch.no_grad()
+    def _heldout_logp(self, model) -> torch.Tensor:
+        return torch.cat([torch.log_softmax(model(input_ids=self.heldout[i:i + 2]).logits.float(), -1)
+                          for i in range(0, self.heldout.shape[0], 2)])
+
+    def score(self, model_dir: Path, cache: Path, *, ref_dir: Path | None, test: bool) -> dict:
+        """Cached scores of model_dir: dev (and test) label log-probs, KL(ref || model) per held-out sequence."""
+        key = _key(model_dir)
+        d = json.loads(cache.read_text()) if cache.exists() else {}
+        if d.get("key") != key:
+            d = {"key": key}
+        ref_key = _key(ref_dir) if ref_dir is not None else None
+        need_dev = "dev" not in d
+        need_test = test and "test" not in d
+        need_kl = ref_dir is not None and (d.get("kl") or {}).get("ref") != ref_key + ":" + self.heldout_sha
+        if not (need_dev or need_test or need_kl):
+            return d
+        with heavy():
+            t0 = time.monotonic()
+            model = self._load(model_dir)
+            if need_dev:
+                d["dev"] = self._label_scores(model, self.dev)
+            if need_test:
+                d["test"] = self._label_scores(model, self.test)
+            if need_kl:
+                ref = self._ref(ref_dir, ref_key)
+                logp = self._heldout_logp(model)
+                kl = (ref.exp() * (ref - logp)).sum(-1).double().mean(-1)
+                d["kl"] = {"ref": ref_key + ":" + self.heldout_sha, "per_sequence": kl.tolist()}
+            del model
+            d["seconds"] = round(time.monotonic() - t0, 1)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(d))
+        print(f"scored {model_dir.name} in {d['seconds']} s", file=sys.stderr, flush=True)
+        return d
+
+    def _ref(self, ref_dir: Path, ref_key: str) -> torch.Tensor:
+        if ref_key not in self._ref_logp:
+            self._ref_logp.clear()  # one reference at a time (~0.2 GB each)
+            model = self._load(ref_dir)
+            self._ref_logp[ref_key] = self._heldout_logp(model)
+        return self._ref_logp[ref_key]
+
+
+def _key(model_dir: Path) -> str:
+    manifest = model_dir / "manifest.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text())["manifest_hash"]
+    st = (model_dir / "model.safetensors").stat()
+    return f"{model_dir.as_posix()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def per_example(scores: dict, split: str, ref: dict | None = None) -> dict[str, list[float]]:
+    """Pooled per-example label log-likelihood (softmax over the labels), correctness, and
+    KL(ref || scores) of the label distributions (when ref is given)."""
+    ll, acc, kl = [], [], []
+    for t in TASKS:
+        s = scores[split][t]
+        for i, (y, lp) in enumerate(zip(s["y"], s["label_logprobs"])):
+            z = _logsumexp(lp)
+            q = [v - z for v in lp]
+            ll.append(q[y])
+            acc.append(1.0 if max(range(len(lp)), key=lambda j: lp[j]) == y else 0.0)
+            if ref is not None:
+                r = ref[split][t]["label_logprobs"][i]
+                zr = _logsumexp(r)
+                p = [v - zr for v in r]
+                kl.append(sum(math.exp(a) * (a - b) for a, b in zip(p, q)))
+    out = {"ll": ll, "acc": acc}
+    if ref is not None:
+        out["kl"] = kl
+    return out
+
+
+def per_task_acc(scores: dict, split: str) -> dict[str, float]:
+    out = {}
+    for t in TASKS:
+        s = scores[split][t]
+        hits = [1.0 if max(range(len(lp)), key=lambda j: lp[j]) == y else 0.0
+                for y, lp in zip(s["y"], s["label_logprobs"])]
+        out[t] = sum(hits) / len(hits)
+    return out
+
+
+def _logsumexp(v: list[float]) -> float:
+    m = max(v)
+    return m + math.log(sum(math.exp(x - m) for x in v))
+
+
+def mcnemar(a: list[float], b: list[float]) -> dict:
+    """Exact two-sided McNemar test on paired 0/1 outcomes: a right & b wrong vs the reverse."""
+    n01 = sum(1 for x, y in zip(a, b) if x > y)
+    n10 = sum(1 for x, y in zip(a, b) if x < y)
+    n = n01 + n10
+    if n == 0:
+        return {"a_only": 0, "b_only": 0, "p": 1.0}
+    k = min(n01, n10)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+    return {"a_only": n01, "b_only": n10, "p": p}
+
+
+def _model_name(m: str, s: str, budget: str) -> str:
+    return f"{m}_{s}_{budget.rstrip('%')}"
+
+
+def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout: Path, out: Path, *,
+               methods: list[str], strategies: list[str], budgets: list[str], dev_per_class: dict[str, int],
+               test_per_class: dict[str, int], seen: int, train_seed: int, heldout_seqs: int = 12,
+               heldout_len: int = 128, test_budgets: list[str] | None = None, n_boot: int = 2000) -> dict:
+    """The screen over methods x budgets x strategies, then test accuracy for energy and the best."""
+    experts = {t: family / "experts" / t / "model" for t in TASKS}
+    work = family / "strategies"
+    specs = strategy_specs(calib)
+    screen = Screen(base, {t: tasks_root / t for t in TASKS}, heldout, dev_per_class=dev_per_class,
+                    test_per_class=test_per_class, seen=seen, train_seed=train_seed,
+                    heldout_seqs=heldout_seqs, heldout_len=heldout_len)
+    texts = json.loads((calib.parent / "texts.json").read_text()) if (calib.parent / "texts.json").exists() else {}
+    result = {"family": family.as_posix(), "n": screen.n(), "bootstrap": {"resamples": n_boot, "seed": 0},
+              "methods": {m: METHODS[m] for m in methods},
+              "strategies": {s: {k: (Path(v).name if k == "text" else v) for k, v in specs[s].items()}
+                             for s in strategies},
+              "texts": texts, "seeds": 1, "rows": [], "between": [], "test": None, "timings": []}
+    cfgs, fulls = {}, {}
+    for m in methods:
+        for s in strategies:
+            cfgs[m, s] = work / "configs" / f"{m}_{s}.yaml"
+            write_config(cfgs[m, s], base=base, experts=experts, method=METHODS[m], strategy=specs[s],
+                         cache_dir=work / "cache")
+        full_dir = work / "models" / f"{m}_full"
+        merge(cfgs[m, "energy"], "full", full_dir, result["timings"])
+        fulls[m] = full_dir
+    full_scores = {m: screen.score(fulls[m], work / "scores" / f"{m}_full.json", ref_dir=None, test=False)
+                   for m in methods}
+    for m in methods:
+        ex = per_example(full_scores[m], "dev")
+        result["rows"].append({"method": m, "strategy": "-", "budget": "full",
+                               "dev_accuracy": _mean(ex["acc"]), "dev_label_ll": _mean(ex["ll"]),
+                               "dev_per_task_accuracy": per_task_acc(full_scores[m], "dev")})
+    per: dict[tuple, dict] = {}
+    for budget in budgets:
+        for m in methods:
+            full_ex = per_example(full_scores[m], "dev")
+            for s in strategies:
+                name = _model_name(m, s, budget)
+                model_dir = work / "models" / name
+                merge(cfgs[m, s], budget, model_dir, result["timings"])
+                man = json.loads((model_dir / "manifest.json").read_text())
+                sc = screen.score(model_dir, work / "scores" / f"{name}.json", ref_dir=fulls[m], test=False)
+                ex = per_example(sc, "dev", full_scores[m])
+                ex["heldout_kl"] = sc["kl"]["per_sequence"]
+                per[m, s, budget] = ex
+                result["rows"].append({
+                    "method": m, "strategy": s, "budget": budget,
+                    "expert_bytes_read": man["bytes"]["expert_bytes_read"],
+                    "total_expert_bytes": man["bytes"]["total_expert_bytes"],
+                    "read_by_expert": man["bytes"].get("expert_bytes_read_by_expert"),
+                    "bound": man.get("bound"),
+                    "dev_accuracy": _mean(ex["acc"]), "dev_label_ll": _mean(ex["ll"]),
+                    "d_dev_label_ll": paired(ex["ll"], full_ex["ll"], n_boot=n_boot),
+                    "d_dev_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
+                    "dev_label_kl": paired(ex["kl"], n_boot=n_boot),
+                    "heldout_kl": paired(ex["heldout_kl"], n_boot=n_boot),
+                    "dev_per_task_accuracy": per_task_acc(sc, "dev"),
+                })
+                print(json.dumps({k: result["rows"][-1][k] for k in ("method", "strategy", "budget",
+                                                                     "dev_label_ll")}
+                                 | {"heldout_kl": result["rows"][-1]["heldout_kl"]["mean"]}), flush=True)
+                _write(out, result)
+            for s in strategies:
+                if s == "energy" or "energy" not in strategies:
+                    continue
+                a, b = per[m, s, budget], per[m, "energy", budget]
+                result["between"].append({
+                    "method": m, "budget": budget, "a": s, "b": "energy",
+                    "d_dev_label_ll": paired(a["ll"], b["ll"], n_boot=n_boot),
+                    "d_dev_accuracy": paired(a["acc"], b["acc"], n_boot=n_boot),
+                    "d_heldout_kl": paired(a["heldout_kl"], b["heldout_kl"], n_boot=n_boot),
+                })
+            _write(out, result)
+    if test_budgets:
+        result["test"] = run_test(screen, result, work, experts, fulls, full_scores, methods=methods,
+                                  budgets=test_budgets, n_boot=n_boot)
+    _write(out, result)
+    return result
+
+
+def best_strategy(result: dict, budgets: list[str]) -> str | None:
+    """The non-energy strategy with the highest mean dev label-log-likelihood difference to
+    the full read over every method and the given budgets (it must have them all)."""
+    scores: dict[str, list[float]] = {}
+    for r in result["rows"]:
+        if r["strategy"] not in ("-", "energy") and r["budget"] in budgets:
+            scores.setdefault(r["strategy"], []).append(r["d_dev_label_ll"]["mean"])
+    need = len(result["methods"]) * len(budgets)
+    full = {s: sum(v) / len(v) for s, v in scores.items() if len(v) == need}
+    return max(full, key=full.get) if full else None
+
+
+def run_test(screen: Screen, result: dict, work: Path, experts: dict[str, Path], fulls: dict[str, Path],
+             full_scores: dict, *, methods: list[str], budgets: list[str], n_boot: int) -> dict:
+    best = best_strategy(result, budgets)
+    strategies = ["energy"] + ([best] if best else [])
+    test = {"rule": "best = highest mean dev label-log-likelihood difference to the full read over methods "
+                    f"and budgets {budgets}", "best": best, "rows": [], "experts": {}}
+    for t, d in experts.items():
+        sc = screen.score(d, work / "scores" / f"expert_{t}.json", ref_dir=None, test=True)
+        ex = per_example(sc, "test")
+        test["experts"][t] = {"accuracy": _mean(ex["acc"]), "per_task": per_task_acc(sc, "test")}
+    for m in methods:
+        fs = screen.score(fulls[m], work / "scores" / f"{m}_full.json", ref_dir=None, test=True)
+        full_ex = per_example(fs, "test")
+        test["rows"].append({"method": m, "strategy": "-", "budget": "full", "accuracy": _mean(full_ex["acc"]),
+                             "per_task": per_task_acc(fs, "test"), "n": len(full_ex["acc"])})
+        for budget in budgets:
+            exs = {}
+            for s in strategies:
+                name = _model_name(m, s, budget)
+                sc = screen.score(work / "models" / name, work / "scores" / f"{name}.json", ref_dir=fulls[m],
+                                  test=True)
+                exs[s] = ex = per_example(sc, "test")
+                test["rows"].append({"method": m, "strategy": s, "budget": budget, "accuracy": _mean(ex["acc"]),
+                                     "per_task": per_task_acc(sc, "test"), "n": len(ex["acc"]),
+                                     "d_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
+                                     "mcnemar_vs_full": mcnemar(ex["acc"], full_ex["acc"])})
+            if best:
+                a, b = exs[best]["acc"], exs["energy"]["acc"]
+                test["rows"].append({"method": m, "strategy": f"{best} - energy", "budget": budget,
+                                     "d_accuracy": paired(a, b, n_boot=n_boot), "mcnemar": mcnemar(a, b)})
+    return test
+
+
+def _mean(x: list[float]) -> float:
+    return sum(x) / len(x)
+
+
+def _write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out)
