@@ -446,12 +446,20 @@ class OutTensor:
     shape: tuple[int, ...]
 
 
+FS_BLOCK = 4096  # the file-system block size reflinks share at (btrfs, XFS: 4 KiB)
+
+
 class SafetensorsWriter:
     """Writes a .safetensors file whose header is known up front; blocks arrive in
     any order and are `pwrite`n at their offsets, so memory stays O(block)."""
 
     def __init__(self, path: str | Path, tensors: list[OutTensor], *,
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, align_like: int | None = None) -> None:
+        """`align_like`: the data start of the base file this one mirrors (same tensors at
+        the same data offsets). The header is then padded with spaces so that this file's
+        data starts at the same offset modulo FS_BLOCK as the base's: copied runs of base
+        bytes sit at the same place within a file-system block, so a reflink-capable file
+        system (btrfs, XFS) can share their extents instead of copying them."""
         self.path = Path(path)
         header: dict[str, object] = {}
         if metadata:
@@ -465,6 +473,8 @@ class SafetensorsWriter:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
+        if align_like is not None and align_like % 8 == 0:
+            raw += b" " * ((align_like - 8 - len(raw)) % FS_BLOCK)
         self.header = len(raw).to_bytes(8, "little") + raw  # the file's first data_start bytes
         self.data_start = len(self.header)
         self.size = self.data_start + offset

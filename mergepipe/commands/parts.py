@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mergepipe.engine.layout import output_layout
+from mergepipe.engine.layout import base_alignment, output_layout
 from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.manifest import load_manifest
@@ -168,7 +168,8 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         layout = output_layout(inputs.base, dtype=plan["output"].get("dtype"),
                                shard_bytes=plan["output"].get("shard_bytes"))
         file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
-        writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"})
+        align = base_alignment(inputs.base, layout)  # the same headers as a one-process merge
+        writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
                    for fname, ts in layout.items()}
         realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})
         try:

@@ -11,7 +11,7 @@ from math import prod
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE, Checkpoint, OutTensor, TensorInfo
 
-__all__ = ["OUT_DTYPES", "OutTensor", "output_layout", "shard_index_json", "usable_shard_names"]
+__all__ = ["OUT_DTYPES", "OutTensor", "base_alignment", "output_layout", "shard_index_json", "usable_shard_names"]
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -26,6 +26,24 @@ def usable_shard_names(names: list[str]) -> bool:
     in different subfolders may share a name). Otherwise the output names its shards
     `model-0000i-of-0000n.safetensors`."""
     return len(set(names)) == len(names) and all(_SHARD_NAME.fullmatch(n) for n in names)
+
+
+def base_alignment(base: Checkpoint, layout: dict[str, list[OutTensor]]) -> dict[str, int]:
+    """Output file -> data start of the base file it mirrors byte for byte in its data section
+    (same tensors, dtypes and shapes at the same data offsets), for SafetensorsWriter's
+    `align_like`; files that mirror none (resharded, cast) are absent."""
+    out: dict[str, int] = {}
+    if len(layout) != len(base.files):
+        return out
+    for (fname, tensors), h in zip(layout.items(), base.files):
+        offset, same = 0, len(tensors) == len(h.tensors)
+        for o, t in zip(tensors, h.tensors):
+            same = same and (o.name, o.dtype, tuple(o.shape)) == (t.name, t.dtype, tuple(t.shape)) \
+                and t.begin - h.data_start == offset
+            offset += ITEMSIZE[o.dtype] * prod(o.shape)
+        if same:
+            out[fname] = h.data_start
+    return out
 
 
 def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:

@@ -29,7 +29,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
-from mergepipe.engine.layout import output_layout, shard_index_json
+from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
@@ -159,7 +159,9 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
     out_of = {t.name: (fname, t) for fname, ts in layout.items() for t in ts}
     realized = Realized()
-    writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}) for fname, ts in layout.items()}
+    align = base_alignment(base, layout)  # so that copied base runs can be reflinked
+    writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
+               for fname, ts in layout.items()}
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None

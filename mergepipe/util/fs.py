@@ -91,6 +91,9 @@ def hash_file(path: Path | str, *, chunk_bytes: int = 16 << 20) -> str:
 _NO_KERNEL_COPY = frozenset((errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM))
 
 
+REFLINK_BLOCK = 4096  # file-system block: the unit btrfs and XFS share extents in
+
+
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, *,
                chunk_bytes: int = 8 << 20) -> int:
     """Copy `nbytes` from src at src_offset to dst at dst_offset without the bytes passing
@@ -104,11 +107,20 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
     done = 0
     if hasattr(os, "copy_file_range"):
         try:
-            while done < nbytes:
-                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "source ended before the range was copied")
-                done += n
+            # where src and dst sit alike within a file-system block, the aligned middle goes in
+            # its own call: btrfs/XFS share (reflink) whole aligned blocks, and copy the rest
+            cuts = [nbytes]
+            if (src_offset - dst_offset) % REFLINK_BLOCK == 0:
+                head = -src_offset % REFLINK_BLOCK
+                tail = (src_offset + nbytes) % REFLINK_BLOCK
+                if head + tail < nbytes:
+                    cuts = [c for c in (head, nbytes - tail, nbytes) if c > 0]
+            for end in cuts:
+                while done < end:
+                    n = os.copy_file_range(src_fd, dst_fd, end - done, src_offset + done, dst_offset + done)
+                    if n == 0:
+                        raise OSError(errno.EIO, "source ended before the range was copied")
+                    done += n
             return done
         except OSError as e:
             if e.errno not in _NO_KERNEL_COPY:
