@@ -77,7 +77,8 @@ def run_method(method: str, params: dict, base: torch.Tensor, experts: list[dict
     optional density / gamma. omit: (expert name, row_start) pairs whose block is
     left unread (delta None). cosine: give slerp the whole-tensor cosine (default:
     only when there are several blocks). joint: the tensor's joint statistics, handed to
-    every block (BlockInputs.joint), as the engine's joint scan does.
+    every block (BlockInputs.joint); by default, for a method that declares them, computed
+    as the engine's joint scan does (every block of every expert, omitted or not).
     """
     from mergepipe.methods import get_method
     from mergepipe.methods.base import BlockInputs, ExpertBlock
@@ -95,6 +96,8 @@ def run_method(method: str, params: dict, base: torch.Tensor, experts: list[dict
         full = e.get("delta")
         prepared.append((e, full, None if full is None else cuts_for(full),
                          whole_tensor_cosine(base, base if full is None else base + full) if cosine else None))
+    if joint is None and m.joint is not None and m.joint.active(p):
+        joint = _joint_statistics(m, p, tensor, base, experts, ranges, seed)
     outputs = []
     for r0, r1 in ranges:
         base_block = base[r0:r1] if shape else base
@@ -111,6 +114,19 @@ def run_method(method: str, params: dict, base: torch.Tensor, experts: list[dict
                             base=base_block, experts=tuple(blocks), seed=seed, joint=joint)
         outputs.append(m.fn(block, p))
     return torch.cat(outputs) if shape else outputs[0]
+
+
+def _joint_statistics(m, p, tensor: str, base: torch.Tensor, experts: list[dict], ranges, seed: int):
+    """The engine's joint scan on whole tensors held in memory (methods/joint.py), experts in
+    canonical order as the engine passes them."""
+    from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
+
+    ordered = sorted(experts, key=lambda e: (e["hash"], e["name"]))
+    ctx = TensorContext(tensor, tuple(base.shape),
+                        tuple(JointExpert(e["name"], e["hash"], e["weight"], e.get("density"), e.get("gamma"))
+                              for e in ordered), p, seed)
+    deltas = [(torch.zeros_like(base) if e.get("delta") is None else e["delta"]).numpy() for e in ordered]
+    return in_memory_statistics(m.joint, ctx, base.numpy(), deltas, list(ranges))
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Equivalence with mergekit 0.1.5 of the methods added for issue 14 that need no whole-tensor
-statistics: passthrough, nearswap, ram, della, della_linear, nuslerp (row mode; and its whole-tensor
-flatten and column modes, whose sums come from the joint scan, here on whole tensors).
+statistics: passthrough, nearswap, ram, della, della_linear, nuslerp (row mode); and those that take
+whole-tensor statistics from the joint scan (here computed on the whole tensor as one block):
+ramplus_tl (per-expert shared/unique counts) and nuslerp's flatten and column modes.
 
 As tests/test_mergekit_equivalence.py: a script in the mergekit virtualenv applies
 `mergekit.merge_methods.api.merge_tensors` (dtype float32) to tensors from a safetensors
@@ -138,6 +139,9 @@ CASES = [
     Case("ram", "ram", {}, family="sparse", n_experts=3),
     Case("ram_eps", "ram", {"epsilon": 0.02}, family="sparse", n_experts=3),
     Case("ram_dense", "ram", {}, family="bf16", n_experts=3),
+    Case("ramplus", "ramplus_tl", {}, family="sparse", n_experts=3),
+    Case("ramplus_r", "ramplus_tl", {"r": 0.5, "alpha": 0.7, "epsilon": 0.02}, family="sparse", n_experts=3),
+    Case("ramplus_dense", "ramplus_tl", {"r": 0.3}, family="bf16", n_experts=3),
     Case("della", "della", {"rescale": False}, family="distinct", n_experts=3, weights=[0.6, 1.0, 0.35],
          expert_params=DELLA_DENSITY, masks=True),
     Case("della_eps", "della", {"rescale": False, "epsilon": 0.05, "lambda": 0.8}, family="distinct",
@@ -159,7 +163,8 @@ CASES = [
     Case("nuslerp_column_nobase", "nuslerp", {**ROW, "nuslerp_row_wise": True}, family="bf16", n_experts=2,
          weights=[0.3, 0.9], base_index=None, ours_params={**ROW, "nuslerp_row_wise": True, "base_weight": 0.3}),
 ]
-WHOLE_TENSOR = {"nuslerp_flat", "nuslerp_flat_nobase", "nuslerp_column", "nuslerp_column_nobase"}
+WHOLE_TENSOR = {"nuslerp_flat", "nuslerp_flat_nobase", "nuslerp_column", "nuslerp_column_nobase", "ramplus",
+                "ramplus_r", "ramplus_dense"}
 
 
 def _masks(case: Case, base: torch.Tensor, experts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -325,6 +330,11 @@ def test_ram_exercises_every_contributor_count(reference):
     base, experts = reference["families"]["sparse"]
     count = sum(((w - base).abs() > 1e-5).int() for w in experts)
     assert {int(c) for c in count.unique()} == {0, 1, 2, 3}
+    # and ramplus_tl's amplification is neither 1 nor capped for every expert
+    from mergepipe.methods.ramplus_tl import RamplusTlParams, amplification, shared_unique_counts
+    deltas = torch.stack([w - base for w in experts]).numpy()
+    lambdas = amplification(shared_unique_counts(deltas, 1e-5), 3, RamplusTlParams(r=0.5, alpha=10.0))
+    assert bool((lambdas > 1).all()) and len(set(lambdas.tolist())) == 3
 
 
 @pytest.mark.parametrize("density,epsilon", [(0.3, 0.1), (0.6, 0.15)])

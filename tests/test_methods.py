@@ -47,6 +47,9 @@ CASES = [
     ("nearswap", {"t": 0.05}, {}, 1),
     ("ram", {}, {}, 3),
     ("ram", {"epsilon": 0.05}, {}, 5),
+    ("ramplus_tl", {"epsilon": 0.05, "r": 0.5, "alpha": 0.9}, {}, 3),
+    ("nuslerp", {}, {}, 2),
+    ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True, "base_weight": 0.7}, {}, 1),
     ("della", {}, {"density": 0.5}, 3),
     ("della_linear", {"epsilon": 0.1, "normalize": True}, {"density": 0.4}, 3),
     ("nuslerp", {"nuslerp_flatten": False}, {}, 2),
@@ -56,7 +59,8 @@ CASE_IDS = [f"{m}-{i}" for i, (m, *_) in enumerate(CASES)]
 # Output equals the base when no expert changes anything (not true of
 # unnormalized linear: it returns (sum of weights) * W0).
 IDENTITY_CASES = [c for c in CASES if not (c[0] == "linear" and c[1].get("normalize") is False)
-                  and c[1].get("scale") is None]
+                  and not (METHODS[c[0]].rewrites_base  # the method declares it: passthrough's scale, ...
+                           and METHODS[c[0]].rewrites_base(METHODS[c[0]].params.model_validate(c[1])))]
 RANDOM = {"dare_linear", "dare_ties", "della", "della_linear"}
 
 
@@ -418,6 +422,7 @@ FIELDS = {
     "passthrough": {"scale"},
     "nearswap": {"t"},
     "ram": {"epsilon"},
+    "ramplus_tl": {"r", "alpha", "epsilon"},
     "della": {"lambda_", "normalize", "density", "epsilon", "rescale", "int8_mask"},
     "della_linear": {"lambda_", "normalize", "density", "epsilon", "rescale", "int8_mask"},
     "nuslerp": {"nuslerp_row_wise", "nuslerp_flatten", "base_weight"},

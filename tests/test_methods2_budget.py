@@ -1,5 +1,5 @@
-"""passthrough, nearswap, ram, della, della_linear and nuslerp (row, flatten and column modes)
-through `mergepipe run`.
+"""passthrough, nearswap, ram, ramplus_tl, della, della_linear and nuslerp (row, flatten and column
+modes) through `mergepipe run`.
 
 At full budget the output is the method's plain merge of the whole tensors (run block by block
 at the engine's block layout, tests/_cuts.run_method, cast to the output dtype): bit for bit.
@@ -28,6 +28,8 @@ CASES = [
     ("passthrough", "passthrough", {"scale": 0.75}, [(0, {"weight": 1.0})]),
     ("nearswap", "nearswap", {"t": 0.004}, [(1, {"weight": 1.0})]),
     ("ram", "ram", {"epsilon": 1e-3}, [(0, {"weight": 1.0}), (1, {"weight": 1.0}), (2, {"weight": 1.0})]),
+    ("ramplus_tl", "ramplus_tl", {"epsilon": 1e-3, "r": 0.5},
+     [(0, {"weight": 1.0}), (1, {"weight": 1.0}), (2, {"weight": 1.0})]),
     ("della", "della", {"epsilon": 0.1}, [(0, {"weight": 1.0, "density": 0.5}), (1, {"weight": 0.5, "density": 0.3}),
                                          (2, {"weight": 0.7, "density": 0.6})]),
     ("della_linear", "della_linear", {"epsilon": 0.2, "density": 0.4}, [(0, {"weight": 0.6}), (2, {"weight": 0.9})]),

@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
@@ -47,7 +48,9 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
-    return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root)
+    tokenizer = plan["output"].get("tokenizer_source")
+    return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
+                  tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root))
 
 
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[dict, Inputs]:
@@ -73,10 +76,20 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
-                     output={"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]},
+                     output=_plan_output(cfg, norm),
                      nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"),
                      tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration)
-    return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root)
+    return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
+                        tokenizer_dir=cfg.output.tokenizer_source)
+
+
+def _plan_output(cfg, norm: dict) -> dict:
+    """The plan's `output`: dtype, shard_bytes and, only when set, the tokenizer source (hashed)."""
+    out = {"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]}
+    if cfg.output.tokenizer_source is not None:
+        out["tokenizer_source"] = plan_tokenizer(cfg.output.tokenizer_source,
+                                                 norm["output"]["tokenizer_source"], cfg.base)
+    return out
 
 
 def _scalar_or(value, default):
@@ -139,7 +152,12 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                         else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
             aux = {}
             weight_files = {os.path.realpath(h.path) for h in inputs.base.files}
+            tokenizer = plan["output"].get("tokenizer_source")
+            if tokenizer is not None:  # that model's tokenizer files, checked against the plan
+                aux.update(copy_tokenizer(tokenizer, inputs.tokenizer_dir, tmp))
             for name in AUX_FILES:
+                if tokenizer is not None and name in TOKENIZER_FILES:
+                    continue
                 src = inputs.base.root / name
                 # a base weight shard may be named config.json (legal in a weight_map): never a config
                 if src.is_file() and os.path.realpath(src) not in weight_files:

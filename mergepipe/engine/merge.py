@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mergepipe.util.lazy import torch
@@ -31,6 +31,8 @@ from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
+from mergepipe.engine.tensor_variants import TensorVariants
+from mergepipe.plan.tensor_params import group_index
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.records import DeltaIndex, ModelIndex
@@ -54,6 +56,7 @@ class Inputs:
     expert_indexes: dict[str, ModelIndex]
     deltas: dict[str, DeltaIndex]
     cache_dir: Path | None = None  # the store, where joint statistics are kept (engine/stats.py)
+    tokenizer_dir: Path | None = None  # output.tokenizer_source's folder (commands/tokenizer_source.py)
 
 
 @dataclass
@@ -139,6 +142,8 @@ class _Merge:
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
     torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
     joint: JointStatistics | None = None  # a joint method's per-tensor statistics (engine/stats.py)
+    # per-tensor parameters (plan `tensor_parameters`): the state for each tensor's group
+    variants: TensorVariants | None = None
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -175,7 +180,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         planned = set().union(*(r.get(name, ()) for r in reads.values()))
         copy_ok = out_of[name][1].dtype == t.dtype
         ranges = inputs.base_index.tensors[name].ranges
-        if copy_ok and packable(t, ranges):  # small tensors: one unit per run of them (engine/packs.py)
+        if copy_ok and packable(t, ranges) and group_index(plan, name) is None:  # small tensors: one unit per run of them (engine/packs.py)
             fname = out_of[name][0]
             done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
             if done is not None:
@@ -194,6 +199,8 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
                    _scales_by_tensor(plan), joint=joint)
+        if "tensor_parameters" in plan:
+            m.variants = TensorVariants(plan, lambda state, p, es: _for_group(state, p, es, compiled))
 
         def load(name: str | Pack, kind: str, blocks: list[int]):
             if kind == PACK:
@@ -272,12 +279,23 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     """The output bytes of block b (rows r0:r1, base bytes `raw`): the base's, cast, or merged
     by the method's kernel or its torch code."""
     shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
+    if m.variants is not None:
+        m = m.variants.get(m, t.name)
     if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
         # nothing to merge here: the base rows, cast if the output dtype differs
         return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
     if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
         return m.kernel(_raw_block(m, t, b, raw, got))
     return _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
+
+
+def _for_group(m: _Merge, parameters: dict, plan_experts: list[dict], compiled: bool) -> _Merge:
+    """The merge state for one group of per-tensor parameters (engine/tensor_variants.py)."""
+    params = m.method.params.model_validate(parameters)
+    experts = [_Expert(e["name"], e["content_hash"], float(e["weight"]), expert_knobs(params, e))
+               for e in plan_experts]
+    kernel = m.method.compiled(params, plan_experts) if m.method.compiled is not None and compiled else None
+    return replace(m, params=params, experts=experts, kernel=kernel, variants=None)
 
 
 def _load_pack(pack: Pack, reader: UnitReader, writers: dict[str, SafetensorsWriter],

@@ -19,6 +19,7 @@ from mergepipe.methods import (  # noqa: F401
     nuslerp,
     passthrough,
     ram,
+    ramplus_tl,
     slerp,
     task_arithmetic,
     ties,

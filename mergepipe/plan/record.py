@@ -48,10 +48,19 @@ class PlanInputRecord(BaseModel):
     gamma: Annotated[float, Field(ge=0, lt=1)] | None = None
 
 
+class TokenizerRecord(BaseModel):
+    """output.tokenizer_source (commands/tokenizer_source.py): the folder and its files' blake3."""
+
+    model_config = _STRICT
+    path: Annotated[str, Field(min_length=1)]
+    files: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], Hash]
+
+
 class OutputRecord(BaseModel):
     model_config = _STRICT
     dtype: Literal["bfloat16", "float16", "float32"] | None
     shard_bytes: Annotated[int, Field(strict=True, ge=MIN_SHARD_BYTES)] | None
+    tokenizer_source: TokenizerRecord | None = None
 
 
 class BytesRecord(BaseModel):
