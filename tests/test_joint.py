@@ -27,8 +27,9 @@ from mergepipe.plan.planner import plan_hash
 from tests._joint import run_joint
 from tests.helpers import load_model, write_config
 
-METHODS = [("model_stock", {}), ("model_stock", {"filter_wise": True}), ("karcher", {}), ("multislerp", {})]
-IDS = ["model_stock", "model_stock_fw", "karcher", "multislerp"]
+METHODS = [("model_stock", {}), ("model_stock", {"filter_wise": True}), ("karcher", {}), ("multislerp", {}),
+           ("sce", {"select_topk": 0.5})]
+IDS = ["model_stock", "model_stock_fw", "karcher", "multislerp", "sce"]
 
 
 def _run(tmp: Path, family: dict, method: str, params: dict, *, budget: str = "full", threads: int = 2,

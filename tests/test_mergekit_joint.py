@@ -34,6 +34,11 @@ from mergekit.merge_methods.api import merge_tensors
 inputs = load_file(sys.argv[1])
 out = {}
 for run in json.loads(open(sys.argv[2]).read()):
+    if run["method"] == "sce_mask":  # the selection alone (ties at the threshold: arbitrary subset)
+        from mergekit.merge_methods.sce import sce_mask
+        deltas = torch.stack([inputs[t] - inputs[run["tensors"][0]] for t in run["tensors"][1:]])
+        out[run["id"]] = sce_mask(deltas, run["parameters"]["select_topk"], torch.float32).contiguous()
+        continue
     for dtype in ("float32", "float64"):
         out[run["id"] + "." + dtype] = merge_tensors(
             [inputs[t] for t in run["tensors"]], run["method"], parameters=run["parameters"],
@@ -44,11 +49,13 @@ save_file(out, sys.argv[3])
 WEIGHTS = [0.6, 1.0, 0.35]
 
 
-def _family(seed: int, shape: tuple[int, ...], k: int = 3, spread: float = 0.05):
-    """bf16-valued fp32 base and experts (exact fp32 deltas)."""
+def _family(seed: int, shape: tuple[int, ...], k: int = 3, spread: float = 0.05, rounded: bool = True):
+    """bf16-valued fp32 base and experts (exact fp32 deltas); `rounded=False`: fp32 experts."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(shape, generator=g).to(torch.bfloat16).float()
-    experts = [(base + torch.randn(shape, generator=g) * spread).to(torch.bfloat16).float() for _ in range(k)]
+    experts = [base + torch.randn(shape, generator=g) * spread for _ in range(k)]
+    if rounded:
+        experts = [w.to(torch.bfloat16).float() for w in experts]
     return base, experts
 
 
@@ -67,6 +74,8 @@ FAMILIES = {
     "two": lambda: _family(3, (40, 24), k=2, spread=0.2),
     "one": lambda: _family(4, (30, 8), k=1),
     "opp": lambda: _opposed(5),
+    "f32": lambda: _family(6, (48, 64), rounded=False),  # fp32 deltas: no ties in sce's variance
+    "c32": lambda: _family(7, (12, 4, 16), rounded=False),
 }
 
 # (id, method, params (ours = mergekit's unless noted), family, per-expert weights, include base)
@@ -88,7 +97,14 @@ CASES = [
     ("msl_two", "multislerp", {}, "two", True),
     ("msl_one", "multislerp", {}, "one", True),
     ("msl_opposed", "multislerp", {}, "opp", True),  # |mean| < eps: mergekit's linear fallback
+    ("sce", "sce", {}, "m", False),
+    ("sce_30", "sce", {"select_topk": 0.3}, "f32", False),
+    ("sce_70", "sce", {"select_topk": 0.7}, "f32", False),
+    ("sce_70_3d", "sce", {"select_topk": 0.7}, "c32", False),
+    ("sce_none", "sce", {"select_topk": 0.0}, "f32", False),
 ]
+# sce's selection alone, on tie-heavy bf16 deltas: (id, family, select_topk)
+SCE_MASKS = [("mask_m_30", "m", 0.3), ("mask_m_70", "m", 0.7), ("mask_two_50", "two", 0.5)]
 BOUNDARIES = [5, 17, 30]
 
 
@@ -106,6 +122,10 @@ def reference(tmp_path_factory):
         if weighted:
             parameters["weight"] = WEIGHTS[:k]
         runs.append({"id": cid, "method": method, "parameters": parameters, "base_index": 0,
+                     "tensors": [f"{fam}.base"] + [f"{fam}.e{i}" for i in range(k)]})
+    for cid, fam, topk in SCE_MASKS:
+        k = len(families[fam][1])
+        runs.append({"id": cid, "method": "sce_mask", "parameters": {"select_topk": topk},
                      "tensors": [f"{fam}.base"] + [f"{fam}.e{i}" for i in range(k)]})
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "in.safetensors")
     (tmp / "runs.json").write_text(json.dumps(runs))
@@ -148,3 +168,33 @@ def test_singular_model_stock_keeps_the_base(reference):
     base, _ = families["opp"]
     ours = _ours(next(c for c in CASES if c[0] == "ms_singular"), families)
     assert torch.equal(ours, base) and torch.equal(theirs["ms_singular.float32"], base)
+
+
+@pytest.mark.parametrize(("cid", "fam", "topk"), SCE_MASKS, ids=[m[0] for m in SCE_MASKS])
+def test_sce_selection_keeps_k_like_mergekit(reference, cid, fam, topk):
+    """On bf16 deltas many variances tie at the threshold: mergekit's topk keeps an arbitrary
+    subset of them, ours the first in flat order; both keep exactly k, and agree elsewhere."""
+    import numpy as np
+
+    from mergepipe.methods import get_method
+    from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
+    from mergepipe.methods.sce import block_mask
+    from tests._joint import split
+    families, theirs = reference
+    base, experts = families[fam]
+    deltas = [(w - base).numpy() for w in experts]
+    m = get_method("sce")
+    p = m.params(select_topk=topk)
+    ctx = TensorContext("w", tuple(base.shape), tuple(JointExpert(f"e{i}", f"{i:02d}", 1.0)
+                                                      for i in range(len(experts))), p)
+    ranges = split(base.shape[0], BOUNDARIES)
+    stats = in_memory_statistics(m.joint, ctx, base.numpy(), deltas, ranges)
+    ours = np.concatenate([block_mask(np.stack([d[r0:r1].reshape(-1) for d in deltas]), stats, r0)
+                           for r0, r1 in ranges])
+    mask = theirs[cid].reshape(-1).numpy()
+    var = torch.var(torch.stack([torch.from_numpy(d) for d in deltas]), dim=0, unbiased=False).reshape(-1)
+    k = int(stats[0])
+    assert int(ours.sum()) == int(mask.sum()) == k > 0
+    at_threshold = (var == float(np.int32(stats[1]).view(np.float32))).numpy()
+    assert at_threshold.sum() > 1  # the case has ties
+    assert np.array_equal(ours[~at_threshold], mask[~at_threshold])

@@ -20,6 +20,7 @@ from mergepipe.methods import (  # noqa: F401
     passthrough,
     ram,
     ramplus_tl,
+    sce,
     slerp,
     task_arithmetic,
     ties,

@@ -70,3 +70,81 @@ def unpack_gram(row: np.ndarray, k: int) -> tuple[float, np.ndarray, np.ndarray]
         for j in range(i, k):
             dd[i, j] = dd[j, i] = row[pair_index(k, i, j)]
     return float(row[0]), bd, dd
+
+
+# --- exact top-k over a whole tensor of non-negative fp32 values (sce's variance) ---------
+# Non-negative fp32 values order like their int32 bit patterns, so the k-th largest is found
+# exactly by a histogram of the upper 16 bits, then of the lower 16 bits inside the one bin
+# that holds it (as the delta index finds rank cuts, index/scan.py). Counts are exact.
+
+@njit(nogil=True, cache=True)
+def expert_variance(deltas: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = the population variance over experts of deltas[:, i], in fp64, rounded to fp32."""
+    k, n = deltas.shape
+    for i in range(n):
+        s = 0.0
+        for e in range(k):
+            s += np.float64(deltas[e, i])
+        mean = s / k
+        q = 0.0
+        for e in range(k):
+            d = np.float64(deltas[e, i]) - mean
+            q += d * d
+        out[i] = np.float32(q / k)
+
+
+@njit(nogil=True, cache=True)
+def hist_high(bits: np.ndarray, hist: np.ndarray) -> None:
+    """hist[bits >> 16] += 1; hist[65536] counts the zeros."""
+    for i in range(bits.size):
+        b = bits[i]
+        hist[b >> 16] += 1.0
+        if b == 0:
+            hist[65536] += 1.0
+
+
+@njit(nogil=True, cache=True)
+def hist_low(bits: np.ndarray, high: int, hist: np.ndarray) -> None:
+    """hist[bits & 0xFFFF] += 1 for the elements whose upper 16 bits are `high`."""
+    for i in range(bits.size):
+        b = bits[i]
+        if (b >> 16) == high:
+            hist[b & 0xFFFF] += 1.0
+
+
+@njit(nogil=True, cache=True)
+def count_bits(bits: np.ndarray, value: int) -> int:
+    c = 0
+    for i in range(bits.size):
+        c += bits[i] == value
+    return c
+
+
+@njit(nogil=True, cache=True)
+def top_mask(bits: np.ndarray, value: int, eq_keep: int, out: np.ndarray) -> None:
+    """out[i] = 1 where bits[i] > value, and for the first `eq_keep` elements equal to it
+    (flat order); else 0."""
+    left = eq_keep
+    for i in range(bits.size):
+        b = bits[i]
+        if b > value:
+            out[i] = 1.0
+        elif b == value and left > 0:
+            out[i] = 1.0
+            left -= 1
+        else:
+            out[i] = 0.0
+
+
+@njit(nogil=True, cache=True)
+def masked_square_sums(deltas: np.ndarray, mask: np.ndarray, out: np.ndarray) -> None:
+    """out[e] = sum_i (deltas[e, i] * mask[i])^2 in fp64, fixed order (8 lanes, pairwise);
+    the product is taken in fp32 first, as the masked delta is."""
+    k, n = deltas.shape
+    acc = np.zeros(LANES, dtype=np.float64)
+    for e in range(k):
+        acc[:] = 0.0
+        for i in range(n):
+            x = np.float64(np.float32(deltas[e, i] * mask[i]))
+            acc[i % LANES] += x * x
+        out[e] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))

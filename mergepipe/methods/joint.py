@@ -93,7 +93,9 @@ class JointPass:
 
 @dataclass(frozen=True, slots=True)
 class JointSpec:
-    passes: tuple[JointPass, ...]
+    # the passes, or a function of the typed params giving them (sce needs its top-k passes
+    # only when select_topk < 1)
+    passes: "tuple[JointPass, ...] | Callable[[BaseModel], tuple[JointPass, ...]]"
     result_size: Callable[[TensorContext], int]
     params: tuple[str, ...] = ()  # parameter names the statistics depend on
     expert_knobs: tuple[str, ...] = ()  # of "weight", "density", "gamma"
@@ -109,7 +111,8 @@ def run_passes(spec: JointSpec, ctx: TensorContext, blocks: BlockSource) -> np.n
     """One tensor's statistics: every pass over `blocks()` ((row_start, row_end, base,
     deltas) in block order; called once per pass), accumulated in that order."""
     prev: np.ndarray | None = None
-    for p in spec.passes:
+    passes = spec.passes(ctx.params) if callable(spec.passes) else spec.passes
+    for p in passes:
         acc = np.zeros(p.size(ctx), dtype=np.float64)
         for r0, r1, base, deltas in blocks():
             part = p.accumulate(JointBlock(ctx, r0, r1, base, deltas), prev)
