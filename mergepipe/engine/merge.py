@@ -142,6 +142,9 @@ class _Merge:
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
     torch_threads: list[int] = field(default_factory=list)  # torch's thread count before, once set (_torch_path)
     joint: JointStatistics | None = None  # a joint method's per-tensor statistics (engine/stats.py)
+    # the method's output differs from the base where no expert is read (Method.rewrites_base):
+    # no float block is copied or passed through, every one goes through `fn`
+    rewrites: bool = False
     # per-tensor parameters (plan `tensor_parameters`): the state for each tensor's group
     variants: TensorVariants | None = None
 
@@ -174,11 +177,12 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     if joint is not None:
         realized.joint_statistics = {"key": joint.key, "blake3": joint.digest}
         realized.joint_bytes_read = joint.bytes_read
+    rewrites = method.rewrites_base is not None and method.rewrites_base(params)
     work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
     packs = PackBuilder()
     for name, t in base.tensors.items():
         planned = set().union(*(r.get(name, ()) for r in reads.values()))
-        copy_ok = out_of[name][1].dtype == t.dtype
+        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites and t.dtype in FLOAT_DTYPES)
         ranges = inputs.base_index.tensors[name].ranges
         if copy_ok and packable(t, ranges) and group_index(plan, name) is None:  # small tensors: one unit per run of them (engine/packs.py)
             fname = out_of[name][0]
@@ -198,7 +202,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
         hasher = OutputHasher(layout, writers, plan["block_bytes"])
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
-                   _scales_by_tensor(plan), joint=joint)
+                   _scales_by_tensor(plan), rewrites=rewrites, joint=joint)
         if "tensor_parameters" in plan:
             m.variants = TensorVariants(plan, lambda state, p, es: _for_group(state, p, es, compiled))
 
@@ -281,7 +285,7 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
     if m.variants is not None:
         m = m.variants.get(m, t.name)
-    if t.dtype not in FLOAT_DTYPES or not any(b in got.get(e.name, {}) for e in m.experts):
+    if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)):
         # nothing to merge here: the base rows, cast if the output dtype differs
         return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
     if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
