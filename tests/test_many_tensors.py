@@ -146,3 +146,15 @@ def test_truncated_file_in_a_batch_names_the_tensor(tmp_path):
     path.write_bytes(path.read_bytes()[:-4])  # t9 loses its last two elements
     with pytest.raises(CheckpointError, match="'t9'.*truncated"):
         build.build_model_index(ckpt, block_bytes=4096)
+
+
+@pytest.mark.parametrize("row", [("a", "BF16", (1,), ("ab" * 32,)), ('we"ird\\näme\u2028\x00', "F32", (), ()),
+                                 ("x", "I64", (3, 0, 5), ("00" * 32, "ff" * 32)), ("\U0001f600", "BF16", (2**50, 0), ("h",)),
+                                 ("t", "BF16", (True, 2), ("h",))])
+def test_content_hash_rows_are_the_json_text(row):
+    """index/records.py builds each content-hash row without json.dumps (it dominated cached
+    loads of 100k tensors): the text must be json.dumps's, odd names and types included."""
+    from mergepipe.index.records import TensorEntry, _row_json
+    name, dtype, shape, hashes = row
+    entry = TensorEntry(name, dtype, shape, tuple((0, 1) for _ in hashes), hashes)
+    assert _row_json(name, entry) == json.dumps([name, dtype, list(shape), list(hashes)])
