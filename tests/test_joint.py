@@ -33,11 +33,13 @@ IDS = ["model_stock", "model_stock_fw", "karcher", "multislerp", "sce"]
 
 
 def _run(tmp: Path, family: dict, method: str, params: dict, *, budget: str = "full", threads: int = 2,
-         reverse: bool = False, cache: Path | None = None) -> dict:
+         reverse: bool = False, cache: Path | None = None, experts: int | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(tmp, family, method=method, parameters=params, budget=budget)
-    if reverse or cache is not None:
+    if reverse or cache is not None or experts is not None:
         cfg = yaml.safe_load(cfg_path.read_text())
+        if experts is not None:
+            cfg["experts"] = cfg["experts"][:experts]
         if reverse:
             cfg["experts"] = cfg["experts"][::-1]
         if cache is not None:
@@ -79,9 +81,24 @@ def test_partial_budget_reads_all_or_none_within_budget_deterministic(tmp_path, 
     assert c["manifest"]["plan_hash"] == man["plan_hash"]
 
 
+def test_arcee_fusion_budget_and_full_merge(tmp_path, tiny_family):
+    """One expert: 30% is budget-sound and thread-independent; full is the method on whole tensors."""
+    a = _run(tmp_path / "a", tiny_family, "arcee_fusion", {}, budget="30%", experts=1)
+    b = a["manifest"]["bytes"]
+    assert 0 < b["expert_bytes_read"] == b["planned_expert_bytes"] <= a["manifest"]["budget"]["bytes"]
+    c = _run(tmp_path / "c", tiny_family, "arcee_fusion", {}, budget="30%", experts=1, threads=1)
+    assert c["manifest"]["outputs"] == a["manifest"]["outputs"]
+    _assert_full_is_whole_tensor(tmp_path / "full", tiny_family, "arcee_fusion", {}, experts=1)
+
+
 @pytest.mark.parametrize(("method", "params"), METHODS, ids=IDS)
 def test_full_budget_is_the_method_on_whole_tensors(tmp_path, tiny_family, method, params):
-    r = _run(tmp_path, tiny_family, method, params)
+    _assert_full_is_whole_tensor(tmp_path, tiny_family, method, params)
+
+
+def _assert_full_is_whole_tensor(tmp_path: Path, tiny_family: dict, method: str, params: dict,
+                                 experts: int | None = None) -> None:
+    r = _run(tmp_path, tiny_family, method, params, experts=experts)
     plan = r["manifest"]["plan"]
     assert r["manifest"]["bytes"]["planned_expert_bytes"] == plan["bytes"]["full_read_expert_bytes"]
     out = load_model(r["out"])
@@ -201,3 +218,4 @@ def test_artifact_format_rejects_damage():
     for bad in (data[:-1], data[:20], b"X" + data[1:], data[:40] + b"\x01" + data[41:]):
         with pytest.raises(artifact.JointFormatError):
             artifact.decode(bad)
+

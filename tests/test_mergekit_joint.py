@@ -34,6 +34,11 @@ from mergekit.merge_methods.api import merge_tensors
 inputs = load_file(sys.argv[1])
 out = {}
 for run in json.loads(open(sys.argv[2]).read()):
+    if run["method"] == "fusion_threshold":  # arcee_fusion's threshold, exact below 1M elements
+        from mergekit.merge_methods.arcee_fusion import DynamicThresholdFusion, _compute_importance
+        importance = _compute_importance(inputs[run["tensors"][1]], inputs[run["tensors"][0]])
+        out[run["id"]] = DynamicThresholdFusion().calculate_dynamic_threshold(importance).reshape(1)
+        continue
     if run["method"] == "sce_mask":  # the selection alone (ties at the threshold: arbitrary subset)
         from mergekit.merge_methods.sce import sce_mask
         deltas = torch.stack([inputs[t] - inputs[run["tensors"][0]] for t in run["tensors"][1:]])
@@ -103,6 +108,8 @@ CASES = [
     ("sce_70_3d", "sce", {"select_topk": 0.7}, "c32", False),
     ("sce_none", "sce", {"select_topk": 0.0}, "f32", False),
 ]
+# arcee_fusion (base + one expert): family ids
+FUSION = ["m", "v", "c", "two"]
 # sce's selection alone, on tie-heavy bf16 deltas: (id, family, select_topk)
 SCE_MASKS = [("mask_m_30", "m", 0.3), ("mask_m_70", "m", 0.7), ("mask_two_50", "two", 0.5)]
 BOUNDARIES = [5, 17, 30]
@@ -123,6 +130,10 @@ def reference(tmp_path_factory):
             parameters["weight"] = WEIGHTS[:k]
         runs.append({"id": cid, "method": method, "parameters": parameters, "base_index": 0,
                      "tensors": [f"{fam}.base"] + [f"{fam}.e{i}" for i in range(k)]})
+    for fam in FUSION:
+        for kind in ("arcee_fusion", "fusion_threshold"):
+            runs.append({"id": f"{kind}_{fam}", "method": kind, "parameters": {}, "base_index": 0,
+                         "tensors": [f"{fam}.base", f"{fam}.e0"]})
     for cid, fam, topk in SCE_MASKS:
         k = len(families[fam][1])
         runs.append({"id": cid, "method": "sce_mask", "parameters": {"select_topk": topk},
@@ -198,3 +209,58 @@ def test_sce_selection_keeps_k_like_mergekit(reference, cid, fam, topk):
     at_threshold = (var == float(np.int32(stats[1]).view(np.float32))).numpy()
     assert at_threshold.sum() > 1  # the case has ties
     assert np.array_equal(ours[~at_threshold], mask[~at_threshold])
+
+
+def _fusion_statistics(base: torch.Tensor, delta: torch.Tensor):
+    import numpy as np
+
+    from mergepipe.methods import get_method
+    from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
+    from tests._joint import split
+    m = get_method("arcee_fusion")
+    ranges = split(base.shape[0], BOUNDARIES) if base.dim() >= 2 else [(0, base.shape[0])]
+    ctx = TensorContext("w", tuple(base.shape), (JointExpert("e0", "00", 1.0),), m.params())
+    return np.asarray(in_memory_statistics(m.joint, ctx, base.numpy(), [delta.numpy()], ranges))
+
+
+@pytest.mark.parametrize("fam", FUSION)
+def test_arcee_fusion_matches_mergekit(reference, fam):
+    """Same output except where an element's importance lies between the two thresholds (ours
+    from an fp64 KL, mergekit's from fp32 softmaxes: they differ in the last bits), where
+    either side of the mask is right; such elements are few."""
+    from mergepipe.methods.arcee_fusion import importance_bits
+    families, theirs = reference
+    base, experts = families[fam]
+    delta = experts[0] - base
+    ours = run_joint("arcee_fusion", {}, base, [{"name": "e0", "hash": "00", "weight": 1.0, "delta": delta}],
+                     boundaries=BOUNDARIES)
+    ours_threshold = float(_fusion_statistics(base, delta)[0])
+    their_threshold = float(theirs[f"fusion_threshold_{fam}"][0])
+    assert abs(ours_threshold - their_threshold) <= 1e-3 * abs(their_threshold)
+    rows = base.reshape(1, -1) if base.dim() < 2 else base.reshape(base.shape[0], -1)
+    importance = torch.from_numpy(importance_bits(rows.numpy(), delta.reshape(rows.shape).numpy(),
+                                                  tuple(base.shape)).view("float32").copy()).reshape(base.shape)
+    lo, hi = sorted((ours_threshold, their_threshold))
+    edge = (importance >= lo * (1 - 1e-3)) & (importance <= hi * (1 + 1e-3))
+    assert int(edge.sum()) <= max(2, base.numel() // 100)
+    verdict = judge(ours[~edge], theirs[f"arcee_fusion_{fam}.float32"][~edge],
+                    scale=merge_scale(base, experts[:1], [1.0])[~edge])
+    assert verdict.misses == 0, str(verdict)
+    assert bool(((ours == base) | (ours == experts[0]))[~edge].all())
+
+
+def test_arcee_fusion_quartiles_are_exact_order_statistics_above_a_million():
+    """Where mergekit samples 1M elements with an unseeded RNG, ours are the exact order
+    statistics at mergekit's indices int(fp32(q) * fp32(n - 1))."""
+    import numpy as np
+
+    from mergepipe.methods.arcee_fusion import importance_bits
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(1100, 1024, generator=g).to(torch.bfloat16).float()
+    delta = (base + torch.randn(1100, 1024, generator=g) * 0.02).to(torch.bfloat16).float() - base
+    stats = _fusion_statistics(base, delta)
+    importance = np.sort(importance_bits(base.numpy(), delta.numpy(), tuple(base.shape)).view(np.float32))
+    n = importance.size
+    q = [importance[int(np.float32(x) * np.float32(n - 1))] for x in (0.25, 0.5, 0.75)]
+    assert list(stats[1:]) == [float(v) for v in q]
+    assert np.float32(stats[0]) == q[1] + np.float32(1.5) * (q[2] - q[0])

@@ -5,6 +5,7 @@ registry.py holds what the plan and the engine know of a method (params model, t
 method sees; modules starting with "_" are shared code: _common.py (trims, sums),
 _compiled.py and _kernels.py (the compiled bf16 kernels of task_arithmetic and ties)."""
 from mergepipe.methods import (  # noqa: F401
+    arcee_fusion,
     breadcrumbs,
     breadcrumbs_ties,
     dare_linear,
