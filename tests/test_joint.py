@@ -219,3 +219,32 @@ def test_artifact_format_rejects_damage():
         with pytest.raises(artifact.JointFormatError):
             artifact.decode(bad)
 
+
+def test_mergekit_configs_of_the_joint_methods_import(tmp_path, tiny_family):
+    from mergepipe.config.mergekit import import_mergekit
+    root = Path(tiny_family["root"])
+    models = [str(root / f"expert_{k}") for k in range(3)]
+
+    def imported(doc: dict) -> dict:
+        path = tmp_path / "mk.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return import_mergekit(path)
+
+    ms = imported({"merge_method": "model_stock", "base_model": str(root / "base"),
+                   "parameters": {"filter_wise": True}, "models": [{"model": m} for m in models]})
+    assert ms["method"] == "model_stock" and ms["parameters"]["filter_wise"] is True
+    assert [e["weight"] for e in ms["experts"]] == [1.0, 1.0, 1.0]
+    # karcher without base_model: the first model is the base and one of the averaged inputs
+    k = imported({"merge_method": "karcher", "parameters": {"max_iter": 4},
+                  "models": [{"model": str(root / "base")}] + [{"model": m} for m in models]})
+    assert k["method"] == "karcher" and k["base"] == str(root / "base") and len(k["experts"]) == 3
+    assert k["parameters"].get("include_base", True) is True and k["parameters"]["max_iter"] == 4
+    msl = imported({"merge_method": "multislerp", "base_model": str(root / "base"),
+                    "models": [{"model": m, "parameters": {"weight": w}} for m, w in zip(models, (0.2, 0.3, 0.5))]})
+    assert msl["method"] == "multislerp" and [e["weight"] for e in msl["experts"]] == [0.2, 0.3, 0.5]
+    sce = imported({"merge_method": "sce", "base_model": str(root / "base"), "parameters": {"select_topk": 0.4},
+                    "models": [{"model": m} for m in models]})
+    assert sce["method"] == "sce" and sce["parameters"]["select_topk"] == 0.4
+    fusion = imported({"merge_method": "arcee_fusion", "base_model": str(root / "base"),
+                       "models": [{"model": models[0]}]})
+    assert fusion["method"] == "arcee_fusion" and len(fusion["experts"]) == 1

@@ -59,13 +59,15 @@ METHOD_NAMES = {
     "model_stock": "model_stock",
     "karcher": "karcher",
     "multislerp": "multislerp",
+    "sce": "sce",
+    "arcee_fusion": "arcee_fusion",
 }
 # base_model absent: "first" = the first model plays the base, its weight becomes
 # parameters.base_weight (mergekit averages it in); "self" = the one model is base and expert
 NO_BASE = {"linear": "first", "karcher": "member"}
 # "member" = the first model plays the base and stays one of the averaged inputs (karcher's
 # include_base). UNWEIGHTED: methods whose models take no weight (1.0 unless one is given)
-UNWEIGHTED = {"model_stock", "karcher"}
+UNWEIGHTED = {"model_stock", "karcher", "sce", "arcee_fusion"}
 MODEL_KEYS = ("weight", "density", "gamma")
 SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {}
 # ---- end of the per-method rows
