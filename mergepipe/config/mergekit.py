@@ -59,17 +59,25 @@ METHOD_NAMES = {
     "model_stock": "model_stock",
     "karcher": "karcher",
     "multislerp": "multislerp",
+    "passthrough": "passthrough",
+    "nearswap": "nearswap",
+    "ram": "ram",
+    "ramplus_tl": "ramplus_tl",
+    "della": "della",
+    "della_linear": "della_linear",
+    "nuslerp": "nuslerp",
     "sce": "sce",
     "arcee_fusion": "arcee_fusion",
 }
 # base_model absent: "first" = the first model plays the base, its weight becomes
 # parameters.base_weight (mergekit averages it in); "self" = the one model is base and expert
-NO_BASE = {"linear": "first", "karcher": "member"}
+NO_BASE = {"linear": "first", "karcher": "member", "passthrough": "self", "nuslerp": "first"}
 # "member" = the first model plays the base and stays one of the averaged inputs (karcher's
 # include_base). UNWEIGHTED: methods whose models take no weight (1.0 unless one is given)
-UNWEIGHTED = {"model_stock", "karcher", "sce", "arcee_fusion"}
+UNWEIGHTED = {"model_stock", "karcher", "passthrough", "nearswap", "ram", "ramplus_tl", "sce", "arcee_fusion"}
 MODEL_KEYS = ("weight", "density", "gamma")
-SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {}
+SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {"passthrough": ("scale",), "della": ("epsilon",),
+                                                  "della_linear": ("epsilon",)}
 # ---- end of the per-method rows
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
