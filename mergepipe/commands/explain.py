@@ -153,7 +153,8 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
     rescales = bool((plan.get("strategy") or {}).get("scales"))
     cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
     lines = [f"plan {plan['plan_hash'][:16]}  method {plan['method']}  budget {plan['budget']} "
-             f"({_mib(plan['budget_bytes'])} MiB)  strategy {strategy}", "",
+             f"({_mib(plan['budget_bytes'])} MiB)  strategy {strategy}",
+             f"parameters {json.dumps(plan['parameters'], sort_keys=True)}", "",
              "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |" + cols,
              "|---|---:|---:|---:|---:|---:|" + "---:|" * cols.count("|")]
     per_expert_total = {e["name"]: 0 for e in plan["experts"]}
