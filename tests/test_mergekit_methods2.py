@@ -11,12 +11,13 @@ content hashes in config order, so both sum in one order.
 
 della is randomized: mergekit draws its mask with torch.bernoulli from the global RNG, ours
 from a generator seeded by content. The script replaces torch.bernoulli by one that records
-the keep probabilities mergekit asks for and returns our mask, so that with `rescale: false`
-the merges must agree by the rule and the probabilities must be equal bit for bit (distinct
-magnitudes in each row, so no tie is ranked differently). With `rescale: true` mergekit
-matches the whole tensor's L1 norm and we divide by each keep probability; there we compare
-expectations: the kept count within 3 sigma of sum p, our L1 norm within 3 sigma of the
-delta's, which mergekit's equals by construction.
+the keep probabilities mergekit asks for and returns our mask, so that with `rescale: false`,
+and with `rescale: true` against our `rescale_mode: l1` (mergekit's whole-tensor L1 ratio, from
+the joint scan), the merges must agree by the rule and the probabilities must be equal bit for
+bit (distinct magnitudes in each row, so no tie is ranked differently). Our default rescale
+divides by each keep probability; against mergekit's L1 we compare expectations: the kept count
+within 3 sigma of sum p, our L1 norm within 3 sigma of the delta's, which mergekit's equals by
+construction.
 """
 from __future__ import annotations
 
@@ -151,6 +152,12 @@ CASES = [
     Case("della_lin_norm", "della_linear", {"rescale": False, "normalize": True, "epsilon": 0.2},
          family="distinct", n_experts=3, weights=[0.6, 1.0, 0.35], expert_params=DELLA_DENSITY, masks=True),
     Case("della_full", "della", {}, family="bf16", n_experts=3, weights=[0.6, 1.0, 0.35]),
+    # mergekit's L1 rescale (rescale: true there), ours with rescale_mode l1: same masks, same result
+    Case("della_l1", "della", {}, family="distinct", n_experts=3, weights=[0.6, 1.0, 0.35],
+         ours_params={"rescale_mode": "l1"}, expert_params=DELLA_DENSITY, masks=True),
+    Case("della_lin_l1", "della_linear", {"epsilon": 0.05, "lambda": 1.3}, family="distinct", n_experts=3,
+         weights=[0.6, 1.0, 0.35], ours_params={"epsilon": 0.05, "lambda": 1.3, "rescale_mode": "l1"},
+         expert_params=DELLA_DENSITY, masks=True),
     Case("nuslerp", "nuslerp", ROW, family="nuslerp", n_experts=2, weights=[0.6, 1.0]),
     Case("nuslerp_cancel", "nuslerp", ROW, family="nuslerp", n_experts=2, weights=[0.5, -0.5]),
     Case("nuslerp_nobase", "nuslerp", ROW, family="nuslerp", n_experts=2, weights=[0.3, 0.9], base_index=None,
@@ -164,16 +171,16 @@ CASES = [
          weights=[0.3, 0.9], base_index=None, ours_params={**ROW, "nuslerp_row_wise": True, "base_weight": 0.3}),
 ]
 WHOLE_TENSOR = {"nuslerp_flat", "nuslerp_flat_nobase", "nuslerp_column", "nuslerp_column_nobase", "ramplus",
-                "ramplus_r", "ramplus_dense"}
+                "ramplus_r", "ramplus_dense", "della_l1", "della_lin_l1"}
 
 
 def _masks(case: Case, base: torch.Tensor, experts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Our della masks for the whole tensor, block by block (what run_method draws)."""
     masks = []
-    edges = [0] + BOUNDARIES + [SHAPE[0]]
+    edges = [0] + ([] if case.cid in WHOLE_TENSOR else BOUNDARIES) + [SHAPE[0]]
     for i, w in enumerate(experts):
         density = case.expert_params["density"][i]
-        epsilon = case.params.get("epsilon", 0.15)
+        epsilon = case.ours_params.get("epsilon", 0.15)
         parts = []
         for r0, r1 in zip(edges[:-1], edges[1:]):
             probs = keep_probabilities((w - base)[r0:r1], density, epsilon)
@@ -322,7 +329,7 @@ def test_della_keep_probabilities_equal_mergekit(reference, case):
     base, experts = reference["families"][case.family]
     for i, w in enumerate(experts[:case.n_experts]):
         theirs = reference["theirs"][f"{case.cid}.probs{i}"]
-        ours = keep_probabilities(w - base, case.expert_params["density"][i], case.params.get("epsilon", 0.15))
+        ours = keep_probabilities(w - base, case.expert_params["density"][i], case.ours_params.get("epsilon", 0.15))
         assert torch.equal(ours, theirs.reshape(ours.shape)), i
 
 

@@ -51,6 +51,7 @@ CASES = [
     ("nuslerp", {}, {}, 2),
     ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True, "base_weight": 0.7}, {}, 1),
     ("della", {}, {"density": 0.5}, 3),
+    ("della", {"rescale_mode": "l1", "lambda": 0.9}, {"density": 0.6}, 3),
     ("della_linear", {"epsilon": 0.1, "normalize": True}, {"density": 0.4}, 3),
     ("nuslerp", {"nuslerp_flatten": False}, {}, 2),
     ("nuslerp", {"nuslerp_flatten": False, "base_weight": 0.4}, {}, 1),
@@ -423,8 +424,8 @@ FIELDS = {
     "nearswap": {"t"},
     "ram": {"epsilon"},
     "ramplus_tl": {"r", "alpha", "epsilon"},
-    "della": {"lambda_", "normalize", "density", "epsilon", "rescale", "int8_mask"},
-    "della_linear": {"lambda_", "normalize", "density", "epsilon", "rescale", "int8_mask"},
+    "della": {"lambda_", "normalize", "density", "epsilon", "rescale", "rescale_mode", "int8_mask"},
+    "della_linear": {"lambda_", "normalize", "density", "epsilon", "rescale", "rescale_mode", "int8_mask"},
     "nuslerp": {"nuslerp_row_wise", "nuslerp_flatten", "base_weight"},
 }
 DEFAULT_NORMALIZE = {"linear": True, "task_arithmetic": False, "ties": True, "dare_linear": False,

@@ -33,6 +33,8 @@ CASES = [
     ("della", "della", {"epsilon": 0.1}, [(0, {"weight": 1.0, "density": 0.5}), (1, {"weight": 0.5, "density": 0.3}),
                                          (2, {"weight": 0.7, "density": 0.6})]),
     ("della_linear", "della_linear", {"epsilon": 0.2, "density": 0.4}, [(0, {"weight": 0.6}), (2, {"weight": 0.9})]),
+    ("della_l1", "della", {"epsilon": 0.1, "rescale_mode": "l1"},
+     [(0, {"weight": 1.0, "density": 0.5}), (1, {"weight": 0.5, "density": 0.3})]),
     ("nuslerp", "nuslerp", {"nuslerp_flatten": False}, [(0, {"weight": 0.4}), (1, {"weight": 0.8})]),
     ("nuslerp_nobase", "nuslerp", {"nuslerp_flatten": False, "base_weight": 0.3}, [(2, {"weight": 0.9})]),
     ("nuslerp_flat", "nuslerp", {}, [(0, {"weight": 0.4}), (1, {"weight": 0.8})]),
@@ -82,7 +84,8 @@ def _joint_statistics(plan: dict, name: str, base: torch.Tensor, entries: list[d
     params = method.params.model_validate(plan["parameters"])
     if method.joint is None or not method.joint.active(params):
         return None
-    experts = tuple(JointExpert(e["name"], e["hash"], e["weight"]) for e in entries)
+    experts = tuple(JointExpert(e["name"], e["hash"], e["weight"], e.get("density", getattr(params, "density", None)),
+                                e.get("gamma")) for e in entries)
     ctx = TensorContext(name, tuple(base.shape), experts, params, plan["seed"])
     return in_memory_statistics(method.joint, ctx, base.numpy(), [e["delta"].numpy() for e in entries],
                                 list(ranges))

@@ -6,10 +6,14 @@ row), rank |delta| ascending from 1 to n and keep element i with probability
 so the largest magnitudes are kept most often and the row keeps `density` on average. Ranks
 are row-local, so a block of whole rows needs nothing from the rest of the tensor.
 
-Kept elements are rescaled (`rescale: true`, the default in both methods) by 1/p_i, each
-element's own keep probability, as the DELLA paper does: E[kept] = delta exactly. mergekit
-instead multiplies by the whole tensor's L1 ratio sum|delta| / sum|kept| (an approximation
-of the same thing that needs the whole tensor's mask); that is not offered here yet.
+Kept elements are rescaled (`rescale: true`, the default in both methods). By default
+(`rescale_mode: keep_probability`) by 1/p_i, each element's own keep probability, as the DELLA
+paper does: E[kept] = delta exactly. mergekit 0.1.5 instead multiplies by the whole tensor's L1
+ratio sum|delta| / sum|kept| (unscaled where either is below 1e-7); `rescale_mode: l1` does
+that: both sums, per expert, come from the engine's joint scan (L1_SUMS: the scan regenerates
+each block's seeded mask; fixed-order fp64 sums rounded to fp32, then mergekit's fp32 ratio),
+so with the same mask the result is mergekit's by the equivalence rule. Declaring the scan makes
+a budgeted della read each block for all experts or none, in both modes.
 
 Differences from mergekit, by design: its mask comes from torch's global RNG (so it depends
 on tensor and thread order); here each (expert, block) draws one fp32 uniform per element
@@ -21,12 +25,17 @@ probabilities follow mergekit's fp32 operations exactly.
 """
 from __future__ import annotations
 
+from typing import Literal
+
+import numpy as np
 from mergepipe.util.lazy import torch
 from pydantic import Field, model_validator
 
+from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import DensityParams
 from mergepipe.methods.base import BlockInputs, ExpertBlock, block_rng
+from mergepipe.methods.joint import JointBlock, JointPass, JointSpec
 
 EPSILON_DOC = "half the spread of keep probabilities in a row: from density - epsilon to density + epsilon"
 
@@ -35,8 +44,11 @@ class MagPruneParams(DensityParams):
     """Parameters shared by della and della_linear (mergekit's names and defaults)."""
 
     epsilon: float = Field(0.15, ge=0.0, description=EPSILON_DOC)
-    # true: divide kept elements by their keep probability; false: keep them unscaled
+    # true: rescale kept elements (how: rescale_mode); false: keep them unscaled
     rescale: bool = True
+    # keep_probability: each kept element / its p_i (the paper; default); l1: times the whole
+    # tensor's sum|delta| / sum|kept| (mergekit 0.1.5), from the joint scan
+    rescale_mode: Literal["keep_probability", "l1"] = "keep_probability"
 
     @model_validator(mode="after")
     def _probabilities_in_range(self) -> MagPruneParams:
@@ -67,9 +79,20 @@ def keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> t
     return probs.reshape(delta.shape)
 
 
+def della_mask(delta: torch.Tensor, density: float, epsilon: float, seed: int, expert_hash: str, tensor: str,
+               row_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep mask, p_i) of one (expert, block): one fp32 uniform per element from the block's own
+    generator, kept where u < p_i. 0 < density < 1."""
+    probs = keep_probabilities(delta, density, epsilon)
+    generator = block_rng(seed, expert_hash, tensor, row_start)
+    return torch.rand(delta.shape, generator=generator, dtype=torch.float32) < probs, probs
+
+
 def sparsify_della(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs, *, epsilon: float,
-                   rescale: bool) -> torch.Tensor:
-    """MagPrune with this (expert, block)'s own generator; density >= 1 leaves delta untouched."""
+                   rescale: bool, l1: tuple[float, float] | None = None) -> torch.Tensor:
+    """MagPrune with this (expert, block)'s own generator; density >= 1 leaves delta untouched.
+    `l1` = (sum|delta|, sum|kept|) over the whole tensor: rescale by their ratio (mergekit's way)
+    instead of by 1/p_i."""
     density = expert.density
     if density >= 1:
         return delta
@@ -79,8 +102,75 @@ def sparsify_della(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs,
         check_window(density, epsilon, f"expert {expert.name!r}")
     except ValueError as err:
         raise MethodError(f"tensor {block.tensor!r}: {err}") from None
-    probs = keep_probabilities(delta, density, epsilon)
-    generator = block_rng(block.seed, expert.content_hash, block.tensor, block.row_start)
-    keep = torch.rand(delta.shape, generator=generator, dtype=torch.float32) < probs
+    keep, probs = della_mask(delta, density, epsilon, block.seed, expert.content_hash, block.tensor, block.row_start)
     masked = delta * keep
-    return masked / probs if rescale else masked
+    if not rescale:
+        return masked
+    if l1 is None:
+        return masked / probs
+    # mergekit's rescaled_masked_tensor: fp32 norms, unscaled where either is below 1e-7
+    before, after = torch.tensor(l1[0], dtype=torch.float32), torch.tensor(l1[1], dtype=torch.float32)
+    if before < L1_EPS or after < L1_EPS:
+        return masked
+    return masked * (before / after)
+
+
+# --- mergekit's L1 rescale: per expert sum|delta| and sum|kept| over the whole tensor -------------
+
+L1_EPS = 1e-7
+
+
+def _block_shape(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    return (rows, *shape[1:]) if len(shape) >= 1 else ()
+
+
+def l1_sums(delta: torch.Tensor, keep: torch.Tensor) -> tuple[float, float]:
+    """(sum|delta|, sum|delta * keep|) in fp64, fixed order (methods/_rowsums.py)."""
+    from mergepipe.methods._rowsums import row_sums
+
+    magnitudes = delta.abs().reshape(1, -1).numpy()
+    whole = row_sums(magnitudes, np.ones_like(magnitudes))[0, 2]
+    kept = row_sums(magnitudes, keep.reshape(1, -1).to(torch.float32).numpy())[0, 2]
+    return float(whole), float(kept)
+
+
+def _l1_accumulate(block: JointBlock, prev) -> np.ndarray:
+    ctx = block.ctx
+    k = len(ctx.experts)
+    out = np.zeros(2 * k, dtype=np.float64)
+    shape = _block_shape(ctx.shape, block.row_end - block.row_start)
+    for i, e in enumerate(ctx.experts):
+        density = 1.0 if e.density is None else e.density
+        if not 0 < density < 1:
+            continue  # untouched or dropped whole: no rescale
+        delta = torch.from_numpy(np.ascontiguousarray(block.deltas[i])).reshape(shape)
+        keep, _ = della_mask(delta, density, ctx.params.epsilon, ctx.seed, e.content_hash, ctx.tensor,
+                             block.row_start)
+        out[i], out[k + i] = l1_sums(delta, keep)
+    return out
+
+
+L1_SUMS = JointSpec(passes=(JointPass(lambda ctx: 2 * ctx.k, _l1_accumulate, lambda acc, prev, ctx: acc),),
+                    result_size=lambda ctx: 2 * ctx.k, params=("epsilon", "rescale", "rescale_mode"),
+                    expert_knobs=("density",), seeded=True,
+                    active=lambda p: p.rescale and p.rescale_mode == "l1")
+
+
+def expert_l1(block: BlockInputs, experts: list[ExpertBlock], p: MagPruneParams) -> list[tuple[float, float] | None]:
+    """Each expert's (sum|delta|, sum|kept|) for mergekit's L1 rescale, or None per expert when it
+    is off: the engine's joint statistics, or the block's own when it is the whole tensor."""
+    if not (p.rescale and p.rescale_mode == "l1"):
+        return [None] * len(experts)
+    k = len(experts)
+    stats = block.joint
+    if stats is None:
+        if not (block.row_start == 0 and block.row_end == num_rows(block.tensor_shape)):
+            raise MethodError(f"tensor {block.tensor!r}: rescale_mode l1 needs the whole tensor's L1 norms for rows "
+                              f"{block.row_start}:{block.row_end}; the engine's joint scan provides them")
+        stats = np.zeros(2 * k)
+        for i, e in enumerate(experts):
+            if e.delta is not None and 0 < e.density < 1:
+                keep, _ = della_mask(e.delta, e.density, p.epsilon, block.seed, e.content_hash, block.tensor,
+                                     block.row_start)
+                stats[i], stats[k + i] = l1_sums(e.delta, keep)
+    return [(float(stats[i]), float(stats[k + i])) for i in range(k)]

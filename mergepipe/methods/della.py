@@ -6,15 +6,16 @@ elect a sign per element (sign of sum_k w_k pruned_k), keep the agreeing entries
 theta = W0 + lambda * sum_k m_k w_k pruned_k / sum_k m_k w_k (the division only if normalize).
 
 mergekit 0.1.5's defaults: normalize true, rescale true, epsilon 0.15, density 1, lambda 1.
-Its rescale is the whole tensor's L1 ratio, ours 1/p_i (the default here; see _della.py for
-why and for the seeded mask). epsilon is one value for every expert here (per-model in mergekit).
+Its rescale is the whole tensor's L1 ratio, ours 1/p_i by default; `rescale_mode: l1` is
+mergekit's (from the joint scan; see _della.py, also for the seeded mask). epsilon is one value
+for every expert here (per-model in mergekit; import-mergekit requires them equal).
 """
 from __future__ import annotations
 
 from mergepipe.util.lazy import torch
 
 from mergepipe.methods._common import canonical, combine
-from mergepipe.methods._della import MagPruneParams, sparsify_della
+from mergepipe.methods._della import L1_SUMS, MagPruneParams, expert_l1, sparsify_della
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
@@ -23,11 +24,13 @@ class DellaParams(MagPruneParams):
     normalize: bool = True
 
 
-@register("della", params=DellaParams, additive=False,
+@register("della", params=DellaParams, additive=False, joint=L1_SUMS,
           paper="Deep et al. 2024, DELLA-Merging: Reducing Interference in Model Merging through "
                 "Magnitude-Based Sampling, arXiv:2406.11617")
 def merge(block: BlockInputs, p: DellaParams) -> torch.Tensor:
     experts = canonical(block.experts)
-    pruned = [None if e.delta is None else sparsify_della(e.delta, e, block, epsilon=p.epsilon, rescale=p.rescale)
-              for e in experts]
+    l1 = expert_l1(block, experts, p)
+    pruned = [None if e.delta is None else sparsify_della(e.delta, e, block, epsilon=p.epsilon, rescale=p.rescale,
+                                                          l1=norms)
+              for e, norms in zip(experts, l1)]
     return combine(block, experts, pruned, consensus=True, normalize=p.normalize, lambda_=p.lambda_)
