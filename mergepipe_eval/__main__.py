@@ -199,7 +199,22 @@ def cmd_smollm_strategy_screen(a) -> int:
                   methods=a.methods.split(","), strategies=a.strategies.split(","), budgets=a.budgets.split(","),
                   dev_per_class=ints(a.dev_per_class), test_per_class=ints(a.test_per_class), seen=a.seen,
                   train_seed=a.train_seed, heldout_seqs=a.heldout_seqs, heldout_len=a.heldout_len,
-                  test_budgets=a.test_budgets.split(",") if a.test_budgets else None, n_boot=a.boot)
+                  test_budgets=a.test_budgets.split(",") if a.test_budgets else None,
+                  test_methods=a.test_methods.split(",") if a.test_methods else None,
+                  test_experts=not a.no_test_experts, n_boot=a.boot)
+    return 0
+
+
+def cmd_smollm_strategy_report(a) -> int:
+    """Splice the SmolLM2 strategy section (notes, plot, tables) into EVAL.md from the screen's JSON."""
+    from mergepipe_eval import smollm_screen as ss
+    result = json.loads(Path(a.result).read_text())
+    name = None
+    if a.plot:
+        ss.plot(result, Path(a.plot))
+        name = os.path.relpath(a.plot, Path(a.markdown).parent)
+    notes = Path(a.notes).read_text() if a.notes else ""
+    ss.splice(Path(a.markdown), ss.render_section(result, notes, name))
     return 0
 
 
@@ -226,6 +241,15 @@ def cmd_report(a) -> int:
         seeds = (json.loads(Path(a.strategies_seeds).read_text())
                  if a.strategies_seeds and Path(a.strategies_seeds).exists() else None)
         st.splice(Path(a.markdown), st.render_section(labelled, notes, name, seeds))
+    if a.smollm_strategies_result and Path(a.smollm_strategies_result).exists():  # issue 12, SmolLM2
+        from mergepipe_eval import smollm_screen as ss
+        res = json.loads(Path(a.smollm_strategies_result).read_text())
+        name = None
+        if a.smollm_strategies_plot:
+            ss.plot(res, Path(a.smollm_strategies_plot))
+            name = os.path.relpath(a.smollm_strategies_plot, Path(a.markdown).parent)
+        notes = Path(a.smollm_strategies_notes).read_text() if a.smollm_strategies_notes else ""
+        ss.splice(Path(a.markdown), ss.render_section(res, notes, name))
     return 0
 
 
@@ -342,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--strategies", default="energy,calibrated,balanced,compensated")
     s.add_argument("--budgets", default="25%,10%,50%", help="in the order they are run")
     s.add_argument("--test-budgets", default="", help="budgets of the test-accuracy stage (empty: none)")
+    s.add_argument("--test-methods", default="", help="methods of the test stage (empty: every method)")
+    s.add_argument("--no-test-experts", action="store_true", help="skip the experts' own test accuracy")
     s.add_argument("--dev-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--seen", type=int, required=True, help="train examples each expert saw (steps x batch)")
@@ -350,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--heldout-len", type=int, default=128)
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_smollm_strategy_screen)
+    s = sub.add_parser("smollm-strategy-report", help="EVAL.md section of the SmolLM2 strategy screen")
+    s.add_argument("--result", required=True)
+    s.add_argument("--markdown", required=True)
+    s.add_argument("--notes")
+    s.add_argument("--plot")
+    s.set_defaults(fn=cmd_smollm_strategy_report)
     s = sub.add_parser("report", help="EVAL.md tables and plot from score files")
     s.add_argument("--results-dir", required=True)
     s.add_argument("--markdown", required=True)
@@ -367,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--strategies-notes")
     s.add_argument("--strategies-plot")
     s.add_argument("--strategies-seeds", help="strategy-seeds result JSON: its table is added to the section")
+    s.add_argument("--smollm-strategies-result", help="smollm-strategy-screen result JSON: its section is appended")
+    s.add_argument("--smollm-strategies-notes")
+    s.add_argument("--smollm-strategies-plot")
     s.set_defaults(fn=cmd_report)
     a = p.parse_args(argv)
     return a.fn(a)

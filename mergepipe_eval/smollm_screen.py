@@ -281,8 +281,11 @@ def _model_name(m: str, s: str, budget: str) -> str:
 def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout: Path, out: Path, *,
                methods: list[str], strategies: list[str], budgets: list[str], dev_per_class: dict[str, int],
                test_per_class: dict[str, int], seen: int, train_seed: int, heldout_seqs: int = 12,
-               heldout_len: int = 128, test_budgets: list[str] | None = None, n_boot: int = 2000) -> dict:
-    """The screen over methods x budgets x strategies, then test accuracy for energy and the best."""
+               heldout_len: int = 128, test_budgets: list[str] | None = None, test_methods: list[str] | None = None,
+               test_experts: bool = True, n_boot: int = 2000) -> dict:
+    """Per method, in order: the full read, the screen over budgets x strategies, then (for
+    test_methods) test accuracy of the full read, energy and the screen's best strategy at
+    test_budgets; the experts alone last. The JSON is rewritten after every model."""
     experts = {t: family / "experts" / t / "model" for t in TASKS}
     work = family / "strategies"
     specs = strategy_specs(calib)
@@ -294,36 +297,37 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
               "methods": {m: METHODS[m] for m in methods},
               "strategies": {s: {k: (Path(v).name if k == "text" else v) for k, v in specs[s].items()}
                              for s in strategies},
-              "texts": texts, "seeds": 1, "rows": [], "between": [], "test": None, "timings": []}
-    cfgs, fulls = {}, {}
+              "texts": texts, "seeds": 1, "rows": [], "between": [],
+              "test": {"rule": "per method: best = the non-energy strategy with the highest mean dev "
+                               "label-log-likelihood difference to the full read over the test budgets",
+                       "best": {}, "rows": [], "experts": {}},
+              "timings": []}
+    test_methods = methods if test_methods is None else test_methods
     for m in methods:
+        cfgs = {}
         for s in strategies:
-            cfgs[m, s] = work / "configs" / f"{m}_{s}.yaml"
-            write_config(cfgs[m, s], base=base, experts=experts, method=METHODS[m], strategy=specs[s],
+            cfgs[s] = work / "configs" / f"{m}_{s}.yaml"
+            write_config(cfgs[s], base=base, experts=experts, method=METHODS[m], strategy=specs[s],
                          cache_dir=work / "cache")
         full_dir = work / "models" / f"{m}_full"
-        merge(cfgs[m, "energy"], "full", full_dir, result["timings"])
-        fulls[m] = full_dir
-    full_scores = {m: screen.score(fulls[m], work / "scores" / f"{m}_full.json", ref_dir=None, test=False)
-                   for m in methods}
-    for m in methods:
-        ex = per_example(full_scores[m], "dev")
+        merge(cfgs["energy" if "energy" in cfgs else strategies[0]], "full", full_dir, result["timings"])
+        full_sc = screen.score(full_dir, work / "scores" / f"{m}_full.json", ref_dir=None, test=False)
+        full_ex = per_example(full_sc, "dev")
         result["rows"].append({"method": m, "strategy": "-", "budget": "full",
-                               "dev_accuracy": _mean(ex["acc"]), "dev_label_ll": _mean(ex["ll"]),
-                               "dev_per_task_accuracy": per_task_acc(full_scores[m], "dev")})
-    per: dict[tuple, dict] = {}
-    for budget in budgets:
-        for m in methods:
-            full_ex = per_example(full_scores[m], "dev")
+                               "dev_accuracy": _mean(full_ex["acc"]), "dev_label_ll": _mean(full_ex["ll"]),
+                               "dev_per_task_accuracy": per_task_acc(full_sc, "dev")})
+        _write(out, result)
+        per: dict[tuple, dict] = {}
+        for budget in budgets:
             for s in strategies:
                 name = _model_name(m, s, budget)
                 model_dir = work / "models" / name
-                merge(cfgs[m, s], budget, model_dir, result["timings"])
+                merge(cfgs[s], budget, model_dir, result["timings"])
                 man = json.loads((model_dir / "manifest.json").read_text())
-                sc = screen.score(model_dir, work / "scores" / f"{name}.json", ref_dir=fulls[m], test=False)
-                ex = per_example(sc, "dev", full_scores[m])
+                sc = screen.score(model_dir, work / "scores" / f"{name}.json", ref_dir=full_dir, test=False)
+                ex = per_example(sc, "dev", full_sc)
                 ex["heldout_kl"] = sc["kl"]["per_sequence"]
-                per[m, s, budget] = ex
+                per[s, budget] = ex
                 result["rows"].append({
                     "method": m, "strategy": s, "budget": budget,
                     "expert_bytes_read": man["bytes"]["expert_bytes_read"],
@@ -344,7 +348,7 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
             for s in strategies:
                 if s == "energy" or "energy" not in strategies:
                     continue
-                a, b = per[m, s, budget], per[m, "energy", budget]
+                a, b = per[s, budget], per["energy", budget]
                 result["between"].append({
                     "method": m, "budget": budget, "a": s, "b": "energy",
                     "d_dev_label_ll": paired(a["ll"], b["ll"], n_boot=n_boot),
@@ -352,56 +356,61 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                     "d_heldout_kl": paired(a["heldout_kl"], b["heldout_kl"], n_boot=n_boot),
                 })
             _write(out, result)
-    if test_budgets:
-        result["test"] = run_test(screen, result, work, experts, fulls, full_scores, methods=methods,
-                                  budgets=test_budgets, n_boot=n_boot)
+        if test_budgets and m in test_methods:
+            run_test(screen, result, work, full_dir, m, budgets=test_budgets, n_boot=n_boot, out=out)
+    if test_budgets and test_experts:
+        for t, d in experts.items():
+            sc = screen.score(d, work / "scores" / f"expert_{t}.json", ref_dir=None, test=True)
+            ex = per_example(sc, "test")
+            result["test"]["experts"][t] = {"accuracy": _mean(ex["acc"]), "per_task": per_task_acc(sc, "test"),
+                                            "n": len(ex["acc"])}
+            _write(out, result)
     _write(out, result)
     return result
 
 
-def best_strategy(result: dict, budgets: list[str]) -> str | None:
+def best_strategy(result: dict, budgets: list[str], method: str | None = None) -> str | None:
     """The non-energy strategy with the highest mean dev label-log-likelihood difference to
-    the full read over every method and the given budgets (it must have them all)."""
+    the full read over the given budgets (and `method`, else every method); it must have them all."""
     scores: dict[str, list[float]] = {}
     for r in result["rows"]:
-        if r["strategy"] not in ("-", "energy") and r["budget"] in budgets:
+        if (r["strategy"] not in ("-", "energy") and r["budget"] in budgets
+                and (method is None or r["method"] == method)):
             scores.setdefault(r["strategy"], []).append(r["d_dev_label_ll"]["mean"])
-    need = len(result["methods"]) * len(budgets)
+    need = (1 if method else len(result["methods"])) * len(budgets)
     full = {s: sum(v) / len(v) for s, v in scores.items() if len(v) == need}
     return max(full, key=full.get) if full else None
 
 
-def run_test(screen: Screen, result: dict, work: Path, experts: dict[str, Path], fulls: dict[str, Path],
-             full_scores: dict, *, methods: list[str], budgets: list[str], n_boot: int) -> dict:
-    best = best_strategy(result, budgets)
+def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *, budgets: list[str],
+             n_boot: int, out: Path) -> None:
+    """Test accuracy of method m's full read, energy and the screen's best strategy at `budgets`."""
+    test = result["test"]
+    best = best_strategy(result, budgets, m)
+    test["best"][m] = best
     strategies = ["energy"] + ([best] if best else [])
-    test = {"rule": "best = highest mean dev label-log-likelihood difference to the full read over methods "
-                    f"and budgets {budgets}", "best": best, "rows": [], "experts": {}}
-    for t, d in experts.items():
-        sc = screen.score(d, work / "scores" / f"expert_{t}.json", ref_dir=None, test=True)
-        ex = per_example(sc, "test")
-        test["experts"][t] = {"accuracy": _mean(ex["acc"]), "per_task": per_task_acc(sc, "test")}
-    for m in methods:
-        fs = screen.score(fulls[m], work / "scores" / f"{m}_full.json", ref_dir=None, test=True)
-        full_ex = per_example(fs, "test")
-        test["rows"].append({"method": m, "strategy": "-", "budget": "full", "accuracy": _mean(full_ex["acc"]),
-                             "per_task": per_task_acc(fs, "test"), "n": len(full_ex["acc"])})
-        for budget in budgets:
-            exs = {}
-            for s in strategies:
-                name = _model_name(m, s, budget)
-                sc = screen.score(work / "models" / name, work / "scores" / f"{name}.json", ref_dir=fulls[m],
-                                  test=True)
-                exs[s] = ex = per_example(sc, "test")
-                test["rows"].append({"method": m, "strategy": s, "budget": budget, "accuracy": _mean(ex["acc"]),
-                                     "per_task": per_task_acc(sc, "test"), "n": len(ex["acc"]),
-                                     "d_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
-                                     "mcnemar_vs_full": mcnemar(ex["acc"], full_ex["acc"])})
-            if best:
-                a, b = exs[best]["acc"], exs["energy"]["acc"]
-                test["rows"].append({"method": m, "strategy": f"{best} - energy", "budget": budget,
-                                     "d_accuracy": paired(a, b, n_boot=n_boot), "mcnemar": mcnemar(a, b)})
-    return test
+    fs = screen.score(full_dir, work / "scores" / f"{m}_full.json", ref_dir=None, test=True)
+    full_ex = per_example(fs, "test")
+    test["rows"].append({"method": m, "strategy": "-", "budget": "full", "accuracy": _mean(full_ex["acc"]),
+                         "per_task": per_task_acc(fs, "test"), "n": len(full_ex["acc"])})
+    _write(out, result)
+    for budget in budgets:
+        exs = {}
+        for s in strategies:
+            name = _model_name(m, s, budget)
+            sc = screen.score(work / "models" / name, work / "scores" / f"{name}.json", ref_dir=full_dir,
+                              test=True)
+            exs[s] = ex = per_example(sc, "test")
+            test["rows"].append({"method": m, "strategy": s, "budget": budget, "accuracy": _mean(ex["acc"]),
+                                 "per_task": per_task_acc(sc, "test"), "n": len(ex["acc"]),
+                                 "d_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
+                                 "mcnemar_vs_full": mcnemar(ex["acc"], full_ex["acc"])})
+            _write(out, result)
+        if best:
+            a, b = exs[best]["acc"], exs["energy"]["acc"]
+            test["rows"].append({"method": m, "strategy": f"{best} - energy", "budget": budget,
+                                 "d_accuracy": paired(a, b, n_boot=n_boot), "mcnemar": mcnemar(a, b)})
+            _write(out, result)
 
 
 def _mean(x: list[float]) -> float:
@@ -413,3 +422,116 @@ def _write(out: Path, result: dict) -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     tmp.replace(out)
+
+
+# ---- report: EVAL.md section and plot -------------------------------------------------------
+
+BEGIN = "<!-- smollm-strategy-screen: generated by `python -m mergepipe_eval smollm-strategy-report`; begin -->"
+END = "<!-- smollm-strategy-screen: end -->"
+
+
+def _ci(d: dict, scale: float = 1.0, digits: int = 2, fmt: str = "f") -> str:
+    return (f"{d['mean'] * scale:+.{digits}{fmt}} [{d['lo'] * scale:+.{digits}{fmt}}, "
+            f"{d['hi'] * scale:+.{digits}{fmt}}]")
+
+
+def _kl(d: dict) -> str:
+    return f"{d['mean']:.2e} [{d['lo']:.2e}, {d['hi']:.2e}]"
+
+
+def to_markdown(result: dict) -> str:
+    n = result["n"]
+    ndev, ntest = sum(n["dev"].values()), sum(n["test"].values())
+    h = n["heldout"]
+    lines = [f"Screen: {ndev} dev examples ({', '.join(f'{t} {k}' for t, k in n['dev'].items())}; train "
+             f"examples no expert saw), {h['sequences']} held-out sequences of {h['tokens_per_sequence']} tokens; "
+             f"one fine-tuning seed. Δ against the same method's full read, paired; 95% intervals from a paired "
+             f"bootstrap ({result['bootstrap']['resamples']} resamples, seed 0) over dev examples (log-lik, "
+             "accuracy) or held-out sequences (KL).", "",
+             "| method | strategy | budget | read MiB | dev acc | Δ dev label log-lik (nats) | Δ dev acc (points) "
+             "| KL(full ‖ budgeted), held-out text (nats/token) |",
+             "|---|---|---|---:|---:|---|---|---|"]
+    for r in result["rows"]:
+        if r["budget"] == "full":
+            lines.append(f"| {r['method']} | (any) | full | all* | {100 * r['dev_accuracy']:.1f} "
+                         f"| (label log-lik {r['dev_label_ll']:.3f}) | – | 0 |")
+            continue
+        lines.append(f"| {r['method']} | {r['strategy']} | {r['budget']} | {r['expert_bytes_read'] / 2**20:.0f} | "
+                     f"{100 * r['dev_accuracy']:.1f} | {_ci(r['d_dev_label_ll'], 1, 3)} | "
+                     f"{_ci(r['d_dev_accuracy'], 100, 1)} | {_kl(r['heldout_kl'])} |")
+    lines += ["", "\\* every expert byte. Strategy against energy at the same method and budget (paired; positive "
+              "Δ log-lik / Δ acc and negative Δ KL favour the strategy):", "",
+              "| method | budget | strategy − energy | Δ dev label log-lik (nats) | Δ dev acc (points) "
+              "| Δ held-out KL (nats/token) |", "|---|---|---|---|---|---|"]
+    for b in result["between"]:
+        lines.append(f"| {b['method']} | {b['budget']} | {b['a']} − energy | {_ci(b['d_dev_label_ll'], 1, 3)} | "
+                     f"{_ci(b['d_dev_accuracy'], 100, 1)} | {_ci(b['d_heldout_kl'], 1, 2, 'e')} |")
+    t = result.get("test")
+    if t and (t["rows"] or t["experts"]):
+        lines += ["", f"Test accuracy ({ntest} test examples: "
+                  f"{', '.join(f'{k} {v}' for k, v in n['test'].items())}; the SmolLM2 table's examples). "
+                  f"Best strategy by the screen: {', '.join(f'**{v}** ({k})' for k, v in t['best'].items())} ({t['rule']}). Δ against the full read (or "
+                  "energy), paired bootstrap 95% interval; McNemar exact p from the discordant pairs.", "",
+                  "| method | strategy | budget | accuracy | noun_cat | pos | topic | Δ acc (points) | McNemar "
+                  "(only this / only other, p) |", "|---|---|---|---:|---:|---:|---:|---|---|"]
+        for r in t["rows"]:
+            pt = r.get("per_task")
+            cells = " | ".join(f"{100 * pt[k]:.1f}" for k in TASKS) if pt else "– | – | –"
+            acc = f"{100 * r['accuracy']:.1f}" if "accuracy" in r else "–"
+            d = _ci(r["d_accuracy"], 100, 1) if "d_accuracy" in r else "–"
+            mc = r.get("mcnemar_vs_full") or r.get("mcnemar")
+            mcs = f"{mc['a_only']} / {mc['b_only']}, p={mc['p']:.3f}" if mc else "–"
+            lines.append(f"| {r['method']} | {r['strategy']} | {r['budget']} | {acc} | {cells} | {d} | {mcs} |")
+        for name, e in t["experts"].items():
+            cells = " | ".join(f"{100 * e['per_task'][k]:.1f}" for k in TASKS)
+            lines.append(f"| expert {name} alone | – | – | {100 * e['accuracy']:.1f} | {cells} | – | – |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = list(result["methods"])
+    strategies = list(result["strategies"])
+    fig, axes = plt.subplots(2, len(methods), figsize=(6 * len(methods), 7.5), squeeze=False)
+    for col, m in enumerate(methods):
+        for s in strategies:
+            rows = sorted((r for r in result["rows"] if r["method"] == m and r["strategy"] == s),
+                          key=lambda r: float(r["budget"].rstrip("%")))
+            if not rows:
+                continue
+            xs = [float(r["budget"].rstrip("%")) for r in rows]
+            for i, key in enumerate(("heldout_kl", "d_dev_label_ll")):
+                ys = [r[key]["mean"] for r in rows]
+                err = [[r[key]["mean"] - r[key]["lo"] for r in rows], [r[key]["hi"] - r[key]["mean"] for r in rows]]
+                axes[i][col].errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=s)
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_title(f"SmolLM2 {m}: KL(full || budgeted), held-out text (nats/token)")
+        axes[1][col].set_title(f"SmolLM2 {m}: dev label log-lik − full read (nats)")
+        axes[1][col].axhline(0, color="gray", ls=":")
+        for ax in axes[:, col]:
+            ax.set_xlabel("budget (% of the expert bytes)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def render_section(result: dict, notes: str = "", plot_name: str | None = None) -> str:
+    figure = [f"![SmolLM2: KL and dev log-likelihood against the full read, per strategy]({plot_name})", ""] \
+        if plot_name else []
+    return "\n".join([BEGIN, "", "# Plan strategies on SmolLM2-135M (issue 12): energy vs calibrated vs balanced "
+                      "vs compensated", "", notes.strip(), "", *figure, "## Tables (SmolLM2 strategy screen)", "",
+                      to_markdown(result).rstrip("\n"), "", END]) + "\n"
+
+
+def splice(markdown: Path, section: str) -> None:
+    text = markdown.read_text() if markdown.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    markdown.write_text(text)

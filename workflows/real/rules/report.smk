@@ -8,6 +8,8 @@ rule report:
         strategies_s1="workflows/real/results/strategies_minilm_s1.json",
         strategies_seeds="workflows/real/results/strategies_minilm_seeds.json",
         strategies_notes="workflows/real/strategies_notes.md",
+        smollm_strategies="workflows/real/results/strategies_smollm.json",
+        smollm_strategies_notes="workflows/real/smollm_strategies_notes.md",
     output:
         markdown="EVAL.md",
         plot="workflows/real/minilm_accuracy.png",
@@ -27,4 +29,7 @@ rule report:
         " --strategies-result {input.strategies} --strategies-result {input.strategies_s1}"
         " --strategies-notes {input.strategies_notes}"
         " --strategies-plot workflows/real/strategies_minilm.png --strategies-seeds {input.strategies_seeds}"
+        " --smollm-strategies-result {input.smollm_strategies}"
+        " --smollm-strategies-notes {input.smollm_strategies_notes}"
+        " --smollm-strategies-plot workflows/real/strategies_smollm.png"
         " > {log} 2>&1"

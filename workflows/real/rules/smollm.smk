@@ -32,7 +32,7 @@ def sm_budgets(merge):
 
 def sm_all_scores():
     out = []
-    for recipe in SM_RECIPES:
+    for recipe in SM.get("report_recipes", SM_RECIPES):
         for seed in SM_SEEDS:
             fam = f"{W}/smollm/{recipe}/s{seed}/scores"
             out.append(f"{fam}/base.json")

@@ -5,6 +5,8 @@
 # apt-gets). Merges and per-model scores are cached under the family's strategies/ folder,
 # keyed by manifest hash, so a rerun only merges and rescores what changed.
 SS = SM["strategy_screen"]
+SS_FAMILY = W + "/smollm/" + SS["recipe"] + "/s0"
+SS_RECIPE = SM["recipes"][SS["recipe"]]
 
 
 rule smollm_calib_text:
@@ -24,7 +26,7 @@ rule smollm_calib_text:
 rule smollm_strategy_screen:
     input:
         base=SM_BASE + "/model.safetensors",
-        experts=expand(W + "/smollm/sft/s0/experts/{t}/model/model.safetensors", t=SM_TASKS),
+        experts=expand(SS_FAMILY + "/experts/{t}/model/model.safetensors", t=SM_TASKS),
         calib=W + "/smollm/calib/calib.txt",
         heldout=W + "/smollm/calib/heldout.txt",
     output:
@@ -32,17 +34,33 @@ rule smollm_strategy_screen:
     params:
         dev=" ".join(f"--dev-per-class {t}={n}" for t, n in SS["dev_per_class"].items()),
         test=" ".join(f"--test-per-class {t}={n}" for t, n in SM["tasks"].items()),
-        seen=SM["recipes"]["sft"]["steps"] * SM["recipes"]["sft"]["batch_size"],
+        seen=SS_RECIPE["steps"] * SS_RECIPE["batch_size"],
         methods=",".join(SS["methods"]),
         strategies=",".join(SS["strategies"]),
         budgets=",".join(SS["budgets"]),
         test_budgets=",".join(SS["test_budgets"]),
+        test_methods=",".join(SS["test_methods"]),
     log:
         LOGS + "/smollm_strategy_screen.log",
     shell:
         "MERGEPIPE_EVAL_THREADS=2 nice -n 19 {PY} -m mergepipe_eval smollm-strategy-screen"
-        " --family {W}/smollm/sft/s0 --base {SM_BASE} --tasks-root {W}/tasks"
+        " --family {SS_FAMILY} --base {SM_BASE} --tasks-root {W}/tasks"
         " --calib {input.calib} --heldout {input.heldout} --out {output}"
         " --methods {params.methods} --strategies {params.strategies} --budgets {params.budgets}"
-        " --test-budgets {params.test_budgets} {params.dev} {params.test} --seen {params.seen}"
+        " --test-budgets {params.test_budgets} --test-methods {params.test_methods} {params.dev} {params.test} --seen {params.seen}"
         " --heldout-seqs {SS[heldout_seqs]} --heldout-len {SS[heldout_len]} > {log} 2>&1"
+
+
+# The EVAL.md section alone (the full `report` rule also rebuilds it, but needs every SmolLM2
+# accuracy score of rules/smollm.smk): splices the section between its markers in EVAL.md.
+rule smollm_strategy_report:
+    input:
+        result="workflows/real/results/strategies_smollm.json",
+        notes="workflows/real/smollm_strategies_notes.md",
+    output:
+        plot="workflows/real/strategies_smollm.png",
+    log:
+        LOGS + "/smollm_strategy_report.log",
+    shell:
+        "{PY} -m mergepipe_eval smollm-strategy-report --result {input.result} --markdown EVAL.md"
+        " --notes {input.notes} --plot {output.plot} > {log} 2>&1"
