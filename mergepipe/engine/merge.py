@@ -32,7 +32,7 @@ from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
 from mergepipe.engine.tensor_variants import TensorVariants
-from mergepipe.plan.tensor_params import group_index
+from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.records import DeltaIndex, ModelIndex
@@ -178,11 +178,12 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         realized.joint_statistics = {"key": joint.key, "blake3": joint.digest}
         realized.joint_bytes_read = joint.bytes_read
     rewrites = method.rewrites_base is not None and method.rewrites_base(params)
+    rewrites_at = _group_rewrites(plan, method, rewrites)
     work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
     packs = PackBuilder()
     for name, t in base.tensors.items():
         planned = set().union(*(r.get(name, ()) for r in reads.values()))
-        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites and t.dtype in FLOAT_DTYPES)
+        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites_at(name) and t.dtype in FLOAT_DTYPES)
         ranges = inputs.base_index.tensors[name].ranges
         if copy_ok and packable(t, ranges) and group_index(plan, name) is None:  # small tensors: one unit per run of them (engine/packs.py)
             fname = out_of[name][0]
@@ -299,7 +300,23 @@ def _for_group(m: _Merge, parameters: dict, plan_experts: list[dict], compiled: 
     experts = [_Expert(e["name"], e["content_hash"], float(e["weight"]), expert_knobs(params, e))
                for e in plan_experts]
     kernel = m.method.compiled(params, plan_experts) if m.method.compiled is not None and compiled else None
-    return replace(m, params=params, experts=experts, kernel=kernel, variants=None)
+    return replace(m, params=params, experts=experts, kernel=kernel, variants=None,
+                   rewrites=m.method.rewrites_base is not None and m.method.rewrites_base(params))
+
+
+def _group_rewrites(plan: dict, method: Method, rewrites: bool):
+    """tensor -> whether the method rewrites its unread blocks, with that tensor's per-tensor
+    parameters (a group's scale can, where the top-level one does not)."""
+    cache: dict[int, bool] = {}
+
+    def at(name: str) -> bool:
+        g = group_index(plan, name)
+        if g is None or method.rewrites_base is None:
+            return rewrites
+        if g not in cache:
+            cache[g] = bool(method.rewrites_base(method.params.model_validate(view(plan, g)[0])))
+        return cache[g]
+    return at
 
 
 def _load_pack(pack: Pack, reader: UnitReader, writers: dict[str, SafetensorsWriter],
