@@ -246,8 +246,13 @@ models:
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [0, 32]}]\n",
-     "mk.yml: slices: layer slices"),
+    ("merge_method: passthrough\nslices:\n  - sources: [{model: a, layer_range: [0, 24]}]\n"
+     "  - sources: [{model: b, layer_range: [20, 40]}]\n",
+     "mk.yml: slices: 2 slices stack layers (a frankenmerge); not built"),
+    ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [4, 32]}]\n",
+     "mk.yml: slices[0].sources[0].layer_range: [4, 32] is part of the model"),
+    ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [0, 32]}]\n"
+     "    parameters: {t: 0.5}\n", "mk.yml: slices[0].parameters: slice-level settings"),
     ("merge_method: ties\nbase_model: b\nmodules: {text: {models: [{model: e}]}}\n", "mk.yml: modules:"),
     ("merge_method: ties\nbase_model: b\nmodels:\n  - {model: e, parameters: {density: [0.2, 0.8]}}\n",
      "mk.yml: models[0].parameters.weight: required"),
@@ -425,3 +430,19 @@ def test_hub_ids_resolve_from_the_local_cache(tmp_path, monkeypatch):
     message = str(err.value)
     assert "base_model: Hugging Face model 'org/missing' is neither a local folder nor in the local" in message
     assert "\n" not in message
+
+
+def test_one_slice_over_every_layer_is_the_models_form(tmp_path):
+    text = GRADIENT_SLERP.replace("slices:\n", "").replace(
+        "models:\n  - model: models/a\n  - model: models/b\n",
+        "slices:\n  - sources:\n      - {model: models/a, layer_range: [0, 4]}\n"
+        "      - {model: models/b, layer_range: [0, 4]}\n")
+    path = _write(tmp_path, text)
+    for name in ("a", "b"):
+        (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / name / "config.json").write_text('{"num_hidden_layers": 4}')
+    params = import_mergekit(path)
+    assert params["base"] == "models/a" and [e["path"] for e in params["experts"]] == ["models/b"]
+    (tmp_path / "models" / "b" / "config.json").write_text('{"num_hidden_layers": 6}')
+    with pytest.raises(ConfigError, match=r"slices\[0\]\.sources\[1\]\.layer_range: \[0, 4\] is not every layer"):
+        import_mergekit(path)

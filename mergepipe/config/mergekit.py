@@ -29,6 +29,7 @@ Semantics carried over from mergekit:
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -82,11 +83,9 @@ SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {"passthrough": ("scale",), "del
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-_TOP_KEYS = {"models", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
+_TOP_KEYS = {"models", "slices", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer"}
 _NOT_EXPRESSIBLE = {
-    "slices": "layer slices (frankenmerges) cannot be expressed; mergepipe merges whole "
-              "models: use `models:`",
     "modules": "per-module merges cannot be expressed; use one `models:` list",
     "chat_template": "chat templates are not merged; mergepipe copies the base's tokenizer "
                      "files: remove it",
@@ -248,6 +247,10 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         if key not in _TOP_KEYS:
             raise _fail(source, key, f"unknown mergekit key; supported: {', '.join(sorted(_TOP_KEYS))}")
     _check_tokenizer(data, source)
+    if data.get("slices") not in (None, []):
+        if data.get("models"):
+            raise _fail(source, "slices", "give either slices or models, not both")
+        data = {**data, "models": _slices_as_models(data["slices"], source, roots)}
 
     mk_method = data.get("merge_method")
     if mk_method not in METHOD_NAMES:
@@ -384,6 +387,70 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         if not _same_model(token_path, base):
             out["output"]["tokenizer_source"] = token_path
     return out
+
+
+def _layer_count(folder: Path) -> int | None:
+    """The number of layers config.json declares (text_config's for a multimodal model)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for node in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if isinstance(node, dict):
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                if isinstance(node.get(key), int):
+                    return node[key]
+    return None
+
+
+def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) -> list[dict[str, Any]]:
+    """`slices` that are the `models:` form in disguise: one slice whose sources all cover
+    every layer ([0, n], n the model's layer count, checked where the model folder is
+    readable; not checked when converting without `roots`). Stacking several slices (a
+    frankenmerge) or partial ranges is refused."""
+    if not isinstance(slices, list):
+        raise _fail(source, "slices", f"must be a list of {{sources}}, got {slices!r}")
+    if len(slices) != 1:
+        raise _fail(source, "slices", f"{len(slices)} slices stack layers (a frankenmerge); not built: "
+                                      "mergepipe merges whole models (one slice over every layer)")
+    out_slice = slices[0]
+    if not isinstance(out_slice, dict) or not isinstance(out_slice.get("sources"), list) or not out_slice["sources"]:
+        raise _fail(source, "slices[0]", "must be a mapping with a non-empty sources list")
+    extra = sorted(k for k, v in out_slice.items() if k != "sources" and v not in (None, {}, []))
+    if extra:
+        raise _fail(source, f"slices[0].{extra[0]}", "slice-level settings cannot be expressed; put them "
+                                                    "under the top-level parameters")
+    models = []
+    for i, src in enumerate(out_slice["sources"]):
+        key = f"slices[0].sources[{i}]"
+        if not isinstance(src, dict) or set(src) - {"model", "layer_range", "parameters"}:
+            raise _fail(source, key, "must be a mapping of model, layer_range and parameters")
+        lr = src.get("layer_range")
+        if not (isinstance(lr, list | tuple) and len(lr) == 2 and all(isinstance(v, int) for v in lr)):
+            raise _fail(source, f"{key}.layer_range", f"must be [start, end], got {lr!r}")
+        if lr[0] != 0:
+            raise _fail(source, f"{key}.layer_range", f"{list(lr)} is part of the model; not built: "
+                                                      "mergepipe merges whole models ([0, n])")
+        model = src.get("model")
+        if roots is not None and isinstance(model, str):
+            local = next((root / model for root in roots if (root / model).is_dir()), None)
+            if local is None and looks_like_hub_id(model):
+                try:
+                    local = hub_snapshot(model)
+                except ConfigError:
+                    pass  # named by the models check below
+            n = _layer_count(local) if local is not None else None
+            if n is None:
+                raise _fail(source, f"{key}.layer_range", f"cannot check that {list(lr)} is every layer of "
+                                                          f"{model!r}: no readable config.json there")
+            if lr[1] != n:
+                raise _fail(source, f"{key}.layer_range", f"{list(lr)} is not every layer of {model!r} "
+                                                          f"(it has {n}); not built: mergepipe merges whole models")
+        models.append({"model": model, **({"parameters": src["parameters"]} if src.get("parameters") else {})})
+    ends = {tuple(s.get("layer_range")) for s in out_slice["sources"]}
+    if len(ends) != 1:
+        raise _fail(source, "slices[0].sources", f"layer ranges differ ({sorted(ends)}); not built")
+    return models
 
 
 def _weight(params: dict[str, Any], default: Any, key: str, source: str) -> Any:
