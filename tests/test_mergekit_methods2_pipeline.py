@@ -103,6 +103,11 @@ def test_imported_config_runs_like_mergekit(merges, name):
     ours_all, theirs_all, models = merges
     ours, params = ours_all[name]
     theirs = theirs_all[name]
+    assert params["method"] == ("nuslerp" if name.startswith("nuslerp") else name)
+    if name == "passthrough":  # the one model is base and expert; its scale a method parameter
+        assert params["base"] == params["experts"][0]["path"] and params["parameters"]["scale"] == 0.5
+    if name == "nuslerp_rows_nobase":  # the first model is the base, its weight base_weight
+        assert params["parameters"]["base_weight"] == 0.3 and len(params["experts"]) == 1
     assert set(theirs) <= set(ours) and len(theirs) > 0
     inputs = [models["base"]] + [models[f"expert_{k}"] for k in range(3)]
     factor = 4.0 if name.startswith("nuslerp") else 1.0

@@ -155,7 +155,7 @@ def test_passthrough_of_the_base_itself_reads_nothing_and_scales_every_float_ten
 def test_explain_shows_the_method_parameters(tmp_path, tiny_family):
     from mergepipe.commands.explain import explain
 
-    cid, method, parameters, picks = next(c for c in CASES if c[0] == "della")
+    _, method, parameters, picks = next(c for c in CASES if c[0] == "della")
     cfg = _config(tmp_path, tiny_family, method, parameters, picks, budget="50%")
     text = explain(cfg, cache_dir=None)
     line = next(x for x in text.splitlines() if x.startswith("parameters "))

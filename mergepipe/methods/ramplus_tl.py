@@ -22,7 +22,7 @@ from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, scaled_delta
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.joint import JointBlock, JointPass, JointSpec, TensorContext
+from mergepipe.methods.joint import JointBlock, JointPass, JointSpec
 from mergepipe.methods.ram import contributions
 from mergepipe.methods.ram import effective_weights as ram_weights
 from mergepipe.methods.registry import register
