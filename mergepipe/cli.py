@@ -179,7 +179,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet,
-                     force=args.force)
+                     force=args.force, protect=(Path(args.plan),))
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -213,7 +213,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     man = gather(plan, inputs, Path(args.parts_dir), args.parts, Path(args.o), store, threads=args.threads,
-                 progress=not args.quiet, force=args.force)
+                 progress=not args.quiet, force=args.force, protect=(Path(args.plan),))
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -256,7 +256,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                    f"({time.monotonic() - t0:.2f} s)")
         return 0
     man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
-                     force=args.force, run_record=None if record is None else {uptodate.RECORD: record})
+                     force=args.force, run_record=None if record is None else {uptodate.RECORD: record},
+                     protect=(Path(args.config),))
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0
@@ -322,10 +323,12 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from mergepipe.config.params import load_config
-    from mergepipe.commands.sweep import plot_png, require_matplotlib, run_sweep, to_csv, to_markdown
+    from mergepipe.commands.sweep import (check_sweep_folder, plot_png, require_matplotlib, run_sweep, to_csv,
+                                          to_markdown, write_results)
     from mergepipe.units import parse_budget_list
     from mergepipe.output.publish import check_output_path
     check_output_path(args.o, what="-o")
+    check_sweep_folder(Path(args.o), force=args.force)
     cfg = load_config(args.config)
     budgets = parse_budget_list(args.budgets)
     if not budgets:
@@ -334,15 +337,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         require_matplotlib()
     out = Path(args.o)
     result = run_sweep(cfg, budgets, out, threads=args.threads, progress=not args.quiet,
-                       log=lambda msg: _log(args, msg))
-    out.mkdir(parents=True, exist_ok=True)
+                       log=lambda msg: _log(args, msg), protect=(Path(args.config),))
     table = to_markdown(result)
-    (out / "sweep.md").write_text(table)
-    (out / "sweep.csv").write_text(to_csv(result))
-    written = ["sweep.md", "sweep.csv"]
+    files = {"sweep.md": table.encode(), "sweep.csv": to_csv(result).encode()}
     if not args.no_plot:
-        (out / "sweep.png").write_bytes(plot_png(result, title=f"mergepipe sweep: {Path(args.config).name}"))
-        written.append("sweep.png")
+        files["sweep.png"] = plot_png(result, title=f"mergepipe sweep: {Path(args.config).name}")
+    check_sweep_folder(out, force=args.force)  # again: the merges took minutes
+    write_results(out, files)
+    written = list(files)
     print(table, end="")
     _log(args, f"wrote {', '.join(str(out / w) for w in written)}; merged models under {out / 'models'}")
     return 0
@@ -446,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budgets", default="5%,10%,25%,50%,100%", help="comma-separated budgets (default %(default)s)")
     s.add_argument("-o", required=True, help="output folder: sweep.md, sweep.csv, sweep.png, models/")
     s.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    s.add_argument("--force", action="store_true", help="write into an -o folder that is not a previous sweep's "
+                   "(its models/<budget> folders are still only replaced where mergepipe wrote them)")
     s.set_defaults(fn=cmd_sweep)
 
     s = sub.add_parser("demo", help="generate a demo family (see `mergepipe demo -- --help`)")

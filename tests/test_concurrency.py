@@ -131,7 +131,8 @@ def test_lock_owned_by_a_live_process_is_respected(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / ".out.lock").write_text(f"{socket.gethostname()}:{sleeper.pid}")
-        with pytest.raises(OutputError, match=f"locked by another mergepipe writer .*:{sleeper.pid}"):
+        with pytest.raises(OutputError,
+                           match=f"locked by another mergepipe writer, .*:{sleeper.pid} \\(this host\\), still running"):
             with Publisher(target):
                 pass
         assert (tmp_path / ".out.lock").exists()
@@ -156,6 +157,28 @@ def test_empty_lock_from_a_writer_killed_before_writing_its_pid(tmp_path):
             pass
     old = time.time() - 3600
     os.utime(lock, (old, old))
+    pub = Publisher(target)
+    with pub as tmp:
+        (tmp / "f").write_text("ok")
+        pub.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_lock_from_another_host_says_exactly_what_to_do(tmp_path):
+    """A lock whose writer ran on another host (a shared cluster folder) cannot be checked from
+    here, so it is never removed automatically: the one-line error names the host, the pid
+    and the lock file, and gives the command that removes it; after that the writer proceeds."""
+    target = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    lock.write_text("node-417.cluster:31337")
+    with pytest.raises(OutputError) as e:
+        with Publisher(target):
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "node-417.cluster" in msg and "31337" in msg and str(lock) in msg
+    assert f"rm {lock}" in msg
+    assert lock.exists() and not target.exists()
+    lock.unlink()  # what the message says to do
     pub = Publisher(target)
     with pub as tmp:
         (tmp / "f").write_text("ok")

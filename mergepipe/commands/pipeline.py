@@ -123,24 +123,45 @@ def _model_card(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_output_target(out_dir: Path, inputs: Inputs) -> None:
+def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: tuple[Path, ...] = ()) -> None:
+    """Refuse (even with --force) an output folder that is, holds or lies inside an input
+    model, the tokenizer source or the cache (publishing replaces the whole folder; gc
+    prunes inside the cache), or that holds another input of the command (`protect`: the
+    params.yaml or plan file, a parts folder)."""
     out = out_dir.resolve()
+
+    def overlaps(p: Path) -> bool:
+        p = p.resolve()
+        return out == p or out in p.parents or p in out.parents
+
     for ck in [inputs.base, *inputs.experts.values()]:
-        root = ck.root.resolve()
-        if out == root or out in root.parents or root in out.parents:
+        if overlaps(ck.root):
             raise OutputError(f"{out_dir}: output folder overlaps input model {ck.root}; choose another output dir")
+    if inputs.tokenizer_dir is not None and overlaps(inputs.tokenizer_dir):
+        raise OutputError(f"{out_dir}: output folder overlaps the tokenizer source {inputs.tokenizer_dir}; "
+                          "choose another output dir")
+    if overlaps(store.root):
+        raise OutputError(f"{out_dir}: output folder overlaps the cache folder {store.root}; choose another "
+                          "output dir (or another --cache-dir)")
+    for p in protect:
+        if out == p.resolve() or out in p.resolve().parents or (p.is_dir() and overlaps(p)):
+            raise OutputError(f"{out_dir}: output folder holds {p}, an input of this command; publishing would "
+                              "delete it, even with --force; choose another output dir")
 
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
-               progress: bool = False, realize=None, force: bool = False, run_record: dict | None = None) -> dict:
+               progress: bool = False, realize=None, force: bool = False, run_record: dict | None = None,
+               protect: tuple[Path, ...] = ()) -> dict:
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
     split merge, mergepipe.commands.parts); everything else is the same, so the bytes are too.
     `run_record` is added to run.json (`run`'s no-op record, commands/uptodate.py).
+    `protect`: the command's other inputs (params.yaml, plan file, parts folder), which the
+    output folder must not hold.
     """
     check_output_path(out_dir)
-    _check_output_target(out_dir, inputs)
+    _check_output_target(out_dir, inputs, store, tuple(Path(p) for p in protect))
     cached = store.root / "merges" / plan["plan_hash"]
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:

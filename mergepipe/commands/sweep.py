@@ -6,7 +6,9 @@ pipeline), `deviation` (how far a merge is from the full-budget one, streamed
 block by block through checkpoint.safetensors) and the renderings of the result: a
 markdown table, CSV and a PNG plot (matplotlib, the `bench` extra). It writes no
 files itself except through the pipeline's publisher; the CLI writes the table
-and the plot.
+and the plot (`write_results`, atomically), after `check_sweep_folder` has made sure
+that the folder is new, empty or a sweep's (so a user's own folder, or its
+sweep.md, is never written into without --force).
 
 The deviation of budget B is reported two ways, ||M_B - M_full|| / ||M_full - W0||
 (relative to the update the merge makes) and ||M_B - M_full|| / ||M_full||, both
@@ -19,6 +21,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,13 +29,80 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.errors import ConfigError
+from mergepipe.errors import ConfigError, OutputError
 from mergepipe.commands.pipeline import merge_plan, plan_config
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.index.store import Store
 from mergepipe.units import Budget
 
 CHUNK_BYTES = 16 << 20
+RESULT_FILES = ("sweep.md", "sweep.csv", "sweep.png")
+_MD_HEAD = "Budget sweep, method `"  # to_markdown's first line
+_ATOMIC_TMP = re.compile(r"\.sweep\.(?:md|csv|png)\.[^/]*\.tmp")  # util.fs.atomic_write_bytes's temp names
+
+
+def _ours(path: Path) -> bool:
+    """Whether a result file is one a sweep wrote (its first bytes); a PNG counts only
+    beside a table of ours (checked by the caller)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    if path.name == "sweep.md":
+        return head.startswith(_MD_HEAD.encode())
+    if path.name == "sweep.csv":
+        return head.startswith((",".join(SweepRow.__dataclass_fields__) + ",read_fraction\n").encode()[:256])
+    return head.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def check_sweep_folder(out: Path, *, force: bool = False) -> None:
+    """A sweep writes sweep.md, sweep.csv, sweep.png and models/<budget>/ into `out`: it may
+    be new, empty, or hold only a previous sweep's files (tables that a sweep wrote, and
+    under models/ only folders the publisher may replace). Anything else is a user's
+    folder: refused unless `force` (which still never lets a model folder be replaced
+    that mergepipe did not write: each models/<budget> is published as `merge` does).
+
+    Raises:
+        OutputError: `out` is a file, cannot be listed, or holds something a sweep did not write.
+    """
+    from mergepipe.output.publish import leftover_of, replaceable
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise OutputError(f"{out}: sweep -o must be a folder (it is {'a symbolic link' if out.is_symlink() else 'a file'})")
+    if force:
+        return
+    try:
+        entries = sorted(out.iterdir())
+    except OSError as e:
+        raise OutputError(f"{out}: cannot list the sweep folder: {e.strerror}") from None
+    entries = [p for p in entries if not _ATOMIC_TMP.fullmatch(p.name)]  # write_results cut short
+    tables = [p for p in entries if p.name in RESULT_FILES[:2] and p.is_file() and not p.is_symlink() and _ours(p)]
+    for p in entries:
+        if p.name == "models" and p.is_dir() and not p.is_symlink():
+            for m in sorted(p.iterdir()):
+                why = None if leftover_of(m) else replaceable(m)
+                if why is not None:
+                    raise OutputError(f"{out}: sweep folder's models/{m.name} {why}; refusing to write the sweep "
+                                      "there (choose a new folder, or pass --force)")
+            continue
+        ok = p.name in RESULT_FILES and p.is_file() and not p.is_symlink() and _ours(p) and (
+            p.name != "sweep.png" or bool(tables))
+        if not ok:
+            raise OutputError(f"{out}: is not a sweep folder (holds {p.name!r}, which a sweep did not write); "
+                              "refusing to write the sweep there (choose a new folder, or pass --force)")
+
+
+def write_results(out: Path, files: dict[str, bytes]) -> None:
+    """The sweep's table, CSV and plot, each written atomically (a full disk leaves the previous ones)."""
+    from mergepipe.util.fs import atomic_write_bytes
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        try:
+            atomic_write_bytes(out / name, data)
+        except OSError as e:
+            raise OutputError(f"{out / name}: cannot write: {e.strerror}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +207,7 @@ def deviation(merged: Path, reference: Path, base: Path) -> dict[str, float]:
 
 
 def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, progress: bool = False,
-              log: Callable[[str], None] = lambda _msg: None) -> SweepResult:
+              log: Callable[[str], None] = lambda _msg: None, protect: tuple[Path, ...] = ()) -> SweepResult:
     """Index once, then plan and merge `cfg` at each budget into out_dir/models/<label>.
 
     The full budget is merged as well (first, as the reference) if not listed;
@@ -158,7 +228,7 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
         plan, _ = plan_config(cfg, store, budget=budget, threads=threads)
         t_merge = time.monotonic()
         target = out_dir / "models" / _label(budget)
-        man = merge_plan(plan, inputs, target, store, threads=threads, progress=progress)
+        man = merge_plan(plan, inputs, target, store, threads=threads, progress=progress, protect=protect)
         restored = "restored_from" in (target / "run.json").read_text()
         merged[budget] = (plan, man, t_merge - t_plan, time.monotonic() - t_merge, restored, target)
         b = man["bytes"]

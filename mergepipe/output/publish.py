@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -64,6 +65,22 @@ def _stale(path: Path) -> bool:
         except OSError:
             return False
     return owner is not None and owner[0] == socket.gethostname() and not _pid_alive(owner[1])
+
+
+def _locked_by(lock: Path) -> str:
+    """Who holds `lock` and exactly what to do about it (one line)."""
+    owner = _owner(lock)
+    if owner is None:
+        return (f"locked by another mergepipe writer that is starting (lock {lock}); wait for it (a lock left "
+                f"empty is removed by the next run after {_EMPTY_LOCK_GRACE_S} s)")
+    host, pid = owner
+    if host == socket.gethostname():
+        return (f"locked by another mergepipe writer, {host}:{pid} (this host), still running (lock {lock}); "
+                f"wait for it to finish, or stop it (kill {pid})")
+    # another host: its process table cannot be read from here, so the lock is never removed automatically
+    return (f"locked by another mergepipe writer, {host}:{pid}: process {pid} on host {host} (lock {lock}); "
+            f"this host cannot tell whether it is still running: if no mergepipe runs there any more (check with "
+            f"`ssh {host} ps -p {pid}`), remove the lock with: rm {shlex.quote(str(lock))}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -228,6 +245,24 @@ def _not_ours(target: Path) -> str | None:
     return None
 
 
+_LEFTOVER = re.compile(r"\..+\.(?:lock|(?:tmp|old)-[0-9a-f]{12})")
+
+
+def leftover_of(path: Path) -> bool:
+    """Whether `path` is named like a writer's lock, temp folder or previous version (of any target)."""
+    return bool(_LEFTOVER.fullmatch(path.name))
+
+
+def replaceable(target: Path) -> str | None:
+    """None if publishing at `target` may replace it without --force (an empty folder or a
+    complete mergepipe output); else why not."""
+    if target.is_symlink():
+        return "is a symbolic link"
+    if not target.is_dir():
+        return "is not a folder"
+    return _not_ours(target)
+
+
 class Publisher:
     """with Publisher(target) as tmp: write into tmp; then .commit() renames it in.
 
@@ -280,10 +315,7 @@ class Publisher:
                 if attempt == 0 and _stale(self.lock):
                     self.lock.unlink(missing_ok=True)  # its writer died (kill -9)
                     continue
-                owner = _owner(self.lock) or ("?", "?")
-                raise OutputError(f"{self.target}: locked by another mergepipe writer "
-                                  f"({owner[0]}:{owner[1]}, lock {self.lock}); wait for it, or remove the "
-                                  "lock if that process is gone") from None
+                raise OutputError(f"{self.target}: {_locked_by(self.lock)}") from None
             except OSError as e:  # read-only folder, ...
                 raise OutputError(f"{self.target}: cannot create the lock {self.lock}: {e.strerror}") from None
         try:

@@ -1082,3 +1082,79 @@ def c_output_symlink_to_a_users_folder(ctx, work):
 def c_byte_budget_below_one_block(ctx, work):
     """`budget: 10` (meant 10%) is 10 bytes: a merge that reads nothing would publish the base as merged."""
     return run(work, ctx, None, ("budget", "10B", "smaller than any expert block"), BUDGET, budget=10)
+
+
+# ------------------------------------------------------------- third red-team pass (issue 15): other inputs, the cache
+
+@case
+def c_run_force_into_the_folder_of_its_params(ctx, work):
+    """`mergepipe run proj/params.yaml -o proj --force`: --force must not let the publish delete
+    the config being run (and the user's files beside it)."""
+    proj = work / "proj"
+    proj.mkdir()
+    (proj / "notes.md").write_text("why these weights\n")
+    params = write_params(proj, ctx, output={"dir": str(proj)})
+    return Setup(["run", str(params), "-q", "--force"], proj, (str(proj), "params.yaml", "input of this command"),
+                 OUTPUT, existing_ok=False)
+
+
+@case
+def c_merge_force_into_the_folder_of_its_plan(ctx, work):
+    """`mergepipe merge job/plan.json -o job --force`: the plan file is an input of the command."""
+    s = edited_plan(ctx, work, lambda p: None, ())
+    job = work / "job"
+    job.mkdir()
+    plan = job / "plan.json"
+    Path(s.argv[1]).rename(plan)
+    argv = ["merge", str(plan), "-o", str(job), "--force", "--cache-dir", str(ctx.cache), "-q"]
+    return Setup(argv, job, (str(job), "plan.json", "input of this command"), OUTPUT, existing_ok=False)
+
+
+def _own_cache(ctx: Ctx, work: Path) -> tuple[Path, Path]:
+    """A plan made with a cache folder inside `work` (indexed now, so the case itself adds nothing there)."""
+    from mergepipe.cli import main
+    cache = work / "cache"
+    params = write_params(work, ctx, cache_dir=str(cache))
+    plan = work / "plan.json"
+    assert main(["plan", str(params), "-q", "-o", str(plan)]) == 0
+    return cache, plan
+
+
+@case
+def c_merge_force_onto_the_cache(ctx, work):
+    """`merge plan.json -o .mergepipe --force` (the cache it reads): would replace every index and stored merge."""
+    cache, plan = _own_cache(ctx, work)
+    return Setup(["merge", str(plan), "-o", str(cache), "--force", "--cache-dir", str(cache), "-q"], cache,
+                 (str(cache), "cache folder"), OUTPUT, existing_ok=False)
+
+
+@case
+def c_merge_output_inside_the_cache(ctx, work):
+    """An output under the cache folder (.mergepipe/merges/mine) is the store's to prune: `gc` would delete it."""
+    cache, plan = _own_cache(ctx, work)
+    out = cache / "merges" / "mine"
+    return Setup(["merge", str(plan), "-o", str(out), "--cache-dir", str(cache), "-q"], out,
+                 (str(out), "cache folder"), OUTPUT)
+
+
+@case
+def c_sweep_into_a_users_folder(ctx, work):
+    """`sweep -o report` where report/ is the user's: its files must not be mixed with or replaced by a sweep's."""
+    report = work / "report"
+    report.mkdir()
+    (report / "sweep.md").write_text("# my own notes on sweeping\n")
+    params = write_params(work, ctx)
+    return Setup(["sweep", str(params), "--budgets", "50%", "--no-plot", "-o", str(report), "-q"], report,
+                 (str(report), "sweep.md", "--force"), OUTPUT, existing_ok=False)
+
+
+@case
+def c_sweep_with_a_users_model_under_models(ctx, work):
+    """A sweep folder whose models/ holds a model the user put there: refused, even a previous sweep's folder."""
+    from mergepipe.cli import main
+    params = write_params(work, ctx)
+    sweep = work / "sweep"
+    assert main(["sweep", str(params), "--budgets", "50%", "--no-plot", "-o", str(sweep), "-q"]) == 0
+    shutil.copytree(ctx.experts[0], sweep / "models" / "my-finetune")
+    return Setup(["sweep", str(params), "--budgets", "50%", "--no-plot", "-o", str(sweep), "-q"], sweep,
+                 (str(sweep), "models/my-finetune", "--force"), OUTPUT, existing_ok=False)
