@@ -248,3 +248,18 @@ def test_mergekit_configs_of_the_joint_methods_import(tmp_path, tiny_family):
     fusion = imported({"merge_method": "arcee_fusion", "base_model": str(root / "base"),
                        "models": [{"model": models[0]}]})
     assert fusion["method"] == "arcee_fusion" and len(fusion["experts"]) == 1
+
+
+def test_per_tensor_values_that_change_the_statistics_are_refused(tmp_path, tiny_family, capsys):
+    cfg = write_config(tmp_path, tiny_family, method="sce", parameters={"select_topk": [0.2, 0.6]})
+    assert main(["plan", str(cfg), "-q"]) == 2
+    assert "cannot vary per tensor" in capsys.readouterr().err
+    cfg = write_config(tmp_path, tiny_family, method="model_stock",
+                       parameters={"filter_wise": [{"filter": "mlp", "value": True}, {"value": False}]})
+    assert main(["plan", str(cfg), "-q"]) == 2
+    assert "some tensors and not others" in capsys.readouterr().err
+    # what only changes each block's arithmetic may vary: multislerp's per-tensor weights
+    experts = yaml.safe_load(write_config(tmp_path, tiny_family).read_text())["experts"]
+    experts[0]["weight"] = [{"filter": "mlp", "value": 0.2}, {"value": 0.9}]
+    cfg = write_config(tmp_path, tiny_family, method="multislerp", parameters={}, experts=experts)
+    assert main(["run", str(cfg), "-q"]) == 0

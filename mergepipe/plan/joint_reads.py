@@ -83,3 +83,23 @@ def describe(plan: dict) -> list[str]:
                      "before the merge, kept in the store (joint/<key>.stats) and reused by any merge of this family "
                      "and method; like the index, not counted in the budget")
     return lines
+
+
+def check_tensor_parameters(method: str, m, params: dict, tensor_parameters: dict | None) -> None:
+    """Per-tensor parameters (gradients, filters) may vary what a joint method does per block,
+    not what its statistics are: those are keyed by the family and the top-level parameters.
+    A group that changes a parameter the statistics depend on (`JointSpec.params`) or whether
+    they are needed (`active`) is a config error naming it."""
+    if tensor_parameters is None:
+        return
+    top = m.joint.active(m.params.model_validate(params))
+    for g in tensor_parameters["groups"]:
+        own = g.get("parameters", {})
+        for key in m.joint.params:
+            if key in own and own[key] != params.get(key):
+                raise ConfigError(f"parameters.{key}: method {method!r} computes its joint statistics with one "
+                                  f"{key} per merge; it cannot vary per tensor (got {own[key]!r} and "
+                                  f"{params.get(key)!r})")
+        if m.joint.active(m.params.model_validate({**params, **own})) != top:
+            raise ConfigError(f"parameters: method {method!r} needs its joint statistics for some tensors and not "
+                              f"others ({sorted(own)}); set these parameters once for all tensors")

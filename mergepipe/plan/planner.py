@@ -147,6 +147,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
     ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores)
+    if m.joint is not None:  # per-tensor parameters must not change the statistics
+        joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
     if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)
         selection = joint_reads.select_groups(strat, items, budget_bytes, ctx, strat_params)
     else:
