@@ -147,3 +147,23 @@ def test_filtered_expert_weight_and_density(tmp_path, tiny_family):
         assert ref[name].equal(tensor), name
         seen.add("mlp" if "mlp" in name else "attn" if "self_attn" in name else "rest")
     assert seen == {"mlp", "attn", "rest"}
+
+
+def test_explain_uses_each_tensors_weights(tmp_path, tiny_family, capsys):
+    """A budgeted per-tensor plan: explain shows the weights as per tensor and the share of
+    update energy kept from each tensor's own effective weights (the planner's scores)."""
+    experts = yaml.safe_load(write_config(tmp_path, tiny_family).read_text())["experts"][:2]
+    experts[0]["weight"] = [{"filter": "mlp", "value": 0.3}, {"value": 1.0}]
+    experts[1]["weight"] = [0.2, 0.9]
+    d = tmp_path / "budget"
+    d.mkdir()
+    path = write_config(d, tiny_family, experts=experts, budget="50%", cache_dir=str(tmp_path / "cache"))
+    assert main(["run", str(path), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(d / "out"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "| per tensor |" in out
+    plan = json.loads((d / "out" / "manifest.json").read_text())["plan"]
+    kept = float(out.split("sum of planned s^2 / sum of all s^2): ")[1].split("%")[0]) / 100
+    omitted, full = plan["bound"]["omitted_mass"], plan["bound"]["full_update_norm_estimate"]
+    assert 0 < kept < 1 and full > omitted > 0

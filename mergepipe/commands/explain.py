@@ -166,7 +166,8 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
         extra = ""
         if kept is not None:
             extra = f" {kept[n][0]:.2%} |" + (f" {kept[n][1]:.2%} |" if rescales else "")
-        lines.append(f"| {n} | {e['weight']} | {_mib(b['planned_by_expert'][n])} | {real} | "
+        weight = "per tensor" if _per_tensor_weight(plan, n) else e["weight"]
+        lines.append(f"| {n} | {weight} | {_mib(b['planned_by_expert'][n])} | {real} | "
                      f"{_mib(b['skipped_identical_by_expert'][n])} | {_mib(total_each)} |" + extra)
     lines += ["", f"planned {_mib(b['planned_expert_bytes'])} MiB of {_mib(b['total_expert_bytes'])} MiB "
                   f"({b['planned_pairs']} of {b['candidate_pairs']} non-identical (expert, block) pairs)"]
@@ -203,14 +204,28 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
     return "\n".join(lines)
 
 
+def _per_tensor_weight(plan: dict, expert: str) -> bool:
+    """Whether the plan gives `expert` a weight per tensor (`tensor_parameters`)."""
+    groups = (plan.get("tensor_parameters") or {}).get("groups", [])
+    return any("weight" in g["experts"].get(expert, {}) for g in groups)
+
+
 def _kept_mass_sq(plan: dict, deltas: dict) -> float:
     """sum over planned (k, b) of s_kb^2, s_kb = |e_k| ||delta_kb|| (the planner's scores)."""
     from mergepipe.plan.planner import PlanInput, effective_weights
-    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
-    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    from mergepipe.plan.tensor_params import group_index, view
+    effs: dict[int | None, dict[str, float]] = {}  # per group of per-tensor parameters (None: top level)
+
+    def eff_of(tname: str) -> dict[str, float]:
+        g = group_index(plan, tname)
+        if g not in effs:
+            params, plan_experts = view(plan, g)
+            experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan_experts]
+            effs[g] = effective_weights(plan["method"], params, experts)
+        return effs[g]
     total = 0.0
     for name, per in plan["reads"].items():
         for tname, blocks in per.items():
             l2 = deltas[name].tensors[tname].block_l2
-            total += sum((eff[name] * l2[b]) ** 2 for b in blocks)
+            total += sum((eff_of(tname)[name] * l2[b]) ** 2 for b in blocks)
     return total if math.isfinite(total) else 0.0
