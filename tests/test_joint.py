@@ -263,3 +263,25 @@ def test_per_tensor_values_that_change_the_statistics_are_refused(tmp_path, tiny
     experts[0]["weight"] = [{"filter": "mlp", "value": 0.2}, {"value": 0.9}]
     cfg = write_config(tmp_path, tiny_family, method="multislerp", parameters={}, experts=experts)
     assert main(["run", str(cfg), "-q"]) == 0
+
+
+def test_split_merge_scans_its_own_tensors_and_gives_the_same_bytes(tmp_path, tiny_family):
+    """merge --part I/N of a joint plan (fresh cache): each part scans only the tensors it
+    merges and stores no artifact (it is not the family's); gather equals one job."""
+    cfg = write_config(tmp_path, tiny_family, method="sce", parameters={"select_topk": 0.4}, budget="50%")
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan_file)]) == 0
+    parts_cache = ["--cache-dir", str(tmp_path / "parts-cache")]
+    for i in (1, 2):
+        assert main(["merge", str(plan_file), "-q", "--part", f"{i}/2", "-o", str(tmp_path / "parts"),
+                     *parts_cache]) == 0
+    assert not (tmp_path / "parts-cache" / "joint").exists()
+    assert main(["gather", str(plan_file), str(tmp_path / "parts"), "--parts", "2", "-o", str(tmp_path / "two"),
+                 *parts_cache]) == 0
+    assert main(["merge", str(plan_file), "-q", "-o", str(tmp_path / "one"), "--cache-dir",
+                 str(tmp_path / "one-cache")]) == 0
+    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert one["outputs"] == two["outputs"] and one["manifest_hash"] == two["manifest_hash"]
+    assert list((tmp_path / "one-cache" / "joint").iterdir())
+    assert main(["verify", str(tmp_path / "one"), "--replay", "-q"]) == 0
