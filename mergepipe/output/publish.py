@@ -151,6 +151,24 @@ def _remove_leftovers(target: Path) -> list[Path]:
     return removed
 
 
+def _recover_previous(target: Path) -> Path | None:
+    """Where renameat2's exchange is unsupported (NFS, Lustre, some FUSE), `commit` renames
+    the previous version to `.NAME.old-*` and then the new one in; a writer killed between
+    the two leaves no target, only the old folder (and its temp). Put the newest old folder
+    back (only called under the target's lock), so that cleaning up the leftovers does not
+    delete the user's previous output. Returns the folder restored, or None."""
+    if os.path.lexists(target):
+        return None
+    pattern = _leftover_re(target.name)
+    olds = [p for p in target.parent.iterdir()
+            if pattern.fullmatch(p.name) and ".old-" in p.name and p.is_dir() and not p.is_symlink()]
+    if not olds:
+        return None
+    newest = max(olds, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    os.rename(newest, target)
+    return newest
+
+
 def _protected(target: Path) -> str | None:
     """Why replacing `target` would destroy more than an output (even with --force), or None."""
     real = Path(os.path.realpath(target))
@@ -321,6 +339,7 @@ class Publisher:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(me)
+            _recover_previous(self.target)  # a writer killed mid-commit: its previous version, back in place
             self._check_target()  # again under the lock: another writer may have changed it meanwhile
             _remove_leftovers(self.target)
             self.tmp.mkdir()
