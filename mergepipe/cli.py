@@ -315,10 +315,33 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise OutputError(f"{args.o}: -o is a folder; give a file name such as params.yaml")
     if out.exists() and not args.force:
         raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
-    params = import_mergekit(args.config)
+    stack_dir = _build_stack(args, out)
+    params = import_mergekit(args.config, stack_dir=stack_dir)
     write_params(params, args.o)
     _log(args, f"wrote {args.o}")
     return 0
+
+
+def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
+    """For a config that stacks layers (mergekit passthrough `slices`): build the stacked model
+    folder `<params stem>.stacked/` beside params.yaml (commands/stack.py); its name as params.yaml
+    gives it, or None."""
+    from mergepipe.config.mergekit import resolve_model_ref, stacking_slices
+    from mergepipe.config.params import read_yaml
+    source = str(args.config)
+    slices = stacking_slices(read_yaml(args.config), source)
+    if slices is None:
+        return None
+    from mergepipe.commands.stack import build_stack
+    roots = (Path(args.config).parent, Path.cwd())
+    folders = {}
+    for i, s in enumerate(slices):
+        ref = resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source, roots)
+        folders[s["model"]] = next((r / ref for r in roots if (r / ref).is_dir()), Path(ref))
+    name = f"{out.stem}.stacked"
+    build_stack(slices, folders, out.parent / name, force=args.force)
+    _log(args, f"built the stacked model {out.parent / name}")
+    return name
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

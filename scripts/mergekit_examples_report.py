@@ -13,12 +13,14 @@ The last line is the share that imports (and, with --run, that ran).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-from mergepipe.config.mergekit import import_mergekit, mergekit_to_params, write_params
+from mergepipe.config.mergekit import mergekit_to_params, resolve_model_ref, write_params
 from mergepipe.config.params import config_from_dict, read_yaml
 from mergepipe.errors import MergepipeError
 
@@ -35,7 +37,9 @@ def check_import(path: Path) -> str | None:
     """None when `path` imports (grammar and params validation), else the reason."""
     source = str(path)
     try:
-        params = mergekit_to_params(read_yaml(path), source=source)
+        # a stacking config (passthrough slices) converts to a passthrough of the folder that
+        # import-mergekit builds; the grammar check only names it
+        params = mergekit_to_params(read_yaml(path), source=source, stack_dir="stacked")
         config_from_dict(params, source=source, root=path.parent)
     except MergepipeError as err:
         return _strip(str(err).splitlines()[0], source)
@@ -46,24 +50,43 @@ def try_run(path: Path) -> str:
     """`ran`, `run failed: <reason>`, or `models not available`, for a config that imports."""
     from mergepipe.cli import main
     source = str(path)
-    try:
-        params = import_mergekit(path)
-    except MergepipeError as err:
-        return "models not available" if "Hugging Face" in str(err) or "config.json" in str(err) \
-            else f"run failed: {_strip(str(err).splitlines()[0], source)}"
-    inputs = [params["base"], *(e["path"] for e in params["experts"])]
-    if not all((path.parent / p).is_dir() for p in inputs):
-        return "models not available"
+    data = read_yaml(path)
+    refs = [data.get("base_model"), *(m.get("model") if isinstance(m, dict) else m for m in data.get("models") or []),
+            *(s.get("model") for sl in data.get("slices") or [] for s in sl.get("sources") or [])]
+    roots = (path.parent, Path.cwd())
+    for ref in filter(None, refs):
+        try:
+            found = resolve_model_ref(ref, "model", source, roots)
+        except MergepipeError:
+            return "models not available"
+        if not any((root / found).is_dir() for root in roots):  # an absolute path joins as itself
+            return "models not available"
     with tempfile.TemporaryDirectory(prefix="mk-report-") as tmp:
+        cfg = Path(tmp) / "params.yaml"
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):  # import-mergekit builds a stack where there is one
+            code = main(["import-mergekit", str(path), "-o", str(cfg), "-q"])
+        if code != 0:
+            return f"run failed: {_strip(errors.getvalue().strip().removeprefix('mergepipe: error: '), source)}"
+        params = read_yaml(cfg)
         params = {**params, "output": {**params["output"], "dir": str(Path(tmp) / "out")},
                   "cache_dir": str(Path(tmp) / "cache")}
-        params["base"] = str((path.parent / params["base"]).resolve())
+        for key in ("base",):
+            params[key] = _absolute(params[key], path.parent, Path(tmp))
         for e in params["experts"]:
-            e["path"] = str((path.parent / e["path"]).resolve())
-        cfg = Path(tmp) / "params.yaml"
+            e["path"] = _absolute(e["path"], path.parent, Path(tmp))
         write_params(params, cfg)
         code = main(["run", str(cfg), "-q"])
     return "ran" if code == 0 else f"run failed: exit {code}"
+
+
+def _absolute(ref: str, config_dir: Path, params_dir: Path) -> str:
+    """A converted model path, absolute: the stacked folder beside params.yaml, else the
+    model as mergekit finds it (the config's folder, the working folder, or absolute)."""
+    for root in (params_dir, config_dir, Path.cwd()):
+        if (root / ref).is_dir():
+            return str((root / ref).resolve())
+    return ref
 
 
 def report(folder: Path, *, run: bool = False) -> dict:

@@ -26,8 +26,7 @@ import torch
 import yaml
 
 from mergepipe.cli import main
-from mergepipe.config.mergekit import METHOD_NAMES, import_mergekit, write_params
-from mergepipe.errors import ConfigError
+from mergepipe.config.mergekit import METHOD_NAMES, write_params
 from mergepipe.methods import METHODS
 from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
@@ -142,7 +141,8 @@ def theirs(models, tmp_path_factory) -> tuple[Path, dict[str, str | None]]:
 
 
 def _inputs(data: dict, models: dict[str, Path]) -> list[dict[str, torch.Tensor]]:
-    refs = [data.get("base_model")] + [m["model"] for m in data.get("models") or []]
+    refs = [data.get("base_model")] + [m["model"] for m in data.get("models") or []] + \
+        [src["model"] for sl in data.get("slices") or [] for src in sl["sources"]]
     seen, out = set(), []
     for ref in refs:
         if ref and ref not in seen:
@@ -164,25 +164,24 @@ def _check_randomized(name: str, ours: torch.Tensor, ref: torch.Tensor, base: to
 
 
 @pytest.mark.parametrize("stem, index, doc", CASES, ids=IDS)
-def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path):
+def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path, capsys):
     out_root, results = theirs
     text = _fill(doc, models)
     data = yaml.safe_load(text)
     mk_method = data["merge_method"]
     if METHOD_NAMES.get(mk_method) not in METHODS:
         pytest.xfail("method not built")
-    if data.get("slices"):
-        pytest.xfail("slices not built")
     their_error = results[f"{stem}-{index}"]
     cfg_path = tmp_path / "mergekit.yml"
     cfg_path.write_text(text)
     params_path = tmp_path / "params.yaml"
-    try:
-        params = import_mergekit(cfg_path, output_dir=str(tmp_path / "out"))
-    except ConfigError as err:
+    if main(["import-mergekit", str(cfg_path), "-o", str(params_path), "-q"]) != 0:
+        err = capsys.readouterr().err.strip()
         assert their_error is not None, f"mergekit merges this configuration; import refused it: {err}"
-        assert "\n" not in str(err)
+        assert "\n" not in err
         return
+    params = yaml.safe_load(params_path.read_text())
+    params["output"]["dir"] = str(tmp_path / "out")
     params["cache_dir"] = str(tmp_path / "cache")
     write_params(params, params_path)
     code = main(["run", str(params_path), "-q"])
@@ -193,9 +192,12 @@ def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path
     assert code == 0
     ours = load_model(tmp_path / "out")
     ref = load_model(out_root / f"{stem}-{index}")
+    for key in ("num_hidden_layers", "n_layer"):  # a stack's layer count (test_gpt2_stack: 24)
+        mine = json.loads((tmp_path / "out" / "config.json").read_text()).get(key)
+        assert mine == json.loads((out_root / f"{stem}-{index}" / "config.json").read_text()).get(key)
     assert sorted(ours) == sorted(ref)
     inputs = _inputs(data, models)
-    weights = [abs(float((m.get("parameters") or {}).get("weight", 1.0))) for m in data["models"]
+    weights = [abs(float((m.get("parameters") or {}).get("weight", 1.0))) for m in data.get("models") or []
                if isinstance((m.get("parameters") or {}).get("weight", 1.0), int | float)]
     spread = max(1.0, sum(weights), abs(float((data.get("parameters") or {}).get("lambda", 1.0))))
     energies = [0.0, 0.0]

@@ -25,14 +25,27 @@ def test_examples_share_and_reasons():
     result = script.report(EXAMPLES)
     rows = {r["file"]: r for r in result["files"]}
     assert result["total"] == 6 and len(rows) == 6
-    assert not rows["orcamini-platy-44layer.yml"]["imports"]
-    assert rows["orcamini-platy-44layer.yml"]["reason"].startswith("slices: 2 slices stack layers")
-    for name in ("bio-merge.yml", "gradient-slerp.yml", "linear.yml", "ties.yml"):
+    for name in ("bio-merge.yml", "gradient-slerp.yml", "linear.yml", "ties.yml", "orcamini-platy-44layer.yml"):
         assert rows[name]["imports"], (name, rows[name]["reason"])
     for r in result["files"]:
         assert r["reason"] is None or "\n" not in r["reason"]
     text = script.render(result)
     assert text.endswith(f"{result['imported']} of 6 import ({100 * result['imported'] / 6:.0f}%)\n")
+
+
+def test_stacking_example_runs_where_its_models_are(tmp_path, tiny_family, capsys, monkeypatch):
+    """The 44-layer frankenmerge's form (two slices of two models) on tiny models: it imports,
+    builds the stack and runs."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    root = tiny_family["root"]
+    for name in ("base", "expert_0"):
+        shutil.copytree(root / name, tmp_path / name)
+    text = (EXAMPLES / "orcamini-platy-44layer.yml").read_text()
+    text = text.replace("psmathur/orca_mini_v3_13b", "base").replace("garage-bAInd/Platypus2-13B", "expert_0")
+    text = text.replace("[0, 24]", "[0, 3]").replace("[20, 40]", "[1, 4]")
+    (tmp_path / "franken.yml").write_text(text)
+    assert _script().main([str(tmp_path), "--run"]) == 0
+    assert capsys.readouterr().out == "franken.yml: imports; ran\n1 of 1 import (100%); 1 ran\n"
 
 
 def test_run_where_models_are_available(tmp_path, tiny_family, capsys, monkeypatch):

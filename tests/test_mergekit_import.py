@@ -248,6 +248,9 @@ models:
 @pytest.mark.parametrize("text, fragment", [
     ("merge_method: passthrough\nslices:\n  - sources: [{model: a, layer_range: [0, 24]}]\n"
      "  - sources: [{model: b, layer_range: [20, 40]}]\n",
+     "mk.yml: slices: stacking layers builds a model folder first"),
+    ("merge_method: ties\nbase_model: b\nslices:\n  - sources: [{model: a, layer_range: [0, 24]}]\n"
+     "  - sources: [{model: b, layer_range: [20, 40]}]\n",
      "mk.yml: slices: 2 slices stack layers (a frankenmerge); not built"),
     ("merge_method: slerp\nbase_model: b\nslices:\n  - sources: [{model: b, layer_range: [4, 32]}]\n",
      "mk.yml: slices[0].sources[0].layer_range: [4, 32] is part of the model"),

@@ -26,7 +26,8 @@ from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+             "stack.json")  # stack.json: a stacked base's tensor sources (commands/stack.py)
 
 
 def resolve(path: str, root: Path) -> Path:

@@ -180,6 +180,12 @@ def _model_ref(value: Any, key: str, source: str, roots: tuple[Path, ...] | None
         raise _fail(source, key, str(err)) from None
 
 
+def resolve_model_ref(value: Any, key: str, source: str, roots: tuple[Path, ...]) -> str:
+    """A mergekit model reference as a local path (a Hugging Face id from the cache), or the
+    one-line error naming `key` (LoRA, revision, an id not in the cache)."""
+    return _model_ref(value, key, source, roots)
+
+
 def _same_model(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b)
 
@@ -226,9 +232,11 @@ def _check_tokenizer(data: dict[str, Any], source: str) -> None:
 
 def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
                        output_dir: str = DEFAULT_OUTPUT_DIR,
-                       roots: tuple[Path, ...] | None = None) -> dict[str, Any]:
+                       roots: tuple[Path, ...] | None = None, stack_dir: str | None = None) -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
 
+    `stack_dir`: the folder (as params.yaml names it) where the CLI builds the stacked model
+    of a passthrough `slices` config (`stacking_slices`), which is then merged as one model.
     `roots`: the folders a relative model path may be in; given, a reference found in none
     of them that looks like `org/name` is resolved from the Hugging Face cache
     (config/hf_cache.py), as mergekit downloads what is not a local folder.
@@ -250,7 +258,13 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
     if data.get("slices") not in (None, []):
         if data.get("models"):
             raise _fail(source, "slices", "give either slices or models, not both")
-        data = {**data, "models": _slices_as_models(data["slices"], source, roots)}
+        if stacking_slices(data, source) is not None:
+            if stack_dir is None:
+                raise _fail(source, "slices", "stacking layers builds a model folder first; "
+                                              "run `mergepipe import-mergekit CONFIG -o params.yaml`")
+            data = {**data, "models": [{"model": stack_dir}]}  # passthrough of the stacked folder
+        else:
+            data = {**data, "models": _slices_as_models(data["slices"], source, roots)}
 
     mk_method = data.get("merge_method")
     if mk_method not in METHOD_NAMES:
@@ -403,6 +417,39 @@ def _layer_count(folder: Path) -> int | None:
     return None
 
 
+def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
+    """The slices of a passthrough config that stacks layers (several slices, or one that
+    is part of its model), each {model, layer_range}; None for any other config.
+
+    Raises:
+        ConfigError: a stacking slice with several sources, settings or a bad layer_range.
+    """
+    slices = data.get("slices") if isinstance(data, dict) else None
+    if data.get("merge_method") != "passthrough" or not isinstance(slices, list) or not slices:
+        return None
+    if len(slices) == 1 and isinstance(slices[0], dict) and isinstance(slices[0].get("sources"), list) and \
+            all(isinstance(s, dict) and (s.get("layer_range") or [None])[0] == 0 for s in slices[0]["sources"]) and \
+            len(slices[0]["sources"]) == 1:
+        return None  # one whole model: the models: form (checked by _slices_as_models)
+    out = []
+    for i, sl in enumerate(slices):
+        key = f"slices[{i}]"
+        if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) or len(sl["sources"]) != 1:
+            raise _fail(source, key, "a stacked slice takes exactly one source (merging inside stacked "
+                                     "slices is not built)")
+        extra = sorted(k for k, v in sl.items() if k != "sources" and v not in (None, {}, []))
+        src = sl["sources"][0]
+        if extra or not isinstance(src, dict) or set(src) - {"model", "layer_range"} or src.get("parameters"):
+            raise _fail(source, key, "stacked slices take only sources: [{model, layer_range}]")
+        lr = src.get("layer_range")
+        if not (isinstance(lr, list | tuple) and len(lr) == 2 and all(isinstance(v, int) for v in lr)
+                and 0 <= lr[0] < lr[1]):
+            raise _fail(source, f"{key}.sources[0].layer_range", f"must be [start, end], start < end, got {lr!r}")
+        out.append({"model": _model_ref(src.get("model"), f"{key}.sources[0].model", source),
+                    "layer_range": [lr[0], lr[1]]})
+    return out
+
+
 def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) -> list[dict[str, Any]]:
     """`slices` that are the `models:` form in disguise: one slice whose sources all cover
     every layer ([0, n], n the model's layer count, checked where the model folder is
@@ -462,7 +509,7 @@ def _weight(params: dict[str, Any], default: Any, key: str, source: str) -> Any:
 
 
 def import_mergekit(path: str | os.PathLike[str], *, output_dir: str = DEFAULT_OUTPUT_DIR,
-                    validate: bool = True) -> dict[str, Any]:
+                    validate: bool = True, stack_dir: str | None = None) -> dict[str, Any]:
     """Read a mergekit YAML config and return the equivalent params.yaml dict.
 
     Model paths are kept as written (mergekit reads them relative to its working
@@ -478,7 +525,8 @@ def import_mergekit(path: str | os.PathLike[str], *, output_dir: str = DEFAULT_O
     """
     source = os.fspath(path)
     roots = (Path(path).parent, Path.cwd())
-    params = mergekit_to_params(read_yaml(path), source=source, output_dir=output_dir, roots=roots)
+    params = mergekit_to_params(read_yaml(path), source=source, output_dir=output_dir, roots=roots,
+                                stack_dir=stack_dir)
     if validate:
         config_from_dict(params, source=f"{source} (converted to mergepipe params)",
                          root=Path(path).parent)

@@ -1,0 +1,140 @@
+"""Layer stacking (mergekit `slices` with passthrough: frankenmerges) into a model folder.
+
+`build_stack` writes an ordinary Hugging Face folder whose layers are the slices' layers in
+order, renumbered from 0 (`<prefix>.layers.{i}.<rest>`, the layer naming of
+config/settings.py); tensors outside the layers come from the first slice's model when they
+are embeddings (a name part containing `embed`, `wte` or `wpe`: mergekit's pre-weights) and
+from the last slice's otherwise (final norm, head: its post-weights). Bytes are copied file
+to file (util/fs.copy_range, O(1) memory), dtypes kept; config.json is the first model's with
+the layer count replaced, generation and tokenizer files are the first model's, and
+`stack.json` records for every output tensor the model and tensor it came from (the output
+of a merge of this folder keeps it, so the manifest hashes it). Built in a temporary folder
+beside the target and renamed into place; an existing folder with the same stack.json is
+reused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, open_checkpoint
+from mergepipe.config.settings import LAYER_RE
+from mergepipe.errors import CheckpointError, ConfigError, OutputError
+
+STACK_FILE = "stack.json"
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+_PRE = re.compile(r"(^|\.)[^.]*(embed|wte|wpe)[^.]*(\.|$)")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _layers(names) -> dict[int, list[tuple[str, str]]]:
+    """layer number -> [(tensor name, name with the number replaced by {})]."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for name in names:
+        m = LAYER_RE.match(name)
+        if m:
+            out.setdefault(int(m.group(2)), []).append((name, m.group(1) + "{}" + name[m.end(2):]))
+    return out
+
+
+def stack_plan(slices: list[dict], roots: dict[str, Path]) -> tuple[list[tuple[str, str, str]], int]:
+    """([(output tensor, model as written, source tensor)], layer count) for `slices`
+    ([{model, layer_range: [start, end]}]); `roots` maps each model as written to its folder.
+
+    Raises:
+        ConfigError: a layer range outside a model, or layers whose tensors differ between slices.
+    """
+    ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
+    first, last = ckpts[slices[0]["model"]], ckpts[slices[-1]["model"]]
+    out: list[tuple[str, str, str]] = []
+    for name in first.tensors:
+        if not LAYER_RE.match(name) and _PRE.search(name):
+            out.append((name, slices[0]["model"], name))
+    layer = 0
+    template = None
+    for i, s in enumerate(slices):
+        layers = _layers(ckpts[s["model"]].tensors)
+        start, end = s["layer_range"]
+        if not 0 <= start < end <= len(layers) or any(k not in layers for k in range(start, end)):
+            raise ConfigError(f"slices[{i}].layer_range: [{start}, {end}] is not inside {s['model']!r}'s "
+                              f"{len(layers)} layers")
+        for k in range(start, end):
+            shapes = sorted((pattern, ckpts[s["model"]].tensors[name].shape) for name, pattern in layers[k])
+            if template is None:
+                template = shapes
+            elif [p for p, _ in shapes] != [p for p, _ in template] or shapes != template:
+                raise ConfigError(f"slices[{i}]: layer {k} of {s['model']!r} has other tensors or shapes than "
+                                  "the first slice's layers; stacked layers must be alike")
+            for name, pattern in sorted(layers[k], key=lambda x: x[1]):
+                out.append((pattern.format(layer), s["model"], name))
+            layer += 1
+    for name in last.tensors:
+        if not LAYER_RE.match(name) and not _PRE.search(name):
+            out.append((name, slices[-1]["model"], name))
+    return out, layer
+
+
+def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False) -> Path:
+    """Write the stacked model folder `target` (see the module docstring); returns it.
+
+    Raises:
+        ConfigError: bad layer ranges; CheckpointError: a model folder that cannot be read;
+        OutputError: `target` exists with another stack and not `force`.
+    """
+    mapping, n_layers = stack_plan(slices, roots)
+    record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
+              "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
+    text = json.dumps(record, sort_keys=True, indent=1) + "\n"
+    if target.exists():
+        if (target / STACK_FILE).is_file() and (target / STACK_FILE).read_text() == text:
+            return target  # built before from the same slices (inputs are checked by their indexes)
+        if not force:
+            raise OutputError(f"{target}: exists and is not this stack; remove it or pass --force")
+    first_root = roots[slices[0]["model"]]
+    try:
+        config = json.loads((first_root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{first_root / 'config.json'}: cannot read the model config: {e}") from None
+    node = config.get("text_config") if isinstance(config.get("text_config"), dict) and \
+        not any(k in config for k in LAYER_KEYS) else config
+    keys = [k for k in LAYER_KEYS if k in node]
+    if not keys:
+        raise CheckpointError(f"{first_root / 'config.json'}: no layer count ({', '.join(LAYER_KEYS)})")
+    for k in keys:
+        node[k] = n_layers
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
+        infos = [(o, ckpts[m].tensors[src]) for o, m, src in mapping]
+        writer = SafetensorsWriter(tmp / "model.safetensors", [OutTensor(o, t.dtype, t.shape) for o, t in infos],
+                                   metadata={"format": "pt"})
+        try:
+            fds: dict[Path, int] = {}
+            for o, t in infos:
+                if t.file not in fds:
+                    fds[t.file] = os.open(t.file, os.O_RDONLY)
+                if t.end > t.begin:
+                    writer.copy_rows(o, 0, fds[t.file], t.begin, t.end - t.begin)
+            writer.close()
+        finally:
+            writer.abort()
+            for fd in fds.values():
+                os.close(fd)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in COPIED:
+            if (first_root / name).is_file():
+                shutil.copyfile(first_root / name, tmp / name)
+        (tmp / STACK_FILE).write_text(text)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
