@@ -1158,3 +1158,16 @@ def c_sweep_with_a_users_model_under_models(ctx, work):
     shutil.copytree(ctx.experts[0], sweep / "models" / "my-finetune")
     return Setup(["sweep", str(params), "--budgets", "50%", "--no-plot", "-o", str(sweep), "-q"], sweep,
                  (str(sweep), "models/my-finetune", "--force"), OUTPUT, existing_ok=False)
+
+
+@case
+def c_merge_part_into_an_input_model(ctx, work):
+    """`merge plan.json --part 1/2 -o models/expert` (a slip for parts/): a second .safetensors file in
+    the expert's folder, with no index json, would make it unreadable as a checkpoint."""
+    from mergepipe.cli import main
+    expert = copy_expert(ctx, work, k=1, name="e1")
+    params = write_params(work, ctx, expert)
+    plan = work / "plan.json"
+    assert main(["plan", str(params), "-q", "-o", str(plan)]) == 0
+    return Setup(["merge", str(plan), "--part", "1/2", "-o", str(expert), "--cache-dir", str(ctx.cache), "-q"],
+                 expert, (str(expert), "input"), OUTPUT, existing_ok=False)
