@@ -167,3 +167,28 @@ def test_explain_uses_each_tensors_weights(tmp_path, tiny_family, capsys):
     kept = float(out.split("sum of planned s^2 / sum of all s^2): ")[1].split("%")[0]) / 100
     omitted, full = plan["bound"]["omitted_mass"], plan["bound"]["full_update_norm_estimate"]
     assert 0 < kept < 1 and full > omitted > 0
+
+
+def test_plan_records_and_checks_tensor_parameters(tmp_path, tiny_family):
+    """The card shows the per-tensor parameters; a plan from disk with a group index out of
+    range is refused naming the key."""
+    experts = yaml.safe_load(write_config(tmp_path, tiny_family).read_text())["experts"][:2]
+    experts[1]["weight"] = [0.2, 0.9]
+    path = write_config(tmp_path, tiny_family, experts=experts)
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json"), "-q"]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    tp = plan["tensor_parameters"]
+    # 4 layers: t = 0 (layer 0 and every tensor outside the layers), 1/3, 2/3, 1
+    assert [g["experts"]["e1"]["weight"] for g in tp["groups"]] == \
+        [parse_setting([0.2, 0.9]).evaluate("x", t) for t in (0, 1 / 3, 2 / 3, 1)]
+    assert all(tp["tensors"][n] == 0 for n in tp["tensors"] if ".layers." not in n)
+    assert main(["merge", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out"), "--root", str(tmp_path),
+                 "--cache-dir", str(tmp_path / "cache"), "-q"]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert '"tensor_parameters"' in card
+    name = sorted(tp["tensors"])[0]
+    tp["tensors"][name] = len(tp["groups"])
+    (tmp_path / "bad.json").write_text(json.dumps(plan))
+    code = main(["merge", str(tmp_path / "bad.json"), "-o", str(tmp_path / "out2"), "--root", str(tmp_path),
+                 "--cache-dir", str(tmp_path / "cache"), "-q"])
+    assert code == 2 and not (tmp_path / "out2").exists()

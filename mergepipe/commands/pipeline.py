@@ -106,6 +106,8 @@ def _model_card(plan: dict) -> str:
               "base": plan["base"]["path"],
               "experts": [{k: e[k] for k in ("name", "path", "weight", "density", "gamma") if k in e}
                           for e in plan["experts"]]}
+    if "tensor_parameters" in plan:  # per-tensor parameters: the top-level values are not the merge's
+        config["tensor_parameters"] = plan["tensor_parameters"]
     lines = ["---", "base_model:", *(f"- {json.dumps(m)}" for m in models), "base_model_relation: merge",
              "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
              f"{CARD_TITLE}{plan['method']})", "",
