@@ -3,7 +3,6 @@ hashed into the plan; another vocabulary size is refused."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
