@@ -70,7 +70,8 @@ def check_sweep_folder(out: Path, *, force: bool = False) -> None:
     if not out.exists() and not out.is_symlink():
         return
     if out.is_symlink() or not out.is_dir():
-        raise OutputError(f"{out}: sweep -o must be a folder (it is {'a symbolic link' if out.is_symlink() else 'a file'})")
+        what = "a symbolic link" if out.is_symlink() else "a file"
+        raise OutputError(f"{out}: sweep -o must be a folder (it is {what})")
     if force:
         return
     try:

@@ -155,11 +155,13 @@ def _tasks(ckpt: Checkpoint, order: list[str], ranges: dict) -> list[list[str]]:
     """Units of work for the pool: each large tensor alone (in `order`), then the small
     one-block tensors in batches, in file order (so that a batch's bytes are few ranges).
     A future per tiny tensor cost more than indexing it (checkpoints of 100k tensors)."""
-    def small(n: str) -> bool:
-        return _small(ckpt.tensors[n], ranges[n])
-    tasks = [[n] for n in order if not small(n)]
+    is_small = {n: _small(ckpt.tensors[n], ranges[n]) for n in order}
+    tasks = [[n] for n in order if not is_small[n]]
+    file_no = {h.path: i for i, h in enumerate(ckpt.files)}
     batch, size = [], 0
-    for n in sorted((n for n in order if small(n)), key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].begin)):
+    in_file_order = sorted((n for n in order if is_small[n]),
+                           key=lambda n: (file_no[ckpt.tensors[n].file], ckpt.tensors[n].begin))
+    for n in in_file_order:
         if batch and (size + ckpt.tensors[n].nbytes > BATCH_BYTES or len(batch) >= BATCH_TENSORS):
             tasks.append(batch)
             batch, size = [], 0
