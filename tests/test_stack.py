@@ -38,9 +38,14 @@ def test_stacked_folder_layers_config_and_sources(tmp_path, tiny_family):
     assert record["sources"]["lm_head.weight"][0] == "expert_0"
     assert record["sources"]["model.norm.weight"][0] == "expert_0"
     assert not any(name.startswith("model.layers.5.") for name in stacked)
-    assert build_stack(slices, folders, tmp_path / "stacked") == out  # the same stack: reused
-    with pytest.raises(OutputError, match="exists and is not this stack"):
-        build_stack(slices[:1], folders, tmp_path / "stacked")
+    before = (out / "model.safetensors").read_bytes()
+    assert build_stack(slices, folders, tmp_path / "stacked") == out  # rebuilt: the same bytes
+    assert (out / "model.safetensors").read_bytes() == before
+    build_stack(slices[:1], folders, tmp_path / "stacked")  # a previous stack is replaced
+    assert json.loads((out / STACK_FILE).read_text())["layers"] == 2
+    (tmp_path / "other-model").mkdir()
+    with pytest.raises(OutputError, match="exists and is not a stacked model"):
+        build_stack(slices, folders, tmp_path / "other-model")
     with pytest.raises(ConfigError, match=r"slices\[1\]\.layer_range: \[1, 9\] is not inside 'expert_0''s 4 layers"):
         build_stack([slices[0], {"model": "expert_0", "layer_range": [1, 9]}], folders, tmp_path / "other")
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))

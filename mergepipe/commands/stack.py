@@ -9,8 +9,9 @@ to file (util/fs.copy_range, O(1) memory), dtypes kept; config.json is the first
 the layer count replaced, generation and tokenizer files are the first model's, and
 `stack.json` records for every output tensor the model and tensor it came from (the output
 of a merge of this folder keeps it, so the manifest hashes it). Built in a temporary folder
-beside the target and renamed into place; an existing folder with the same stack.json is
-reused.
+beside the target and renamed into place, every time (the sources may have changed since;
+stack.json names them by path only, so that the same inputs give the same bytes anywhere); a
+previous stack there is replaced, any other folder only with `force`.
 """
 from __future__ import annotations
 
@@ -84,17 +85,14 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
 
     Raises:
         ConfigError: bad layer ranges; CheckpointError: a model folder that cannot be read;
-        OutputError: `target` exists with another stack and not `force`.
+        OutputError: `target` exists, is not a previous stack, and not `force`.
     """
     mapping, n_layers = stack_plan(slices, roots)
     record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
               "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
     text = json.dumps(record, sort_keys=True, indent=1) + "\n"
-    if target.exists():
-        if (target / STACK_FILE).is_file() and (target / STACK_FILE).read_text() == text:
-            return target  # built before from the same slices (inputs are checked by their indexes)
-        if not force:
-            raise OutputError(f"{target}: exists and is not this stack; remove it or pass --force")
+    if target.exists() and not (target / STACK_FILE).is_file() and not force:
+        raise OutputError(f"{target}: exists and is not a stacked model; remove it or pass --force")
     first_root = roots[slices[0]["model"]]
     try:
         config = json.loads((first_root / "config.json").read_text(encoding="utf-8"))
