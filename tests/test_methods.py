@@ -55,6 +55,15 @@ CASES = [
     ("della_linear", {"epsilon": 0.1, "normalize": True}, {"density": 0.4}, 3),
     ("nuslerp", {"nuslerp_flatten": False}, {}, 2),
     ("nuslerp", {"nuslerp_flatten": False, "base_weight": 0.4}, {}, 1),
+    ("model_stock", {}, {}, 3),
+    ("model_stock", {"filter_wise": True}, {}, 2),
+    ("karcher", {}, {}, 3),
+    ("karcher", {"max_iter": 3, "tol": 1e-3, "include_base": False}, {}, 2),
+    ("multislerp", {}, {}, 3),
+    ("multislerp", {"normalize_weights": False, "eps": 1e-6}, {}, 2),
+    ("sce", {}, {}, 3),
+    ("sce", {"select_topk": 0.4}, {}, 3),
+    ("arcee_fusion", {}, {}, 1),
 ]
 CASE_IDS = [f"{m}-{i}" for i, (m, *_) in enumerate(CASES)]
 # Output equals the base when no expert changes anything (not true of
@@ -83,7 +92,7 @@ def family(shape: tuple[int, ...], k: int, extras: dict, *, seed: int = 0,
 
 def test_every_method_has_a_case_and_a_module():
     modules = {m.name for m in pkgutil.iter_modules(mergepipe.methods.__path__)
-               if not m.name.startswith("_") and m.name not in ("base", "registry")}
+               if not m.name.startswith("_") and m.name not in ("base", "registry", "joint")}
     assert modules == set(METHODS)
     assert {c[0] for c in CASES} == set(METHODS)
     for name, method in METHODS.items():
@@ -427,6 +436,11 @@ FIELDS = {
     "della": {"lambda_", "normalize", "density", "epsilon", "rescale", "rescale_mode", "int8_mask"},
     "della_linear": {"lambda_", "normalize", "density", "epsilon", "rescale", "rescale_mode", "int8_mask"},
     "nuslerp": {"nuslerp_row_wise", "nuslerp_flatten", "base_weight"},
+    "model_stock": {"filter_wise"},
+    "karcher": {"max_iter", "tol", "include_base"},
+    "multislerp": {"normalize_weights", "eps"},
+    "sce": {"select_topk", "int8_mask"},
+    "arcee_fusion": set(),
 }
 DEFAULT_NORMALIZE = {"linear": True, "task_arithmetic": False, "ties": True, "dare_linear": False,
                      "dare_ties": False, "breadcrumbs": False, "breadcrumbs_ties": False,

@@ -8,12 +8,15 @@ matrix of the experts' weights W_i = W0 + d_i) follows from it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from mergepipe.util.lazy import torch
 
 from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
+from mergepipe.methods._common import canonical
 from mergepipe.methods._joint_kernels import gram_rows, gram_size, unpack_gram
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import (JointBlock, JointExpert, JointPass, JointSpec, TensorContext, as_rows,
@@ -29,6 +32,14 @@ def gram_spec(active=lambda params: True) -> JointSpec:
     """The spec to pass as `@register(..., joint=gram_spec())`; `active(params)` False skips the scan."""
     return JointSpec(passes=(JointPass(lambda ctx: gram_size(ctx.k), _accumulate, lambda acc, prev, ctx: acc),),
                      result_size=lambda ctx: gram_size(ctx.k), active=active)
+
+
+def canonical_block(block: BlockInputs) -> BlockInputs:
+    """The block with its experts in canonical order (content hash, name): the order of the
+    joint statistics. The engine already passes them so; a caller need not."""
+    ordered = tuple(canonical(block.experts))
+    same = all(a is b for a, b in zip(ordered, block.experts))
+    return block if same else replace(block, experts=ordered)
 
 
 def tensor_gram(block: BlockInputs, params) -> tuple[float, np.ndarray, np.ndarray]:
@@ -70,3 +81,31 @@ def weighted_sum(block: BlockInputs, base_coef: float, coefs: list[float]) -> to
         if e.delta is not None:
             out = out + e.delta * torch.tensor(c, dtype=torch.float32)
     return out
+
+
+# Small fixed-order linear algebra for the coefficient iterations (karcher, multislerp):
+# numpy's `@` goes through BLAS, whose summation order depends on the CPU.
+
+def matvec(g: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """g @ c, each entry summed left to right in fp64."""
+    n = len(c)
+    out = np.zeros(n)
+    for i in range(n):
+        s = 0.0
+        for j in range(n):
+            s += float(g[i, j]) * float(c[j])
+        out[i] = s
+    return out
+
+
+def dot(a: np.ndarray, b: np.ndarray) -> float:
+    """a . b summed left to right in fp64."""
+    s = 0.0
+    for x, y in zip(a, b):
+        s += float(x) * float(y)
+    return s
+
+
+def quad(c: np.ndarray, g: np.ndarray) -> float:
+    """c^T g c in a fixed order."""
+    return dot(c, matvec(g, c))

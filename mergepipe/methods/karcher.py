@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from mergepipe.util.lazy import torch
 
 from mergepipe.methods._common import PARAMS_CONFIG
-from mergepipe.methods._gram import gram_spec, tensor_gram, weighted_sum
+from mergepipe.methods._gram import canonical_block, gram_spec, matvec, quad, tensor_gram, weighted_sum
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
@@ -67,7 +67,7 @@ def karcher_coefficients(gram: np.ndarray, max_iter: int, tol: float) -> np.ndar
     g = gram[np.ix_(valid, valid)] / np.outer(nv, nv)  # Gram of the unit vectors
 
     def norm(c: np.ndarray) -> float:
-        return math.sqrt(max(float(c @ g @ c), 0.0))
+        return math.sqrt(max(quad(c, g), 0.0))
 
     mean = a.copy()
     mean_norm = norm(mean)
@@ -78,7 +78,7 @@ def karcher_coefficients(gram: np.ndarray, max_iter: int, tol: float) -> np.ndar
         mean = mean / mean_norm
     for _ in range(max_iter):
         tangent = np.zeros(len(valid))
-        dots = g @ mean  # <m, u_j>
+        dots = matvec(g, mean)  # <m, u_j>
         for j in range(len(valid)):
             dot = min(1.0, max(-1.0, float(dots[j])))
             theta = math.acos(dot)
@@ -106,7 +106,8 @@ def karcher_coefficients(gram: np.ndarray, max_iter: int, tol: float) -> np.ndar
           paper="Karcher 1977, Riemannian center of mass and mollifier smoothing, CPAM 30(5); "
                 "mergekit 0.1.5 `karcher`")
 def merge(block: BlockInputs, p: KarcherParams) -> torch.Tensor:
+    block = canonical_block(block)
     bb, bd, dd = tensor_gram(block, p)
     c = karcher_coefficients(input_gram(bb, bd, dd, p.include_base), p.max_iter, p.tol)
     experts = c[1:] if p.include_base else c
-    return weighted_sum(block, float(c.sum()), [float(x) for x in experts])
+    return weighted_sum(block, math.fsum(float(x) for x in c), [float(x) for x in experts])

@@ -26,7 +26,7 @@ from mergepipe.util.lazy import torch
 
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
-from mergepipe.methods._gram import block_rows, gram_spec, tensor_gram
+from mergepipe.methods._gram import block_rows, canonical_block, gram_spec, tensor_gram
 from mergepipe.methods._joint_kernels import gram_rows, pair_index
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
@@ -71,6 +71,7 @@ def _row_gram(block: BlockInputs) -> np.ndarray:
 @register("model_stock", params=ModelStockParams, additive=False, joint=gram_spec(lambda p: not p.filter_wise),
           paper="Jang et al. 2024, Model Stock: All we need is just a few fine-tuned models, arXiv:2403.19522")
 def merge(block: BlockInputs, p: ModelStockParams) -> torch.Tensor:
+    block = canonical_block(block)
     k = len(block.experts)
     if k < 2:
         raise MethodError(f"tensor {block.tensor!r}: model_stock needs at least 2 experts besides the base, "

@@ -24,12 +24,12 @@ from mergepipe.util.lazy import torch
 
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
-from mergepipe.methods._gram import gram_spec, tensor_gram, weighted_sum
+from mergepipe.methods._gram import canonical_block, dot, gram_spec, matvec, quad, tensor_gram, weighted_sum
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
 
-class MultiSlerpParams(BaseModel):
+class MultislerpParams(BaseModel):
     model_config = PARAMS_CONFIG
     normalize_weights: bool = True
     eps: float = Field(1e-8, ge=0.0)
@@ -40,11 +40,14 @@ def multislerp_coefficients(dd: np.ndarray, weights: list[float], normalize: boo
     """r with theta = W0 + sum_i r_i d_i, from the deltas' Gram matrix (fp64)."""
     w = np.array(weights, dtype=np.float32)  # mergekit's weights are an fp32 tensor
     if normalize:
-        w = w / w.sum(dtype=np.float32)
+        total = np.float32(0.0)
+        for x in w:  # left to right, as mergekit sums its few weights
+            total = np.float32(total + x)
+        w = w / total
     w = w.astype(np.float64)
 
     def norm(c: np.ndarray) -> float:
-        return math.sqrt(max(float(c @ dd @ c), 0.0))
+        return math.sqrt(max(quad(c, dd), 0.0))
 
     norms = np.sqrt(np.maximum(np.diagonal(dd), 0.0))
     if not norms.any():  # no expert changes the tensor: the base (mergekit raises here for k > 2)
@@ -58,11 +61,11 @@ def multislerp_coefficients(dd: np.ndarray, weights: list[float], normalize: boo
         raise MethodError(f"tensor {tensor!r}: multislerp: the weighted sum of the experts' directions is zero "
                           "(antipodal deltas whose weights balance out); change the weights")
     mean = mean / mean_norm
-    dots = inv * (dd @ mean)  # <u_i, m>
-    tangent = w * inv - float(w @ dots) * mean
+    dots = inv * matvec(dd, mean)  # <u_i, m>
+    tangent = w * inv - dot(w, dots) * mean
     tangent_norm = norm(tangent) + eps
     r = math.cos(tangent_norm) * mean + (math.sin(tangent_norm) / tangent_norm) * tangent
-    return r * float(norms @ w)
+    return r * dot(norms, w)
 
 
 def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, float]:
@@ -71,10 +74,11 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(w / total) if total else abs(w) for name, w in weights.items()}
 
 
-@register("multislerp", params=MultiSlerpParams, additive=False, joint=gram_spec(),
+@register("multislerp", params=MultislerpParams, additive=False, joint=gram_spec(),
           effective_weights=effective_weights,
           paper="Goddard 2025, Multislerp (goddard.blog/posts/multislerp-wow-what-a-cool-idea); mergekit 0.1.5")
-def merge(block: BlockInputs, p: MultiSlerpParams) -> torch.Tensor:
+def merge(block: BlockInputs, p: MultislerpParams) -> torch.Tensor:
+    block = canonical_block(block)
     if len(block.experts) == 1:
         return weighted_sum(block, 1.0, [1.0])
     _, _, dd = tensor_gram(block, p)

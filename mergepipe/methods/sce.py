@@ -14,13 +14,13 @@ With deltas d_k (k experts):
 Whole-tensor statistics (methods/joint.py), in up to four passes over the family:
 (1) a histogram of the upper 16 bits of var's fp32 pattern (and the zero count) gives k and
 the bin of the k-th largest; (2) the lower 16 bits in that bin give its exact value v and
-how many are above; (3) per block, how many equal v (so a block knows how many equal
-elements precede it); (4) each expert's sum of squared masked deltas (fixed-order fp64).
+how many are above; (3) per row, how many equal v (so a block knows how many equal
+elements precede it, whatever the block layout); (4) each expert's sum of squared masked deltas (fixed-order fp64).
 Passes 1-3 only run when 0 < select_topk < 1. var is computed the same way in the scan and
 in the merge (methods/_joint_kernels.expert_variance: fp64, rounded to fp32), so the mask is
 exactly the one the statistics counted. The statistics' result, for r rows and k experts:
 [k kept, v's fp32 bits, count above v, equal ones to keep, w_1..w_k, equal elements
-before each row (at block starts)].
+before each row].
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods._joint_kernels import (count_bits, expert_variance, hist_high, hist_low, masked_square_sums,
                                              top_mask)
-from mergepipe.methods._gram import block_rows
+from mergepipe.methods._gram import block_rows, canonical_block
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec, TensorContext
 from mergepipe.methods.registry import register
@@ -105,9 +105,14 @@ def _low_final(acc: np.ndarray, prev: np.ndarray, ctx: TensorContext) -> np.ndar
 
 
 def _equal(block: JointBlock, prev: np.ndarray) -> np.ndarray:
+    """Per row, how many elements have var == v: per row (not per block), so the prefix
+    before any row is right whatever the block layout of the merge."""
     out = np.zeros(num_rows(block.ctx.shape), dtype=np.float64)
     if prev[0] > 0:
-        out[block.row_start] = count_bits(_var_bits(_flat(block)), int(prev[1]))
+        bits = _var_bits(_flat(block))
+        rows = block.row_end - block.row_start if len(block.ctx.shape) >= 2 else 1
+        for r, row in enumerate(bits.reshape(rows, -1)):
+            out[block.row_start + r] = count_bits(row, int(prev[1]))
     return out
 
 
@@ -140,7 +145,9 @@ def _weights_final(acc: np.ndarray, prev: np.ndarray | None, ctx: TensorContext)
     for d in ctx.shape:
         n *= d
     means = acc / n if n else acc * 0.0
-    total = float(means.sum())
+    total = 0.0
+    for m in means:  # left to right: a fixed order
+        total += float(m)
     weights = np.full(ctx.k, 1.0 / ctx.k) if abs(total) < WEIGHT_FLOOR else means / total
     if prev is None:  # no selection: head says "keep all", no per-row counts needed
         head, before = np.array([-1.0, 0.0, 0.0, 0.0]), np.zeros(num_rows(ctx.shape))
@@ -168,6 +175,7 @@ def block_mask(deltas: np.ndarray, stats: np.ndarray, row_start: int) -> np.ndar
 @register("sce", params=SceParams, additive=False, joint=SPEC,
           paper="Wan et al. 2024, FuseChat: Knowledge Fusion of Chat Models, arXiv:2408.07990")
 def merge(block: BlockInputs, p: SceParams) -> torch.Tensor:
+    block = canonical_block(block)
     base = block.base
     k = len(block.experts)
     if k == 0 or p.select_topk <= 0.0 or all(e.delta is None for e in block.experts):
