@@ -13,7 +13,6 @@ from pathlib import Path
 from mergepipe.errors import ConfigError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
-from mergepipe.plan import joint_reads
 
 
 def _mib(n: int) -> str:
@@ -189,7 +188,6 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
                  f"heuristic omitted mass {bound['omitted_mass']:.6g} (relative {bound['relative']:.4%}); "
                  "not a bound for this method")
     lines += _scales_summary(plan)
-    lines += joint_reads.describe(plan)
     lines += joint_reads.describe(plan)
     tensors: dict[str, dict[str, int]] = {}
     for ename, per in plan["reads"].items():
