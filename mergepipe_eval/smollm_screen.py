@@ -480,7 +480,7 @@ def to_markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy']:.1f}" if "accuracy" in r else "–"
             d = _ci(r["d_accuracy"], 100, 1) if "d_accuracy" in r else "–"
             mc = r.get("mcnemar_vs_full") or r.get("mcnemar")
-            mcs = f"{mc['a_only']} / {mc['b_only']}, p={mc['p']:.3f}" if mc else "–"
+            mcs = f"{mc['a_only']} / {mc['b_only']}, p={mc['p']:.2g}" if mc else "–"
             lines.append(f"| {r['method']} | {r['strategy']} | {r['budget']} | {acc} | {cells} | {d} | {mcs} |")
         for name, e in t["experts"].items():
             cells = " | ".join(f"{100 * e['per_task'][k]:.1f}" for k in TASKS)
