@@ -303,6 +303,8 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                        "best": {}, "rows": [], "experts": {}},
               "timings": []}
     test_methods = methods if test_methods is None else test_methods
+    if test_budgets and test_experts and all((work / "scores" / f"expert_{t}.json").exists() for t in experts):
+        _test_experts(screen, result, work, experts, out)  # cached: report them first
     for m in methods:
         cfgs = {}
         for s in strategies:
@@ -359,14 +361,18 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
         if test_budgets and m in test_methods:
             run_test(screen, result, work, full_dir, m, budgets=test_budgets, n_boot=n_boot, out=out)
     if test_budgets and test_experts:
-        for t, d in experts.items():
-            sc = screen.score(d, work / "scores" / f"expert_{t}.json", ref_dir=None, test=True)
-            ex = per_example(sc, "test")
-            result["test"]["experts"][t] = {"accuracy": _mean(ex["acc"]), "per_task": per_task_acc(sc, "test"),
-                                            "n": len(ex["acc"])}
-            _write(out, result)
+        _test_experts(screen, result, work, experts, out)
     _write(out, result)
     return result
+
+
+def _test_experts(screen: Screen, result: dict, work: Path, experts: dict[str, Path], out: Path) -> None:
+    for t, d in experts.items():
+        sc = screen.score(d, work / "scores" / f"expert_{t}.json", ref_dir=None, test=True)
+        ex = per_example(sc, "test")
+        result["test"]["experts"][t] = {"accuracy": _mean(ex["acc"]), "per_task": per_task_acc(sc, "test"),
+                                        "n": len(ex["acc"])}
+        _write(out, result)
 
 
 def best_strategy(result: dict, budgets: list[str], method: str | None = None) -> str | None:
