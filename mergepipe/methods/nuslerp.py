@@ -140,7 +140,7 @@ NUSLERP_SUMS = JointSpec(passes=(JointPass(_stats_size, _block_sums, lambda acc,
 
 def cosines_from_sums(sums: np.ndarray) -> torch.Tensor:
     """fp32 cos per vector from (vectors, 3) fp64 sums v0^2, v1^2, v0*v1; norms clamped at 1e-7."""
-    sums = torch.from_numpy(np.asarray(sums, dtype=np.float64).reshape(-1, 3))
+    sums = torch.from_numpy(np.array(sums, dtype=np.float64).reshape(-1, 3))  # a copy: the stats are read-only
     norms = sums[:, :2].sqrt().clamp(min=NORM_EPS)
     return (sums[:, 2] / (norms[:, 0] * norms[:, 1])).to(torch.float32).clamp(-1, 1)
 
