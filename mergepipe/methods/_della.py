@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 
 from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
-from mergepipe.methods._common import DensityParams
+from mergepipe.methods._common import DensityParams, canonical
 from mergepipe.methods.base import BlockInputs, ExpertBlock, block_rng
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec
 
@@ -174,3 +174,14 @@ def expert_l1(block: BlockInputs, experts: list[ExpertBlock], p: MagPruneParams)
                                      block.row_start)
                 stats[i], stats[k + i] = l1_sums(e.delta, keep)
     return [(float(stats[i]), float(stats[k + i])) for i in range(k)]
+
+
+def pruned_deltas(block: BlockInputs, p: MagPruneParams) -> tuple[list[ExpertBlock], list[torch.Tensor | None]]:
+    """The experts in canonical order and each one's MagPruned delta (None where not read):
+    what della and della_linear combine, the one with a sign consensus, the other without."""
+    experts = canonical(block.experts)
+    l1 = expert_l1(block, experts, p)
+    pruned = [None if e.delta is None else sparsify_della(e.delta, e, block, epsilon=p.epsilon, rescale=p.rescale,
+                                                          l1=norms)
+              for e, norms in zip(experts, l1)]
+    return experts, pruned

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from mergepipe.util.lazy import torch
 
-from mergepipe.methods._common import canonical, combine
-from mergepipe.methods._della import L1_SUMS, MagPruneParams, expert_l1, sparsify_della
+from mergepipe.methods._common import combine
+from mergepipe.methods._della import L1_SUMS, MagPruneParams, pruned_deltas
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import register
 
@@ -26,9 +26,5 @@ class DellaLinearParams(MagPruneParams):
           paper="Deep et al. 2024, DELLA-Merging: Reducing Interference in Model Merging through "
                 "Magnitude-Based Sampling, arXiv:2406.11617")
 def merge(block: BlockInputs, p: DellaLinearParams) -> torch.Tensor:
-    experts = canonical(block.experts)
-    l1 = expert_l1(block, experts, p)
-    pruned = [None if e.delta is None else sparsify_della(e.delta, e, block, epsilon=p.epsilon, rescale=p.rescale,
-                                                          l1=norms)
-              for e, norms in zip(experts, l1)]
+    experts, pruned = pruned_deltas(block, p)
     return combine(block, experts, pruned, consensus=False, normalize=p.normalize, lambda_=p.lambda_)
