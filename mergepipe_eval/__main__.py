@@ -201,7 +201,8 @@ def cmd_smollm_strategy_screen(a) -> int:
                   train_seed=a.train_seed, heldout_seqs=a.heldout_seqs, heldout_len=a.heldout_len,
                   test_budgets=a.test_budgets.split(",") if a.test_budgets else None,
                   test_methods=a.test_methods.split(",") if a.test_methods else None,
-                  test_experts=not a.no_test_experts, n_boot=a.boot)
+                  test_experts=not a.no_test_experts,
+                  test_strategies=a.test_strategies.split(",") if a.test_strategies else None, n_boot=a.boot)
     return 0
 
 
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--test-budgets", default="", help="budgets of the test-accuracy stage (empty: none)")
     s.add_argument("--test-methods", default="", help="methods of the test stage (empty: every method)")
     s.add_argument("--no-test-experts", action="store_true", help="skip the experts' own test accuracy")
+    s.add_argument("--test-strategies", default="", help="strategies of the test stage besides energy "
+                   "(empty: the screen's best)")
     s.add_argument("--dev-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--seen", type=int, required=True, help="train examples each expert saw (steps x batch)")

@@ -47,7 +47,11 @@ METHODS = {
 TASKS = ("noun_cat", "pos", "topic")
 
 
+EMB_BLOCKS = "64KiB"  # the *_emb64k variants: vocabulary tensors in 64 KiB blocks (embedding_block_bytes)
+
+
 def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256) -> dict[str, dict]:
+    """The `plan:` mapping of each strategy; `embedding_block_bytes` goes to the config's top level."""
     cal = {"strategy": "calibrated", "text": str(calib_text), "max_tokens": max_tokens, "seq_len": seq_len}
     return {
         "energy": {},
@@ -55,6 +59,8 @@ def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256
         "compensated": {"strategy": "compensated"},
         "calibrated": {**cal, "shares": "none"},
         "calibrated_weight": {**cal, "shares": "weight"},
+        "energy_emb64k": {"embedding_block_bytes": EMB_BLOCKS},
+        "calibrated_emb64k": {**cal, "shares": "none", "embedding_block_bytes": EMB_BLOCKS},
     }
 
 
@@ -68,8 +74,10 @@ def write_config(path: Path, *, base: Path, experts: dict[str, Path], method: di
            "method": method["method"], "parameters": method["parameters"], "seed": 0, "budget": "full",
            "block_bytes": "1MiB", "output": {"dir": "unused", "dtype": None, "shard_bytes": None},
            "cache_dir": rel(cache_dir)}
-    if strategy:
-        plan = dict(strategy)
+    plan = dict(strategy)
+    if "embedding_block_bytes" in plan:
+        cfg["embedding_block_bytes"] = plan.pop("embedding_block_bytes")
+    if plan:
         if "text" in plan:
             plan["text"] = rel(plan["text"])
         cfg["plan"] = plan
@@ -282,10 +290,11 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                methods: list[str], strategies: list[str], budgets: list[str], dev_per_class: dict[str, int],
                test_per_class: dict[str, int], seen: int, train_seed: int, heldout_seqs: int = 12,
                heldout_len: int = 128, test_budgets: list[str] | None = None, test_methods: list[str] | None = None,
-               test_experts: bool = True, n_boot: int = 2000) -> dict:
+               test_experts: bool = True, test_strategies: list[str] | None = None, n_boot: int = 2000) -> dict:
     """Per method, in order: the full read, the screen over budgets x strategies, then (for
     test_methods) test accuracy of the full read, energy and the screen's best strategy at
-    test_budgets; the experts alone last. The JSON is rewritten after every model."""
+    test_budgets (or energy and `test_strategies`); the experts alone last. The JSON is
+    rewritten after every model."""
     experts = {t: family / "experts" / t / "model" for t in TASKS}
     work = family / "strategies"
     specs = strategy_specs(calib)
@@ -359,7 +368,8 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                 })
             _write(out, result)
         if test_budgets and m in test_methods:
-            run_test(screen, result, work, full_dir, m, budgets=test_budgets, n_boot=n_boot, out=out)
+            run_test(screen, result, work, full_dir, m, budgets=test_budgets, n_boot=n_boot, out=out,
+                     chosen=test_strategies)
     if test_budgets and test_experts:
         _test_experts(screen, result, work, experts, out)
     _write(out, result)
@@ -389,12 +399,16 @@ def best_strategy(result: dict, budgets: list[str], method: str | None = None) -
 
 
 def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *, budgets: list[str],
-             n_boot: int, out: Path) -> None:
-    """Test accuracy of method m's full read, energy and the screen's best strategy at `budgets`."""
+             n_boot: int, out: Path, chosen: list[str] | None = None) -> None:
+    """Test accuracy of method m's full read, energy and the screen's best strategy (or the
+    `chosen` ones, each also against energy) at `budgets`."""
     test = result["test"]
     best = best_strategy(result, budgets, m)
     test["best"][m] = best
-    strategies = ["energy"] + ([best] if best else [])
+    others = [s for s in chosen if s != "energy"] if chosen else ([best] if best else [])
+    if chosen:
+        test.setdefault("chosen", {})[m] = others
+    strategies = ["energy"] + others
     fs = screen.score(full_dir, work / "scores" / f"{m}_full.json", ref_dir=None, test=True)
     full_ex = per_example(fs, "test")
     test["rows"].append({"method": m, "strategy": "-", "budget": "full", "accuracy": _mean(full_ex["acc"]),
@@ -412,9 +426,9 @@ def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *
                                  "d_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
                                  "mcnemar_vs_full": mcnemar(ex["acc"], full_ex["acc"])})
             _write(out, result)
-        if best:
-            a, b = exs[best]["acc"], exs["energy"]["acc"]
-            test["rows"].append({"method": m, "strategy": f"{best} - energy", "budget": budget,
+        for s in others:
+            a, b = exs[s]["acc"], exs["energy"]["acc"]
+            test["rows"].append({"method": m, "strategy": f"{s} - energy", "budget": budget,
                                  "d_accuracy": paired(a, b, n_boot=n_boot), "mcnemar": mcnemar(a, b)})
             _write(out, result)
 

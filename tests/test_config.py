@@ -207,7 +207,7 @@ def test_models_are_frozen(example):
     with pytest.raises(Exception):
         cfg.seed = 3
     assert set(MergeConfig.model_fields) == {
-        "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "output",
+        "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "embedding_block_bytes", "output",
         "cache_dir", "nonfinite", "plan"}
     assert set(ExpertConfig.model_fields) == {"name", "path", "weight", "density", "gamma"}
     assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes", "tokenizer_source"}

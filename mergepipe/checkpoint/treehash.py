@@ -6,7 +6,7 @@ blake3 of their blocks (docs/design.md, "Outputs and manifest", manifest schema 
     file hash     = blake3(blake3(header) || tensor digests in file order)
 
 A tensor's blocks are `checkpoint.blocks.block_ranges(shape, itemsize, block_bytes)` of its
-own dtype and the plan's block size: the index's blocks, so where the output is the base's
+own dtype and the plan's block size for that tensor (`BlockLayout`): the index's blocks, so where the output is the base's
 bytes a block's digest is the one the base index already holds and nothing is reread or
 rehashed. `header` is the file's first 8 + N bytes (length and JSON, padding included);
 file order is (data begin, data end, name). A zero-size tensor is one empty block; a
@@ -19,16 +19,17 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.checkpoint.blocks import block_ranges, row_bytes
+from mergepipe.checkpoint.blocks import BlockLayout, row_bytes
 from mergepipe.checkpoint.safetensors import ITEMSIZE, FileHeader, parse_header
 
 READ_BYTES = 8 << 20  # verify reads blocks in chunks of at most this many bytes
 
 
-def block_sizes(shape: tuple[int, ...], dtype: str, block_bytes: int) -> list[int]:
-    """Byte length of each block of a tensor."""
+def block_sizes(shape: tuple[int, ...], dtype: str, block_bytes: int | BlockLayout, name: str = "") -> list[int]:
+    """Byte length of each block of tensor `name` (its name decides its block size only under
+    a layout with embedding blocks)."""
     rb = row_bytes(shape, ITEMSIZE[dtype])
-    return [(r1 - r0) * rb for r0, r1 in block_ranges(shape, ITEMSIZE[dtype], block_bytes)]
+    return [(r1 - r0) * rb for r0, r1 in BlockLayout.of(block_bytes).ranges(name, shape, ITEMSIZE[dtype])]
 
 
 def tensor_digest(block_digests: list[bytes]) -> bytes:
@@ -96,7 +97,7 @@ def file_order(names_offsets: list[tuple[str, int, int]]) -> list[str]:
     return [n for n, _, _ in sorted(names_offsets, key=lambda x: (x[1], x[2], x[0]))]
 
 
-def hash_weight_file(path: str | Path, block_bytes: int) -> tuple[str, dict[str, str]]:
+def hash_weight_file(path: str | Path, block_bytes: int | BlockLayout) -> tuple[str, dict[str, str]]:
     """(file hash, tensor name -> tensor hash) of a safetensors file, reading every byte.
 
     Raises:
@@ -110,7 +111,7 @@ def hash_weight_file(path: str | Path, block_bytes: int) -> tuple[str, dict[str,
     fd = os.open(path, os.O_RDONLY)
     try:
         for t in head.tensors:
-            h = TensorHasher(block_sizes(t.shape, t.dtype, block_bytes))
+            h = TensorHasher(block_sizes(t.shape, t.dtype, block_bytes, t.name))
             pos = t.begin
             while pos < t.end:
                 n = os.preadv(fd, [view[:min(READ_BYTES, t.end - pos)]], pos)

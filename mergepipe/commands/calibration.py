@@ -24,6 +24,8 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
     text = read_text(text_path)
     text_hash = blake3(text.encode()).hexdigest()
     recipe = {"kind": RECIPE, "max_tokens": options["max_tokens"], "seq_len": options["seq_len"]}
+    # keyed by the base's content hash, which is the plain layout's in every layout
+    # (index/store.py), so a layout with vocabulary blocks reuses the artifact
     path = artifact.artifact_path(store.root, base_index.content_hash, text_hash, recipe)
     if not path.exists():
         from mergepipe.calibrate.fisher import fisher
@@ -36,7 +38,7 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
     energies = {}
     for name, (ckpt, index) in sorted(experts.items()):
         cache = weighted.cache_path(store.root, index.content_hash, base_index.content_hash, art_hash,
-                                    base_index.block_bytes)
+                                    base_index.layout.key)
         found = weighted.load_cached(cache, base_index)
         if found is None:
             found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)

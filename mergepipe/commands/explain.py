@@ -126,7 +126,7 @@ def importance_kept(plan: dict, store, inputs) -> float | None:
     kept = total = 0.0
     for e in plan["experts"]:
         path = weighted.cache_path(store.root, e["content_hash"], base.content_hash, cal["artifact"],
-                                   plan["block_bytes"])
+                                   base.layout.key)
         energies = weighted.load_cached(path, base)
         if energies is None:
             return None

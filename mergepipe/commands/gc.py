@@ -51,7 +51,7 @@ _OURS = {
     "merges": re.compile(r"[0-9a-f]{64}(\.partial-[0-9a-f]{12})?"),
     "parts": re.compile(r"part-\d+-of-\d+\.(safetensors|json)"),
     "models": re.compile(r"[0-9a-f]{40}\.(?:json\.gz|idx)"),
-    "deltas": re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+-v\d+\.(?:json\.gz|idx)"),
+    "deltas": re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+(?:-emb\d+)?-v\d+\.(?:json\.gz|idx)"),
     "stat": re.compile(r"[0-9a-f]{32}\.json"),
 }
 

@@ -28,6 +28,7 @@ from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
 from mergepipe.util.fs import atomic_write_bytes, hash_file
@@ -191,7 +192,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})
         try:
             for i, info in enumerate(infos, 1):
-                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, plan["block_bytes"])
+                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, BlockLayout.of_plan(plan))
                 realized.base_bytes_read += info["base_bytes_read"]
                 realized.base_bytes_copied += info["base_bytes_copied"]
                 for name, nbytes in info["expert_bytes_read"].items():
@@ -204,7 +205,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                 w.abort()
             raise
         realized.expert_bytes_read = dict(sorted(realized.expert_bytes_read.items()))
-        record_outputs(tmp, layout, writers, realized, block_bytes=plan["block_bytes"])
+        record_outputs(tmp, layout, writers, realized, block_bytes=BlockLayout.of_plan(plan))
         realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
         return realized
 
@@ -213,11 +214,11 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
 
 
 def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str],
-               block_bytes: int) -> None:
+               block_bytes: BlockLayout) -> None:
     ckpt = open_checkpoint(path)
     with CheckpointReader(ckpt, random_access=False) as r:
         for name, t in ckpt.tensors.items():
-            h = TensorHasher(block_sizes(t.shape, t.dtype, block_bytes))
+            h = TensorHasher(block_sizes(t.shape, t.dtype, block_bytes, name))
             rows = t.shape[0] if t.shape else 1
             step = max(1, COPY_BYTES // max(1, t.row_bytes())) if t.shape else 1
             for r0 in range(0, rows, step):

@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
@@ -38,7 +39,7 @@ def resolve(path: str, root: Path) -> Path:
 def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where: str = "plan") -> Inputs:
     """Open and index (cached) every input of a plan (a plan from disk: `validate_plan` first);
     check they are the planned bytes and that the plan's reads are inside them and its budget."""
-    bb = plan["block_bytes"]
+    bb = BlockLayout.of_plan(plan)
     base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas = {}, {}, {}
     for e in plan["experts"]:
@@ -57,7 +58,7 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[dict, Inputs]:
     """Index every input (cached) and make the plan for `cfg` (budget overridable)."""
     norm = cfg.normalized()
-    bb = cfg.block_bytes
+    bb = cfg.block_layout
     base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES
+from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES, BlockLayout
 from mergepipe.config.checks import (
     check_density_gamma,
     check_expert_overrides,
@@ -95,6 +95,10 @@ class MergeConfig(BaseModel):
                                 "percentage or fraction of what a full merge reads (the "
                                 "expert blocks that differ from the base), or a size")
     block_bytes: BlockBytes = Field(DEFAULT_BLOCK_BYTES, description="target block size")
+    embedding_block_bytes: BlockBytes | None = Field(
+        None, description="block size of vocabulary tensors (embed_tokens, lm_head, wte, word_embeddings, "
+        "embed_in, embed_out, tok_embeddings; shape [vocab, hidden]), so single token rows can be read "
+        "without their neighbours (default: block_bytes)")
     output: OutputConfig = Field(default_factory=OutputConfig)
     cache_dir: ConfigPath = Field(Path(DEFAULT_CACHE_DIR),
                                   description="indexes, plans and store, relative to params.yaml")
@@ -213,6 +217,11 @@ class MergeConfig(BaseModel):
             isinstance(getattr(e, k), Setting) for e in self.experts for k in ("weight", "density", "gamma"))
 
     @property
+    def block_layout(self) -> BlockLayout:
+        """block_bytes and, for vocabulary tensors, embedding_block_bytes (checkpoint/blocks.py)."""
+        return BlockLayout(self.block_bytes, self.embedding_block_bytes)
+
+    @property
     def plan_options(self) -> dict[str, Any] | None:
         """The plan strategy's options, normalized; None for the default strategy with
         default options (then plans carry no `strategy` key)."""
@@ -253,6 +262,9 @@ class MergeConfig(BaseModel):
             "seed": self.seed,
             "budget": str(self.budget),
             "block_bytes": self.block_bytes,
+            # only when it changes the layout, so that configs without it keep their normalized form
+            **({} if self.block_layout.embedding_block_bytes is None else
+               {"embedding_block_bytes": self.embedding_block_bytes}),
             "output": {
                 "dir": written("output.dir", self.output.dir),
                 "dtype": self.output.dtype,

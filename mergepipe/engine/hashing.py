@@ -47,13 +47,13 @@ class OutputHasher:
     blocks alive.
     """
 
-    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], block_bytes: int,
+    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], block_bytes,
                  *, depth: int = 16) -> None:
         self.headers = {fname: w.header for fname, w in writers.items()}
         self.order = {fname: file_order([(t.name, w.offset_of(t.name, 0), w.offset_of(t.name, 0)
                                           + prod(t.shape) * ITEMSIZE[t.dtype]) for t in layout[fname]])
                       for fname, w in writers.items()}
-        self.sizes = {t.name: block_sizes(t.shape, t.dtype, block_bytes) for ts in layout.values() for t in ts}
+        self.sizes = {t.name: block_sizes(t.shape, t.dtype, block_bytes, t.name) for ts in layout.values() for t in ts}
         self.tensors: dict[str, str] = {}
         self._digests: dict[str, bytes] = {}
         self._open: dict[str, TensorHasher] = {}

@@ -40,6 +40,7 @@ from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_knobs
 from mergepipe.methods.slerp import cosine_from_sums
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.treehash import hash_weight_file
 from mergepipe.util.fs import hash_file
 from mergepipe.util.memory import keep_freed_memory
@@ -74,7 +75,7 @@ class Realized:
 
 
 def record_outputs(out_dir: Path, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter],
-                   realized: Realized, *, block_bytes: int, file_hashes: dict[str, str] | None = None) -> None:
+                   realized: Realized, *, block_bytes, file_hashes: dict[str, str] | None = None) -> None:
     """Record the closed weight files in `realized` (tree hashes from `file_hashes`, composed
     while writing, else by rereading the file); write the shard index json if sharded."""
     for fname, w in writers.items():
@@ -201,7 +202,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     try:
         for h in base.files:
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
-        hasher = OutputHasher(layout, writers, plan["block_bytes"])
+        hasher = OutputHasher(layout, writers, BlockLayout.of_plan(plan))
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
                    _scales_by_tensor(plan), rewrites=rewrites, joint=joint)
         if "tensor_parameters" in plan:
@@ -257,7 +258,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         reader.close()
         for fd in base_fds.values():
             os.close(fd)
-    record_outputs(out_dir, layout, writers, realized, block_bytes=plan["block_bytes"], file_hashes=file_hashes)
+    record_outputs(out_dir, layout, writers, realized, block_bytes=BlockLayout.of_plan(plan), file_hashes=file_hashes)
     realized.base_bytes_read = reader.base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(reader.counters.items())}
     realized.seconds = time.monotonic() - t_start

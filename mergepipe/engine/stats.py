@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES
 from mergepipe.engine.prefetch import UnitReader, prefetched, units
 from mergepipe.errors import IntegrityError, OutputError
@@ -47,7 +48,7 @@ def plan_statistics_key(plan: dict, spec: JointSpec) -> str:
     """The statistics key a plan's inputs and parameters give (what `plan.joint.key` must be)."""
     return statistics_key(spec, method=plan["method"], params=plan["parameters"],
                           base_hash=plan["base"]["content_hash"], experts=plan["experts"], seed=plan["seed"],
-                          block_bytes=plan["block_bytes"])
+                          block_bytes=BlockLayout.of_plan(plan).key)
 
 
 def joint_statistics(plan: dict, inputs, method: Method, params, *, threads: int = 2) -> JointStatistics | None:

@@ -177,6 +177,19 @@ def _ints(row: list, n: int) -> list[int]:
     return vals
 
 
+def _emb_meta(index) -> dict:
+    """`embedding_block_bytes` only when set, so plain-layout files keep their bytes."""
+    emb = index.embedding_block_bytes
+    return {} if emb is None else {"embedding_block_bytes": emb}
+
+
+def _emb_of(meta: dict) -> int | None:
+    emb = meta.get("embedding_block_bytes")
+    if emb is not None and (not isinstance(emb, int) or isinstance(emb, bool) or emb <= 0):
+        raise BinFormatError("meta")
+    return emb
+
+
 def encode_model(index: ModelIndex) -> bytes:
     tensors, ranges, hashes = [], [], bytearray()
     for t in index.tensors.values():
@@ -185,7 +198,7 @@ def encode_model(index: ModelIndex) -> bytes:
             ranges += (a, b)
         for h in t.hashes:
             hashes += bytes.fromhex(h)
-    meta = {"content_hash": index.content_hash, "block_bytes": index.block_bytes}
+    meta = {"content_hash": index.content_hash, "block_bytes": index.block_bytes, **_emb_meta(index)}
     return _encode(KIND_MODEL, meta, tensors, {"ranges": ("q", ranges), "hashes": ("B", hashes)})
 
 
@@ -193,6 +206,7 @@ def decode_model(data: bytes) -> ModelIndex:
     f = _File(data, KIND_MODEL)
     try:
         content, bb = f.meta["content_hash"], f.meta["block_bytes"]
+        emb = _emb_of(f.meta)
         if not isinstance(content, str) or not isinstance(bb, int):
             raise BinFormatError("meta")
         total = 0
@@ -214,7 +228,7 @@ def decode_model(data: bytes) -> ModelIndex:
         pos += n
     if len(tensors) != len(f.tensors):
         raise BinFormatError("duplicate tensor names")
-    return ModelIndex(content, bb, tensors)
+    return ModelIndex(content, bb, tensors, emb)
 
 
 def encode_delta(delta: DeltaIndex) -> bytes:
@@ -238,7 +252,8 @@ def encode_delta(delta: DeltaIndex) -> bytes:
             arr["block_eq_keys"].append(k)
             arr["block_eq"] += t.block_eq[k]
     codes = {"scalars": "d", "block_l2": "d", "block_max": "d", "values": "d", "identical": "B"}
-    meta = {"expert_hash": delta.expert_hash, "base_hash": delta.base_hash, "block_bytes": delta.block_bytes}
+    meta = {"expert_hash": delta.expert_hash, "base_hash": delta.base_hash, "block_bytes": delta.block_bytes,
+            **_emb_meta(delta)}
     return _encode(KIND_DELTA, meta, tensors, {k: (codes.get(k, "q"), v) for k, v in arr.items()})
 
 
@@ -247,6 +262,7 @@ def decode_delta(data: bytes) -> DeltaIndex:
     try:
         meta = f.meta
         eh, bh, bb = meta["expert_hash"], meta["base_hash"], meta["block_bytes"]
+        emb = _emb_of(meta)
         if not (isinstance(eh, str) and isinstance(bh, str) and isinstance(bb, int)):
             raise BinFormatError("meta")
         nt = len(f.tensors)
@@ -288,4 +304,4 @@ def decode_delta(data: bytes) -> DeltaIndex:
         r += n_ranks
     if len(tensors) != len(f.tensors):
         raise BinFormatError("duplicate tensor names")
-    return DeltaIndex(eh, bh, bb, tensors)
+    return DeltaIndex(eh, bh, bb, tensors, emb)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from blake3 import blake3
 
-from mergepipe.checkpoint.blocks import block_ranges
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader, ReadCounter, TensorInfo
 from mergepipe.errors import CheckpointError
 from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry, content_hash
@@ -33,11 +33,11 @@ from mergepipe.util.memory import keep_freed_memory
 from mergepipe.util.progress import Progress
 
 
-def _blocks(t: TensorInfo, block_bytes: int) -> list[tuple[int, int]]:
-    return block_ranges(t.shape, t.itemsize, block_bytes)
+def _blocks(t: TensorInfo, layout: BlockLayout) -> list[tuple[int, int]]:
+    return layout.ranges(t.name, t.shape, t.itemsize)
 
 
-def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int,
+def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: BlockLayout,
                  progress: Progress | None = None) -> TensorEntry:
     ranges = _blocks(t, block_bytes)
     hashes = []
@@ -49,9 +49,10 @@ def _hash_tensor(reader: CheckpointReader, t: TensorInfo, block_bytes: int,
     return TensorEntry(t.name, t.dtype, t.shape, tuple(ranges), tuple(hashes))
 
 
-def build_model_index(ckpt: Checkpoint, *, block_bytes: int, threads: int = 2,
+def build_model_index(ckpt: Checkpoint, *, block_bytes: int | BlockLayout, threads: int = 2,
                       counter: ReadCounter | None = None, progress: bool = False) -> ModelIndex:
     """Hash every block of a checkpoint (one read of every byte)."""
+    block_bytes = BlockLayout.of(block_bytes)
     prog = Progress(ckpt.total_bytes, f"hashing {ckpt.root.name}", progress)
     ranges = {name: _blocks(t, block_bytes) for name, t in ckpt.tensors.items()}
     with CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
@@ -62,7 +63,7 @@ def build_model_index(ckpt: Checkpoint, *, block_bytes: int, threads: int = 2,
             done = [e for es in pool.map(task, _tasks(ckpt, list(ckpt.tensors), ranges)) for e in es]
     entries = {e.name: e for e in done}
     tensors = {name: entries[name] for name in ckpt.tensors}
-    return ModelIndex(content_hash(tensors), block_bytes, tensors)
+    return ModelIndex(content_hash(tensors), block_bytes.block_bytes, tensors, block_bytes.embedding_block_bytes)
 
 
 def check_compatible(base: Checkpoint, expert: Checkpoint) -> None:
@@ -88,34 +89,38 @@ def build_delta_index(base: Checkpoint, expert: Checkpoint, base_index: ModelInd
     """Delta statistics of `expert` against `base` (reads both once, big tensors more);
     every expert block read is checked against `expert_index`."""
     ranges = {name: e.ranges for name, e in expert_index.tensors.items()}
-    _, delta = _scan(base, expert, base_index, ranges, expert_index.block_bytes, threads, cache_bytes, counter,
+    _, delta = _scan(base, expert, base_index, ranges, expert_index.layout, threads, cache_bytes, counter,
                      {name: e.hashes for name, e in expert_index.tensors.items()}, progress)
-    return DeltaIndex(expert_index.content_hash, base_index.content_hash, expert_index.block_bytes, delta)
+    return DeltaIndex(expert_index.content_hash, base_index.content_hash, expert_index.block_bytes, delta,
+                      expert_index.embedding_block_bytes)
 
 
-def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, *, block_bytes: int,
+def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, *,
+                       block_bytes: int | BlockLayout,
                        threads: int = 2, cache_bytes: int = 256 << 20,
                        counter: ReadCounter | None = None, progress: bool = False) -> tuple[ModelIndex, DeltaIndex]:
     """The expert's ModelIndex and its DeltaIndex against `base` in one scan: the block
     hashes come from the same reads as the statistics (one read of the expert, not two)."""
+    block_bytes = BlockLayout.of(block_bytes)
     ranges = {name: tuple(_blocks(t, block_bytes)) for name, t in expert.tensors.items()}
     hashes, delta = _scan(base, expert, base_index, ranges, block_bytes, threads, cache_bytes, counter, None,
                           progress)
     tensors = {name: TensorEntry(name, t.dtype, t.shape, ranges[name], hashes[name])
                for name, t in expert.tensors.items()}
-    index = ModelIndex(content_hash(tensors), block_bytes, tensors)
-    return index, DeltaIndex(index.content_hash, base_index.content_hash, block_bytes, delta)
+    index = ModelIndex(content_hash(tensors), block_bytes.block_bytes, tensors, block_bytes.embedding_block_bytes)
+    return index, DeltaIndex(index.content_hash, base_index.content_hash, index.block_bytes, delta,
+                             index.embedding_block_bytes)
 
 
-def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: dict, block_bytes: int,
+def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: dict, block_bytes: BlockLayout,
           threads: int, cache_bytes: int, counter: ReadCounter | None,
           expected: dict[str, tuple[str, ...]] | None, progress: bool) -> tuple[dict, dict[str, TensorDelta]]:
     """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
     check_compatible(base, expert)
     prog = Progress(expert.total_bytes, f"indexing {expert.root.name} against {base.root.name}", progress)
     keep_freed_memory()
-    if base_index.block_bytes != block_bytes:
-        raise ValueError(f"base index has block_bytes {base_index.block_bytes}, expert {block_bytes}")
+    if base_index.layout != block_bytes:
+        raise ValueError(f"base index has blocks {base_index.layout.key}, expert {block_bytes.key}")
     with CheckpointReader(base, counter=counter, random_access=False) as base_all, \
             CheckpointReader(expert, counter=counter, random_access=False) as exp_all:
         def scan(name: str, base_r, exp_r) -> tuple[tuple[str, ...], TensorDelta]:

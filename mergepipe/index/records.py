@@ -10,6 +10,8 @@ from json.encoder import encode_basestring_ascii as _esc
 
 from blake3 import blake3
 
+from mergepipe.checkpoint.blocks import BlockLayout
+
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
@@ -25,9 +27,15 @@ class ModelIndex:
     content_hash: str
     block_bytes: int
     tensors: dict[str, TensorEntry]  # checkpoint order
+    embedding_block_bytes: int | None = None  # vocabulary tensors' block size, when not block_bytes
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.block_bytes, self.embedding_block_bytes)
 
     def to_json(self) -> dict:
         return {"content_hash": self.content_hash, "block_bytes": self.block_bytes,
+                **_emb_json(self.embedding_block_bytes),
                 "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                              "ranges": [list(r) for r in t.ranges], "hashes": list(t.hashes)}
                             for t in self.tensors.values()]}
@@ -37,7 +45,7 @@ class ModelIndex:
         tensors = {t["name"]: TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
                                           tuple(tuple(r) for r in t["ranges"]), tuple(t["hashes"]))
                    for t in d["tensors"]}
-        return ModelIndex(d["content_hash"], d["block_bytes"], tensors)
+        return ModelIndex(d["content_hash"], d["block_bytes"], tensors, d.get("embedding_block_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,11 @@ class DeltaIndex:
     base_hash: str
     block_bytes: int
     tensors: dict[str, TensorDelta]
+    embedding_block_bytes: int | None = None  # as ModelIndex's
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.block_bytes, self.embedding_block_bytes)
 
     def to_json(self) -> dict:
         out = []
@@ -79,7 +92,7 @@ class DeltaIndex:
             d["values"] = [_enc_float(v) for v in t.values]
             out.append({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
         return {"expert_hash": self.expert_hash, "base_hash": self.base_hash,
-                "block_bytes": self.block_bytes, "tensors": out}
+                "block_bytes": self.block_bytes, **_emb_json(self.embedding_block_bytes), "tensors": out}
 
     @staticmethod
     def from_json(d: dict) -> DeltaIndex:
@@ -90,7 +103,12 @@ class DeltaIndex:
             kw["identical"] = tuple(bool(x) for x in t["identical"])
             kw["block_eq"] = {int(k): tuple(v) for k, v in t["block_eq"].items()}
             tensors[t["name"]] = TensorDelta(**kw)
-        return DeltaIndex(d["expert_hash"], d["base_hash"], d["block_bytes"], tensors)
+        return DeltaIndex(d["expert_hash"], d["base_hash"], d["block_bytes"], tensors, d.get("embedding_block_bytes"))
+
+
+def _emb_json(embedding_block_bytes: int | None) -> dict:
+    """The key only when set: plain-layout records keep their bytes."""
+    return {} if embedding_block_bytes is None else {"embedding_block_bytes": embedding_block_bytes}
 
 
 def _enc_float(v: float) -> float | str:

@@ -4,6 +4,11 @@ Layout under `cache_dir` (default `.mergepipe/`):
   stat/<key>.json        (path, size, mtime_ns, ctime_ns, inode, device, block_bytes) -> file fingerprint
   models/<key>.idx       ModelIndex, keyed by the files' fingerprints and block size
   deltas/<expert>-<base>-<block_bytes>-v<N>.idx   DeltaIndex
+where "block_bytes" is `BlockLayout.key`: the int block size, or "<bytes>/emb<bytes>" ("-emb"
+in file names) for a layout with vocabulary blocks, so plain-layout keys are unchanged.
+A model's content hash is its plain layout's (block_bytes alone) in every layout: the index
+with vocabulary blocks is anchored to the plain one (same content hash, same entries for
+every other tensor), so plans name, and order, the same models either way.
 (.idx: index/binfmt.py; older .json.gz entries are not read: misses, rebuilt once.)
 Everything is keyed by content, so an unchanged model is never reread and a
 changed one (same path, new bytes) never meets a stale index.
@@ -11,10 +16,12 @@ changed one (same path, new bytes) never meets a stale index.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from blake3 import blake3
 
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
@@ -42,24 +49,29 @@ def _read_index(path: Path, decode):
         return None
 
 
-def _model_matches(index: ModelIndex, ckpt: Checkpoint, block_bytes: int) -> bool:
+def _model_matches(index: ModelIndex, ckpt: Checkpoint, layout: BlockLayout, anchor: ModelIndex | None = None) -> bool:
     """A cached model index describes this checkpoint: same tensors, dtypes, shapes and block
-    size, block rows that tile each tensor, and a content hash that its block hashes give."""
-    from mergepipe.checkpoint.blocks import block_ranges
-    if index.block_bytes != block_bytes or list(index.tensors) != list(ckpt.tensors):
+    layout, block rows that tile each tensor, and a content hash that its block hashes give;
+    with vocabulary blocks, the plain index `anchor`'s content hash and entries for every
+    tensor whose blocks are the same."""
+    if index.layout != layout or list(index.tensors) != list(ckpt.tensors):
         return False
     for name, t in ckpt.tensors.items():
         e = index.tensors[name]
         if e.dtype != t.dtype or e.shape != tuple(t.shape) or len(e.hashes) != len(e.ranges) \
-                or list(e.ranges) != block_ranges(t.shape, t.itemsize, block_bytes):
+                or list(e.ranges) != layout.ranges(name, t.shape, t.itemsize):
             return False
+        if anchor is not None and layout.bytes_for(name, t.shape) == layout.block_bytes and anchor.tensors[name] != e:
+            return False
+    if anchor is not None:
+        return index.content_hash == anchor.content_hash
     return content_hash(index.tensors) == index.content_hash
 
 
 def _delta_matches(delta: DeltaIndex, base_index: ModelIndex, expert_index: ModelIndex) -> bool:
     """A cached delta index is this expert's against this base, with one entry per block."""
-    if (delta.expert_hash, delta.base_hash, delta.block_bytes) != \
-            (expert_index.content_hash, base_index.content_hash, expert_index.block_bytes):
+    if (delta.expert_hash, delta.base_hash, delta.layout) != \
+            (expert_index.content_hash, base_index.content_hash, expert_index.layout):
         return False
     if delta.tensors.keys() != expert_index.tensors.keys():
         return False
@@ -95,8 +107,8 @@ class Store:
         self.hits = 0
         self.builds = 0
 
-    def _stat_path(self, path: Path, block_bytes: int) -> Path:
-        key = blake3(f"{path.resolve()}:{block_bytes}".encode()).hexdigest()[:32]
+    def _stat_path(self, path: Path, layout: BlockLayout) -> Path:
+        key = blake3(f"{path.resolve()}:{layout.key}".encode()).hexdigest()[:32]
         return self.root / "stat" / f"{key}.json"
 
     @staticmethod
@@ -106,11 +118,12 @@ class Store:
         return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
 
-    def _model_key(self, fingerprints: dict[str, str], block_bytes: int) -> Path:
-        key = blake3(json.dumps([sorted(fingerprints.items()), block_bytes]).encode()).hexdigest()[:40]
+    def _model_key(self, fingerprints: dict[str, str], layout: BlockLayout) -> Path:
+        key = blake3(json.dumps([sorted(fingerprints.items()), layout.key]).encode()).hexdigest()[:40]
         return self.root / "models" / f"{key}.idx"
 
-    def _cached_model(self, ckpt: Checkpoint, block_bytes: int) -> ModelIndex | None:
+    def _cached_model(self, ckpt: Checkpoint, block_bytes: BlockLayout,
+                      anchor: ModelIndex | None = None) -> ModelIndex | None:
         fingerprints = {}
         for h in ckpt.files:
             try:
@@ -121,7 +134,7 @@ class Store:
                 return None
             fingerprints[h.path.name] = cached["fingerprint"]
         index = _read_index(self._model_key(fingerprints, block_bytes), binfmt.decode_model)
-        if index is None or not _model_matches(index, ckpt, block_bytes):
+        if index is None or not _model_matches(index, ckpt, block_bytes, anchor):
             return None
         self.hits += 1
         return index
@@ -133,21 +146,28 @@ class Store:
             if self._stat(h.path) != stats[h.path]:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
         fingerprints = file_fingerprints(ckpt, index)
-        _atomic_write(self._model_key(fingerprints, index.block_bytes), binfmt.encode_model(index))
+        _atomic_write(self._model_key(fingerprints, index.layout), binfmt.encode_model(index))
         for h in ckpt.files:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
-            _atomic_write(self._stat_path(h.path, index.block_bytes), json.dumps(entry, sort_keys=True).encode())
+            _atomic_write(self._stat_path(h.path, index.layout), json.dumps(entry, sort_keys=True).encode())
 
-    def model_index(self, path: str | Path, *, block_bytes: int, threads: int = 2,
+    def model_index(self, path: str | Path, *, block_bytes: int | BlockLayout, threads: int = 2,
                     progress: bool = False) -> tuple[Checkpoint, ModelIndex]:
         """Open a checkpoint and return its index, from the cache when every file is unchanged."""
+        block_bytes = BlockLayout.of(block_bytes)
+        anchor = None
+        if block_bytes.embedding_block_bytes is not None:  # the plain index names the model
+            anchor = self.model_index(path, block_bytes=block_bytes.block_bytes, threads=threads,
+                                      progress=progress)[1]
         ckpt = open_checkpoint(path)
-        index = self._cached_model(ckpt, block_bytes)
+        index = self._cached_model(ckpt, block_bytes, anchor)
         if index is None:
             from mergepipe.index.build import build_model_index
             stats = {h.path: self._stat(h.path) for h in ckpt.files}
             index = build_model_index(ckpt, block_bytes=block_bytes, threads=threads, counter=self.index_reads,
                                       progress=progress)
+            if anchor is not None:
+                index = replace(index, content_hash=anchor.content_hash)
             self.builds += 1
             self._save_model(ckpt, index, stats)
         return ckpt, index
@@ -156,21 +176,29 @@ class Store:
                      threads: int = 2, progress: bool = False) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
         """An expert's ModelIndex and DeltaIndex against `base`, from the cache where possible;
         when neither is cached, both come from one scan (the expert is read once)."""
+        anchor = None
+        if base_index.embedding_block_bytes is not None:  # the plain index names the model
+            anchor = self.model_index(path, block_bytes=base_index.block_bytes, threads=threads,
+                                      progress=progress)[1]
         ckpt = open_checkpoint(path)
-        index = self._cached_model(ckpt, base_index.block_bytes)
+        index = self._cached_model(ckpt, base_index.layout, anchor)
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
         from mergepipe.index.build import build_expert_index
         stats = {h.path: self._stat(h.path) for h in ckpt.files}
-        index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.block_bytes,
+        index, delta = build_expert_index(base, ckpt, base_index, block_bytes=base_index.layout,
                                           threads=threads, counter=self.index_reads, progress=progress)
+        if anchor is not None:
+            index = replace(index, content_hash=anchor.content_hash)
+            delta = replace(delta, expert_hash=anchor.content_hash)
         self.builds += 1
         self._save_model(ckpt, index, stats)
         _atomic_write(self._delta_path(index, base_index), binfmt.encode_delta(delta))
         return ckpt, index, delta
 
     def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
-        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{expert_index.block_bytes}"
+        blocks = str(expert_index.layout.key).replace("/", "-")
+        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{blocks}"
                 f"-v{DELTA_FORMAT}.idx")
         return self.root / "deltas" / name
 

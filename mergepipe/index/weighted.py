@@ -54,7 +54,8 @@ def block_energies(base: Checkpoint, base_index: ModelIndex, expert: Checkpoint,
     return out
 
 
-def cache_path(root: Path, expert_hash: str, base_hash: str, artifact: str, block_bytes: int) -> Path:
+def cache_path(root: Path, expert_hash: str, base_hash: str, artifact: str, block_bytes: int | str) -> Path:
+    """`block_bytes`: the index's `BlockLayout.key` (an int for the plain layout)."""
     key = blake3(f"{expert_hash}:{base_hash}:{artifact}:{block_bytes}:v{WEIGHTED_FORMAT}".encode()).hexdigest()[:40]
     return root / "weighted" / f"{key}.json"
 

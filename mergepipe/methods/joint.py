@@ -155,9 +155,10 @@ def in_memory_statistics(spec: JointSpec, ctx: TensorContext, base: np.ndarray, 
 
 
 def statistics_key(spec: JointSpec, *, method: str, params: dict[str, Any], base_hash: str,
-                   experts: list[dict], seed: int, block_bytes: int) -> str:
+                   experts: list[dict], seed: int, block_bytes: int | str) -> str:
     """The content address of a family's statistics (blake3 hex): see the module docstring.
-    `experts` are plan expert entries (content_hash, weight[, density, gamma])."""
+    `experts` are plan expert entries (content_hash, weight[, density, gamma]); `block_bytes` is
+    the plan's `BlockLayout.key` (the int block size unless vocabulary tensors have their own)."""
     knobs = [{"content_hash": e["content_hash"], **{k: _knob(e, params, k) for k in spec.expert_knobs}}
              for e in sorted(experts, key=lambda e: e["content_hash"])]
     doc = {"format": JOINT_FORMAT, "method": method, "base": base_hash, "experts": knobs,

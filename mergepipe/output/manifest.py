@@ -147,14 +147,18 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
 def _check_tree(path: Path, rec: dict, man: dict) -> None:
     """A weight file: size, then its hash tree recomposed from every block, against the manifest."""
     from mergepipe.checkpoint.safetensors import CheckpointError
+    from mergepipe.checkpoint.blocks import BlockLayout
     from mergepipe.checkpoint.treehash import hash_weight_file
     block_bytes = man.get("plan", {}).get("block_bytes") if isinstance(man.get("plan"), dict) else None
     if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
         raise IntegrityError(f"{path}: manifest has no valid plan block_bytes; not a mergepipe manifest")
+    emb = man["plan"].get("embedding_block_bytes")  # only in plans with vocabulary blocks (BlockLayout)
+    if emb is not None and (not isinstance(emb, int) or isinstance(emb, bool) or emb <= 0):
+        raise IntegrityError(f"{path}: manifest has an invalid plan embedding_block_bytes; not a mergepipe manifest")
     if "size" in rec and path.stat().st_size != rec["size"]:
         raise IntegrityError(f"{path}: size {path.stat().st_size} does not match the manifest ({rec['size']})")
     try:
-        digest, tensors = hash_weight_file(path, block_bytes)
+        digest, tensors = hash_weight_file(path, BlockLayout(block_bytes, emb))
     except CheckpointError as e:
         raise IntegrityError(f"{path}: header ({e}) does not match the manifest") from None
     except OSError as e:

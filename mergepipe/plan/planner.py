@@ -30,7 +30,7 @@ from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import statistics_key
 from mergepipe.plan import joint_reads
-from mergepipe.checkpoint.blocks import row_bytes
+from mergepipe.checkpoint.blocks import BlockLayout, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
 from mergepipe.units import Budget, parse_budget
@@ -61,7 +61,7 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
 def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],
               expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
               method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
-              block_bytes: int, output: dict, nonfinite: str = "error",
+              block_bytes: int | BlockLayout, output: dict, nonfinite: str = "error",
               strategy: dict | None = None, tensor_parameters: dict | None = None,
               calibration: dict | None = None) -> dict:
     """Build the plan (a canonical, JSON-able dict with its own hash).
@@ -83,6 +83,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             method that does not merge weighted deltas (slerp).
     """
     m = get_method(method)
+    layout = BlockLayout.of(block_bytes)
     try:
         strategy_json = normalized_options(strategy)
         strat, strat_params = strategy_options(strategy)
@@ -189,7 +190,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         "seed": seed,
         "budget": str(budget),
         "budget_bytes": budget_bytes,
-        "block_bytes": block_bytes,
+        "block_bytes": layout.block_bytes,
         "output": output,
         "nonfinite": nonfinite,
         "base": _input_json(base),
@@ -211,13 +212,15 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             "relative": omitted / full_norm if full_norm else 0.0,
         },
     }
+    if layout.embedding_block_bytes is not None:  # only when set: plain-layout plans keep their hash
+        plan["embedding_block_bytes"] = layout.embedding_block_bytes
     if tensor_parameters is not None:
         plan["tensor_parameters"] = tensor_parameters
     if m.joint is not None:  # the statistics' content address (methods/joint.py); None: none needed
         active = m.joint.active(m.params.model_validate(params))
         plan["joint"] = {"reads": joint_reads.READS, "key": statistics_key(
             m.joint, method=method, params=params, base_hash=base.content_hash,
-            experts=plan["experts"], seed=seed, block_bytes=block_bytes) if active else None}
+            experts=plan["experts"], seed=seed, block_bytes=layout.key) if active else None}
     if strategy_json is not None:
         plan["strategy"] = {"name": strat.name, "parameters": strategy_json,
                             "scales": {k: dict(sorted(v.items())) for k, v in sorted(scales.items())}}

@@ -6,7 +6,7 @@ plan completely before a byte of weights is read.
 
 1. `validate_plan(plan, where)`: the typed record (`PlanRecord`): schema, method
    and its parameters (through the method registry's params model), per-expert
-   density/gamma, output dtype and shard_bytes, block_bytes range, budget and
+   density/gamma, output dtype and shard_bytes, block_bytes (and embedding_block_bytes) range, budget and
    byte counts, reads keyed by the plan's experts with sorted, distinct block
    numbers, the bound's numbers finite.
 2. `check_plan_reads(plan, base_index, expert_indexes, deltas, where)`: against
@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 # The limits params.yaml enforces; a plan must not escape them.
-from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES
+from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, BlockLayout
 from mergepipe.config.fields import MIN_SHARD_BYTES
 from mergepipe.errors import ConfigError
 from mergepipe.methods import get_method
@@ -120,6 +120,8 @@ class PlanRecord(BaseModel):
     budget: StrictStr
     budget_bytes: Count
     block_bytes: Annotated[int, Field(strict=True, ge=MIN_BLOCK_BYTES, le=MAX_BLOCK_BYTES)]
+    # vocabulary tensors' block size (checkpoint/blocks.py::BlockLayout); absent = block_bytes
+    embedding_block_bytes: Annotated[int, Field(strict=True, ge=MIN_BLOCK_BYTES, le=MAX_BLOCK_BYTES)] | None = None
     output: OutputRecord
     nonfinite: Literal["error", "allow"]
     base: PlanInputRecord
@@ -171,6 +173,9 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
         if density is not None and gamma is not None and density < 1 and density + gamma > 1 + 1e-12:
             raise ConfigError(f"{where}: plan key experts.{i}: density + gamma must be <= 1, "
                               f"got {density} + {gamma}")
+    if rec.embedding_block_bytes is not None and rec.embedding_block_bytes == rec.block_bytes:
+        raise ConfigError(f"{where}: plan key embedding_block_bytes: equals block_bytes; a plan then has no "
+                          "such key")
     extra = sorted(set(rec.reads) - set(names))
     if extra:
         raise ConfigError(f"{where}: plan key reads.{extra[0]}: not an expert of the plan")
@@ -210,7 +215,7 @@ def _check_joint(plan: dict, method, params, where: str) -> None:
         raise ConfigError(f"{where}: plan key joint: missing; method {plan['method']!r} needs it")
     want = statistics_key(method.joint, method=plan["method"], params=plan["parameters"],
                           base_hash=plan["base"]["content_hash"], experts=plan["experts"], seed=plan["seed"],
-                          block_bytes=plan["block_bytes"]) if method.joint.active(params) else None
+                          block_bytes=BlockLayout.of_plan(plan).key) if method.joint.active(params) else None
     if joint["key"] != want:
         raise ConfigError(f"{where}: plan key joint.key: not the statistics key of the plan's inputs and "
                           "parameters; make the plan again with `mergepipe plan`")
@@ -255,6 +260,9 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
     if plan["block_bytes"] != base_index.block_bytes:
         raise ConfigError(f"{where}: plan key block_bytes: {plan['block_bytes']} but the base was indexed with "
                           f"{base_index.block_bytes}")
+    if BlockLayout.of_plan(plan) != base_index.layout:
+        raise ConfigError(f"{where}: plan key embedding_block_bytes: {plan.get('embedding_block_bytes')} but the "
+                          f"base was indexed with {base_index.embedding_block_bytes}")
     total = 0
     for e in plan["experts"]:
         name = e["name"]
