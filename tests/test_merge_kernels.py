@@ -1,4 +1,5 @@
-"""The compiled bf16 kernels give the torch path's bytes, block by block and end to end."""
+"""The compiled bf16 kernels (C, and the numba fallback) give the torch path's bytes, block by
+block and end to end."""
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergepipe.methods import _kernels as merge_kernels
+from mergepipe.methods import _ckernels, _kernels as numba_kernels
 from mergepipe.config.params import load_config
 from mergepipe.engine.merge import run_merge
 from mergepipe.methods import get_method
@@ -16,6 +17,9 @@ from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
 from tests.helpers import write_config
+
+# both builds of the kernels: C (what installs use) and numba (the fallback without a compiler)
+BACKENDS = pytest.mark.parametrize("merge_kernels", [_ckernels.load(), numba_kernels], ids=["c", "numba"])
 
 EDGE = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5, 2 ** -126, 65504.0, 1e-3],
                     dtype=torch.float32)
@@ -47,10 +51,18 @@ def _family(seed: int, n: int, k: int):
     return g, base, experts
 
 
+def test_the_c_kernels_are_built_and_used():
+    # an install builds the C library (pyproject ext-modules); the engine then never needs numba
+    from mergepipe.methods._compiled import kernels
+    assert _ckernels.load() is not None
+    assert kernels() is _ckernels.load()
+
+
+@BACKENDS
 @given(st.integers(0, 10_000), st.integers(1, 3000), st.integers(1, 5),
        st.sampled_from([1.0, 0.8, 0.3, 2.5]), st.booleans(),
        st.lists(st.sampled_from([1.0, 0.5, 0.7, 0.3, -0.4, 0.0]), min_size=5, max_size=5))
-def test_task_arithmetic_kernel_is_bit_identical(seed, n, k, lambda_, normalize, weights):
+def test_task_arithmetic_kernel_is_bit_identical(merge_kernels, seed, n, k, lambda_, normalize, weights):
     _, base, experts = _family(seed, n, k)
     method = get_method("task_arithmetic")
     params = method.params.model_validate({"lambda": lambda_, "normalize": normalize})
@@ -66,12 +78,13 @@ def test_task_arithmetic_kernel_is_bit_identical(seed, n, k, lambda_, normalize,
     assert out.tobytes() == _u16(want).tobytes()
 
 
+@BACKENDS
 @given(st.integers(0, 10_000), st.integers(1, 3000), st.integers(1, 5),
        st.sampled_from([1.0, 0.8, 2.5]), st.booleans(),
        st.lists(st.sampled_from([1.0, 0.5, 0.7, 0.3, -0.4]), min_size=5, max_size=5),
        st.lists(st.sampled_from(["keep", "drop", "cut"]), min_size=5, max_size=5),
        st.lists(st.integers(0, 50), min_size=5, max_size=5))
-def test_ties_kernel_is_bit_identical(seed, n, k, lambda_, normalize, weights, modes, eq_keeps):
+def test_ties_kernel_is_bit_identical(merge_kernels, seed, n, k, lambda_, normalize, weights, modes, eq_keeps):
     g, base, experts = _family(seed, n, k)
     method = get_method("ties")
     params = method.params.model_validate({"lambda": lambda_, "normalize": normalize})
@@ -165,3 +178,62 @@ def test_compiled_merges_never_import_torch(tmp_path, tiny_family, method):
     proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_merges_from_a_cached_index_never_import_numba(tmp_path, tiny_family, method):
+    """Once the index is cached, a bf16 merge runs the C kernels: numba (~0.7 s of import and
+    kernel loading per process) is needed only to compute a delta index."""
+    import subprocess
+    import sys
+    params = {"density": 0.5} if method == "ties" else {"lambda": 1.0}
+    code = ("import sys; from mergepipe.cli import main; assert main(['run', sys.argv[1], '-q']) == 0; "
+            "print('numba' in sys.modules)")
+    seen = []
+    for budget in ("50%", "30%"):  # the first run indexes (numba); the second plans from the cache
+        (tmp_path / budget.rstrip("%")).mkdir()
+        cfg = write_config(tmp_path / budget.rstrip("%"), tiny_family, method=method, budget=budget,
+                           parameters=params, cache_dir=str(tmp_path / "cache"))
+        proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen.append(proc.stdout.strip())
+    assert seen == ["True", "False"]
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
+def test_every_vector_width_gives_the_same_bytes(tmp_path, march):
+    """The installed library picks a clone by CPU (SSE2, AVX2, AVX-512): build each one alone
+    and check it against the numba kernels on blocks with edge values, ties and NaN."""
+    import platform
+    import shutil
+    import subprocess
+    import sysconfig
+    from unittest import mock
+    if platform.machine() != "x86_64" or shutil.which("cc") is None:
+        pytest.skip("needs an x86-64 C compiler")
+    source = Path(_ckernels.__file__).with_name("_bf16c.c")
+    lib = tmp_path / f"bf16c-{march}.so"
+    subprocess.run(["cc", "-O3", "-ffp-contract=off", "-fno-fast-math", f"-march={march}", "-shared", "-fPIC",
+                    "-DMP_NO_CLONES", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(lib)], check=True)
+    with mock.patch("importlib.util.find_spec", return_value=mock.Mock(origin=str(lib))):
+        kernels = _ckernels._open()
+    for seed, n, k in [(1, 4099, 1), (2, 3000, 3), (3, 2048, 4), (4, 517, 5)]:
+        g, base, experts = _family(seed, n, k)
+        b, es = _u16(base), tuple(_u16(e) for e in experts)
+        w = np.array([1.0, 0.5, -0.4, 0.7, 0.3][:k], np.float32)
+        for normalize, lam in [(False, 1.0), (True, 0.8)]:
+            got, want = np.empty(n, np.uint16), np.empty(n, np.uint16)
+            args = (np.float32(w.sum()), normalize, np.float32(lam), lam != 1)
+            kernels.task_arithmetic_bf16(b, es, w, *args, got)
+            numba_kernels.task_arithmetic_bf16(b, es, w, *args, want)
+            assert got.tobytes() == want.tobytes()
+            modes = np.array([numba_kernels.CUT, numba_kernels.KEEP_ALL, numba_kernels.CUT, numba_kernels.DROP_ALL,
+                              numba_kernels.CUT][:k], np.int64)
+            values = np.array([float(abs(experts[i].float() - base.float())[i]) for i in range(k)], np.float32)
+            limits = np.array([kernels.eq_limit(b, es[i], values[i], 3) for i in range(k)], np.int64)
+            assert limits.tolist() == [numba_kernels.eq_limit(b, es[i], values[i], 3) for i in range(k)]
+            targs = (w, modes, values, limits, normalize, np.float32(lam), lam != 1)
+            kernels.ties_bf16(b, es, *targs, got)
+            numba_kernels.ties_bf16(b, es, *targs, want)
+            assert got.tobytes() == want.tobytes()

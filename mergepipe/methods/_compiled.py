@@ -2,9 +2,10 @@
 `Method.compiled`: a factory (params, plan experts) -> a callable RawBlock -> bytes.
 
 They run the torch path's fp32 arithmetic in its operation order, fused
-(methods/_kernels.py), so the bytes are the same (tests/test_merge_kernels.py). The
+(methods/_bf16c.c, loaded by methods/_ckernels.py; methods/_kernels.py in numba where the C
+library was not built), so the bytes are the same (tests/test_merge_kernels.py). The
 engine uses a method's kernel for bf16 blocks written as bf16 and the method's `fn`
-for everything else; it knows no method by name. numba is imported on first use.
+for everything else; it knows no method by name. Neither is loaded before first use.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ class CompiledCombine:
     and sign election when `consensus`."""
 
     def __init__(self, params: BaseModel, experts: list[dict], *, consensus: bool) -> None:
-        from mergepipe.methods import _kernels as kernels
-        self.k = kernels
+        self.k = kernels()
         self.ties = consensus
         # output element i depends only on element i of the base and experts (no per-tensor
         # cut): the engine may merge a run of small tensors as one block (engine/packs.py)
@@ -80,6 +80,16 @@ class CompiledCombine:
         self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
                          self.apply_lambda, out)
         return memoryview(out).cast("B")
+
+
+def kernels():
+    """The C kernels, or the numba ones where the C library was not built (same bytes)."""
+    from mergepipe.methods import _ckernels
+    c = _ckernels.load()
+    if c is not None:
+        return c
+    from mergepipe.methods import _kernels  # numba: ~0.7 s to import and load per process
+    return _kernels
 
 
 def task_arithmetic_kernel(params: BaseModel, experts: list[dict]) -> CompiledCombine:

@@ -10,7 +10,7 @@ on the thread count. (Methods may not import index/, hence this small twin.)
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from mergepipe.util.lazy import njit  # numba on first call: importing the registry stays cheap
 
 LANES = 8
 

@@ -1,4 +1,5 @@
-"""`torch`, imported on first use: `from mergepipe.util.lazy import torch`.
+"""`torch`, imported on first use: `from mergepipe.util.lazy import torch`; and `njit`,
+numba's decorator applied on a kernel's first call.
 
 Importing torch costs 1.5-2.5 s; bf16 task arithmetic and TIES merge in compiled kernels
 (numpy + numba) and never touch it, nor do the config, the plan or a no-op `run`. The
@@ -8,6 +9,7 @@ attribute is asked for (`torch.float32`, `torch.zeros`, ...) and is then a plain
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from types import ModuleType
@@ -36,3 +38,26 @@ def imported(name: str) -> bool:
 
 
 torch = _LazyModule("torch")
+
+
+def njit(**options):
+    """`numba.njit(**options)`, applied when the function is first called.
+
+    Importing numba and loading a cached kernel costs ~0.7 s per process; the registry imports
+    every method's module, so kernels defined at module level with numba's own decorator made
+    every command pay it. Only for kernels called from Python: another compiled function cannot
+    call this wrapper. Two threads calling first at once may both compile; numba's cache and
+    lock make that safe, and the result is the same function.
+    """
+    def decorate(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args):
+            nonlocal compiled
+            if compiled is None:
+                from numba import njit as numba_njit
+                compiled = numba_njit(**options)(fn)
+            return compiled(*args)
+        return call
+    return decorate

@@ -1,0 +1,172 @@
+/* Compiled bf16 merge loops for task arithmetic and TIES, in C: the same fp32 arithmetic,
+ * in the same order, as methods/_kernels.py (numba) and the torch path, so the bytes are
+ * the same (tests/test_merge_kernels.py). Built as the extension module `_bf16c` and
+ * loaded with ctypes by methods/_ckernels.py: a process that merges from a cached index
+ * then never imports numba (~0.7 s of import and cached-kernel loading per process).
+ *
+ * Built with -ffp-contract=off and without fast-math: every operation is one IEEE fp32
+ * operation (no a*b+c fused into an FMA), whatever the CPU's vector width; the compiler
+ * may vectorize, which does not change per-element results.
+ *
+ * The formulas (per element, experts in canonical order):
+ *   delta_k = f32(E_k) - f32(B);  term_k = trim_k(delta_k) * w_k
+ *   TA:   mixed = term_0 + term_1 + ...
+ *   TIES: s = [sum_k term_k >= 0]; a_k = [sign(term_k) agrees with s];
+ *         mixed = sum_k term_k * a_k;  divisor = sum_k a_k * w_k (1 where 0)
+ *   mixed /= divisor (if normalize);  mixed *= lambda (if apply_lambda)
+ *   out = bf16_round_nearest_even(f32(B) + mixed)   (NaN -> 0x7FC0, as torch)
+ */
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One build per vector width, picked at load time by the CPU (GCC's ifunc dispatch): the
+ * install may be built on another machine than the one that runs it. The arithmetic is
+ * the same in every clone, so the bytes are too (MP_NO_CLONES builds one width, for tests). */
+#if !defined(MP_NO_CLONES) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+#define CHUNK 1024 /* elements per chunk: up to 16 experts' fp32 terms stay in L1/L2 */
+enum { KEEP_ALL = 0, DROP_ALL = 1, CUT = 2 };
+
+static inline float bf16_to_f32(uint16_t u) {
+    uint32_t bits = (uint32_t)u << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+    /* c10::BFloat16's round_to_nearest_even: torch's float -> bfloat16 cast */
+    if (x != x) return 0x7FC0;
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const *experts, int64_t p,
+                             const float *weights, float divisor, int normalize, float lambda_,
+                             int apply_lambda, uint16_t *out, int64_t n) {
+    float b[CHUNK], acc[CHUNK];
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t m = n - s < CHUNK ? n - s : CHUNK;
+        const uint16_t *bs = base + s;
+        for (int64_t j = 0; j < m; j++) b[j] = bf16_to_f32(bs[j]);
+        const uint16_t *ek = experts[0] + s;
+        float w = weights[0];
+        for (int64_t j = 0; j < m; j++) acc[j] = (bf16_to_f32(ek[j]) - b[j]) * w;
+        /* experts 1.. in groups of up to 3 per pass over the chunk, still added left to right
+         * (GCC 12's code for one expert per pass ran 2.5x slower than numba's at K=4) */
+        for (int64_t k = 1; k < p; k += 3) {
+            int64_t g = p - k < 3 ? p - k : 3;
+            const uint16_t *e1 = experts[k] + s;
+            float w1 = weights[k];
+            if (g == 1) {
+                for (int64_t j = 0; j < m; j++) acc[j] = acc[j] + (bf16_to_f32(e1[j]) - b[j]) * w1;
+            } else if (g == 2) {
+                const uint16_t *e2 = experts[k + 1] + s;
+                float w2 = weights[k + 1];
+                for (int64_t j = 0; j < m; j++) {
+                    float a = acc[j] + (bf16_to_f32(e1[j]) - b[j]) * w1;
+                    acc[j] = a + (bf16_to_f32(e2[j]) - b[j]) * w2;
+                }
+            } else {
+                const uint16_t *e2 = experts[k + 1] + s, *e3 = experts[k + 2] + s;
+                float w2 = weights[k + 1], w3 = weights[k + 2];
+                for (int64_t j = 0; j < m; j++) {
+                    float a = acc[j] + (bf16_to_f32(e1[j]) - b[j]) * w1;
+                    a = a + (bf16_to_f32(e2[j]) - b[j]) * w2;
+                    acc[j] = a + (bf16_to_f32(e3[j]) - b[j]) * w3;
+                }
+            }
+        }
+        if (normalize)
+            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] / divisor;
+        if (apply_lambda)
+            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] * lambda_;
+        uint16_t *o = out + s;
+        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
+    }
+}
+
+CLONES int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float value, int64_t eq_keep, int64_t n) {
+    /* flat position just past the eq_keep-th element with |E - B| == value, or n */
+    if (eq_keep <= 0) return 0;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float d = bf16_to_f32(expert[i]) - bf16_to_f32(base[i]);
+        if ((d < 0 ? -d : d) == value && ++count == eq_keep) return i + 1;
+    }
+    return n;
+}
+
+/* Returns 0, or -1 when p < 1 or the per-expert chunk buffer cannot be allocated. */
+CLONES int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, int64_t p, const float *weights,
+                 const int64_t *modes, const float *values, const int64_t *limits, int normalize,
+                 float lambda_, int apply_lambda, uint16_t *out, int64_t n) {
+    if (p < 1) return -1;
+    float (*terms)[CHUNK] = malloc((size_t)p * sizeof *terms); /* p chunks of fp32 terms */
+    if (terms == NULL) return -1;
+    float b[CHUNK], total[CHUNK], mixed[CHUNK], div[CHUNK];
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t m = n - s < CHUNK ? n - s : CHUNK;
+        const uint16_t *bs = base + s;
+        for (int64_t j = 0; j < m; j++) b[j] = bf16_to_f32(bs[j]);
+        for (int64_t k = 0; k < p; k++) {
+            const uint16_t *ek = experts[k] + s;
+            float *tk = terms[k];
+            float w = weights[k], v = values[k];
+            int64_t lim = limits[k] - s; /* j < lim may keep a threshold-equal |delta| */
+            if (modes[k] == KEEP_ALL) {
+                for (int64_t j = 0; j < m; j++) tk[j] = (bf16_to_f32(ek[j]) - b[j]) * w;
+            } else if (modes[k] == DROP_ALL) {
+                for (int64_t j = 0; j < m; j++) tk[j] = ((bf16_to_f32(ek[j]) - b[j]) * zero) * w;
+            } else {
+                for (int64_t j = 0; j < m; j++) {
+                    float d = bf16_to_f32(ek[j]) - b[j];
+                    float a = d < 0 ? -d : d;
+                    int keep = (a > v) | ((a == v) & (j < lim));
+                    tk[j] = (d * (keep ? one : zero)) * w;
+                }
+            }
+        }
+        for (int64_t j = 0; j < m; j++) total[j] = terms[0][j];
+        for (int64_t k = 1; k < p; k++)
+            for (int64_t j = 0; j < m; j++) total[j] = total[j] + terms[k][j];
+        for (int64_t k = 0; k < p; k++) {
+            const float *tk = terms[k];
+            float w = weights[k];
+            for (int64_t j = 0; j < m; j++) {
+                float t = tk[j];
+                int pos = total[j] >= zero;
+                float a = ((t > zero && pos) || (t < zero && !pos)) ? one : zero;
+                if (k == 0) {
+                    mixed[j] = t * a;
+                    div[j] = a * w;
+                } else {
+                    mixed[j] = mixed[j] + t * a;
+                    div[j] = div[j] + a * w;
+                }
+            }
+        }
+        uint16_t *o = out + s;
+        for (int64_t j = 0; j < m; j++) {
+            float x = mixed[j];
+            if (normalize) x = x / (div[j] == zero ? one : div[j]);
+            if (apply_lambda) x = x * lambda_;
+            o[j] = f32_to_bf16(b[j] + x);
+        }
+    }
+    free(terms);
+    return 0;
+}
+
+/* An importable (empty) module, so the build and the loader can find this library. */
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16c", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit__bf16c(void) { return PyModule_Create(&module); }

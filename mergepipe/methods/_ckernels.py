@@ -1,0 +1,91 @@
+"""The C build of the bf16 merge kernels (methods/_bf16c.c, built as the extension module
+`_bf16c`), loaded with ctypes, with the same call signatures as the numba ones in
+methods/_kernels.py.
+
+Why both: importing numba and loading its cached kernels costs ~0.7 s per process, more than
+a small budget's whole merge; the C library loads in about a millisecond. It is compiled when
+the package is installed (pyproject's ext-modules); where it was not built (a checkout
+without a compiler), `load()` returns None and methods/_compiled.py falls back to numba.
+The two give the same bytes (tests/test_merge_kernels.py). ctypes releases the GIL during
+each call, so reader and hashing threads keep running, as with numba's nogil.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from types import SimpleNamespace
+
+import numpy as np
+
+KEEP_ALL, DROP_ALL, CUT = 0, 1, 2  # the trim modes, as in methods/_kernels.py
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_loaded: SimpleNamespace | None | bool = False
+
+
+def load() -> SimpleNamespace | None:
+    """The kernels as a namespace (task_arithmetic_bf16, ties_bf16, eq_limit and the modes),
+    or None when the library was not built."""
+    global _loaded
+    if _loaded is False:
+        _loaded = _open()
+    return _loaded
+
+
+def _open() -> SimpleNamespace | None:
+    spec = importlib.util.find_spec("mergepipe.methods._bf16c")
+    if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.mp_task_arithmetic_bf16.argtypes = [_P, _P, _I64, _P, _F32, _INT, _F32, _INT, _P, _I64]
+    lib.mp_task_arithmetic_bf16.restype = None
+    lib.mp_ties_bf16.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _INT, _F32, _INT, _P, _I64]
+    lib.mp_ties_bf16.restype = _INT
+    lib.mp_eq_limit.argtypes = [_P, _P, _F32, _I64, _I64]
+    lib.mp_eq_limit.restype = _I64
+
+    def task_arithmetic_bf16(base, experts, weights, divisor, normalize, lambda_, apply_lambda, out):
+        n = _length(base, out, experts)
+        w = _array(weights, np.float32, len(experts))
+        lib.mp_task_arithmetic_bf16(base.ctypes.data, _pointers(experts, n), len(experts), w.ctypes.data,
+                                    float(divisor), int(bool(normalize)), float(lambda_),
+                                    int(bool(apply_lambda)), out.ctypes.data, n)
+
+    def ties_bf16(base, experts, weights, modes, values, limits, normalize, lambda_, apply_lambda, out):
+        n, p = _length(base, out, experts), len(experts)
+        w, md = _array(weights, np.float32, p), _array(modes, np.int64, p)
+        v, lim = _array(values, np.float32, p), _array(limits, np.int64, p)
+        if lib.mp_ties_bf16(base.ctypes.data, _pointers(experts, n), p, w.ctypes.data, md.ctypes.data,
+                            v.ctypes.data, lim.ctypes.data, int(bool(normalize)), float(lambda_),
+                            int(bool(apply_lambda)), out.ctypes.data, n) != 0:
+            raise MemoryError(f"ties kernel: no memory for {p} experts' chunk buffers")
+
+    def eq_limit(base, expert, value, eq_keep):
+        n = _length(base, None, (expert,))
+        return int(lib.mp_eq_limit(base.ctypes.data, _pointers((expert,), n)[0], float(value), int(eq_keep), n))
+
+    return SimpleNamespace(task_arithmetic_bf16=task_arithmetic_bf16, ties_bf16=ties_bf16, eq_limit=eq_limit,
+                           KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c")
+
+
+def _length(base: np.ndarray, out: np.ndarray | None, experts) -> int:
+    # the C loops trust their lengths: check every array is contiguous uint16 of the base's size
+    n = base.shape[0]
+    for a in (base, out, *experts):
+        if a is not None and (a.dtype != np.uint16 or a.ndim != 1 or a.shape[0] != n
+                              or not a.flags.c_contiguous):
+            raise ValueError(f"bf16 kernel: need contiguous uint16 arrays of {n} elements, got {a.dtype} {a.shape}")
+    if not experts:
+        raise ValueError("bf16 kernel: need at least one expert block")
+    return n
+
+
+def _array(values, dtype, p: int) -> np.ndarray:
+    a = np.ascontiguousarray(values, dtype=dtype)
+    if a.shape != (p,):
+        raise ValueError(f"bf16 kernel: need {p} per-expert values, got shape {a.shape}")
+    return a
+
+
+def _pointers(experts, n: int):
+    return (ctypes.c_void_p * len(experts))(*(e.ctypes.data for e in experts))
