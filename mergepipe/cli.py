@@ -244,7 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import merge_plan, plan_config, up_to_date
     from mergepipe.index.store import Store
     cfg = _load(args)
-    record = uptodate.snapshot(args.config, cli_overrides, [cfg.base, *(e.path for e in cfg.experts)])
+    record = uptodate.snapshot(args.config, cli_overrides, _input_paths(cfg))
     store = Store(cfg.cache_dir)
     plan, inputs = plan_config(cfg, store, threads=args.threads)
     out_dir = Path(cfg.output.dir)
@@ -261,6 +261,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0
+
+
+def _input_paths(cfg) -> list[Path]:
+    """Every file or folder a plan of `cfg` reads besides the cache: the models, the
+    tokenizer source, the calibration text (run's no-op record keys on all of them)."""
+    paths = [cfg.base, *(e.path for e in cfg.experts)]
+    if cfg.output.tokenizer_source is not None:
+        paths.append(cfg.output.tokenizer_source)
+    text = (cfg.plan_options or {}).get("text")
+    if text is not None:
+        paths.append(cfg.config_path(text))
+    return paths
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ them and refuses files that changed since. The vocabulary must be the base's (co
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -33,8 +34,16 @@ def plan_tokenizer(folder: Path, written: str, base_root: Path) -> dict:
     """The plan's `output.tokenizer_source` for `folder` (written as `written`).
 
     Raises:
-        ConfigError: no tokenizer file there, or a vocabulary size other than the base's.
+        ConfigError: not a folder, a tokenizer name that is not a readable file (a dangling
+            link, a folder: the output would silently lack it), no tokenizer file there, or a
+            vocabulary size other than the base's.
     """
+    if not folder.is_dir():
+        raise ConfigError(f"output.tokenizer_source: {folder} is not a folder")
+    for name in TOKENIZER_FILES:
+        if os.path.lexists(folder / name) and not (folder / name).is_file():
+            raise ConfigError(f"output.tokenizer_source: {folder / name} is not a regular file (a dangling link, "
+                              "a folder or a special file); fix the tokenizer folder or give another")
     files = {name: hash_file(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
     if not files:
         raise ConfigError(f"output.tokenizer_source: {folder} has none of the tokenizer files "

@@ -4,8 +4,9 @@ A make-style record, kept in the output's run.json (outside the manifest hash) w
 `run` publishes: a key over what the plan is a function of that is not a file's bytes
 (the params.yaml's bytes and absolute path, the command-line overrides, the working
 folder and the mergepipe version), and the stat keys (size, mtime_ns, ctime_ns, inode,
-device) of each input model folder and of every entry directly in it, taken before the
-inputs were read. The next `run` with the same key, whose input folders and entries
+device) of each input folder (the models, the tokenizer source) and of every entry
+directly in it, and of each input file (the calibration text), taken before the inputs
+were read. The next `run` with the same key, whose input folders and entries
 have the same stat keys and whose output files have the stat keys recorded at
 publication, has nothing to do. This trusts stat keys exactly as the index's stat cache
 and the up-to-date check after planning already do (as git and DVC do). Any
@@ -25,6 +26,7 @@ from pathlib import Path
 from blake3 import blake3
 
 RECORD = "up_to_date"  # the key of this record in run.json
+RECORD_FORMAT = 2  # 2: the tokenizer source and calibration text are inputs too (records of 1 lacked them)
 RUN_INFO = "run.json"  # output.manifest.RUN_INFO (not imported: that module pulls in more)
 MANIFEST = "manifest.json"
 
@@ -35,22 +37,26 @@ def _stat_key(path: str) -> list[int]:
 
 
 def config_key(config_path: str | os.PathLike[str], overrides: dict) -> str:
-    """blake3 over the params file's absolute path and bytes, the overrides (as given on the
-    command line), the working folder and the mergepipe version."""
+    """blake3 over the record format, the params file's absolute path and bytes, the overrides
+    (as given on the command line), the working folder and the mergepipe version."""
     from mergepipe import __version__
     path = os.path.abspath(config_path)
     with open(path, "rb") as f:
         data = f.read()
-    doc = [__version__, path, blake3(data).hexdigest(), os.getcwd(), sorted((k, str(v)) for k, v in overrides.items()
+    doc = [RECORD_FORMAT, __version__, path, blake3(data).hexdigest(), os.getcwd(), sorted((k, str(v)) for k, v in overrides.items()
                                                                           if v is not None)]
     return blake3(json.dumps(doc).encode()).hexdigest()
 
 
 def folder_stats(folders: list[str | os.PathLike[str]]) -> dict[str, list[int]]:
-    """Stat keys of each folder and of every entry directly in it (not following links)."""
+    """Stat keys of each folder and of every entry directly in it (not following links);
+    an input that is a file (the calibration text) is keyed with its link target's."""
     out: dict[str, list[int]] = {}
     for folder in map(os.path.abspath, folders):
         out[folder] = _stat_key(folder)
+        if not os.path.isdir(folder):
+            out[folder + "\0target"] = _stat_key(os.path.realpath(folder))
+            continue
         with os.scandir(folder) as it:
             for entry in it:
                 st = entry.stat(follow_symlinks=False)

@@ -1171,3 +1171,43 @@ def c_merge_part_into_an_input_model(ctx, work):
     assert main(["plan", str(params), "-q", "-o", str(plan)]) == 0
     return Setup(["merge", str(plan), "--part", "1/2", "-o", str(expert), "--cache-dir", str(ctx.cache), "-q"],
                  expert, (str(expert), "input"), OUTPUT, existing_ok=False)
+
+
+# ------------------------------------------------------------- red-team of the newer features (issue 15):
+# tokenizer_source, stacking, calibration and joint-statistics caches, per-tensor settings
+
+def _tokenizer_folder(ctx: Ctx, work: Path, broken: str) -> Path:
+    """A tokenizer folder whose tokenizer.json is `broken`: a dangling link, a folder or a fifo;
+    tokenizer_config.json is fine, so the output would have had a config without its tokenizer."""
+    tok = work / "tok"
+    tok.mkdir()
+    shutil.copyfile(ctx.experts[2] / "config.json", tok / "config.json")
+    shutil.copyfile(ctx.experts[2] / "tokenizer_config.json", tok / "tokenizer_config.json")
+    bad = tok / "tokenizer.json"
+    if broken == "dangling":
+        bad.symlink_to(work / "blobs" / "not-downloaded")
+    elif broken == "folder":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)
+    return bad
+
+
+def _tokenizer_case(broken: str):
+    def build(ctx, work):
+        bad = _tokenizer_folder(ctx, work, broken)
+        return run(work, ctx, None, ("output.tokenizer_source", str(bad)), CONFIG,
+                   output={"dir": str(work / "out"), "tokenizer_source": "tok"})
+    build.__doc__ = f"output.tokenizer_source whose tokenizer.json is a {broken}: was published without it, verify OK."
+    return build
+
+
+for _kind in ("dangling", "folder", "fifo"):
+    CASES[f"tokenizer_source_{_kind}_tokenizer_json"] = Case(f"tokenizer_source_{_kind}_tokenizer_json",
+                                                             _tokenizer_case(_kind), f"tokenizer.json: {_kind}")
+
+
+@case
+def c_tokenizer_source_missing_folder(ctx, work):
+    return run(work, ctx, None, ("output.tokenizer_source", "not a folder"), CONFIG,
+               output={"dir": str(work / "out"), "tokenizer_source": "tok-typo"})
