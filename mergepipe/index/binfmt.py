@@ -30,11 +30,12 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from collections.abc import Mapping
+from itertools import chain
 
 from blake3 import blake3
 
-from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
+from mergepipe.index.columns import BlockEq, DeltaColumns, ModelColumns  # noqa: F401 (BlockEq: re-exported)
+from mergepipe.index.records import DeltaIndex, ModelIndex
 
 MAGIC = b"MPINDEX\0"
 VERSION = 1
@@ -43,37 +44,10 @@ _PREFIX = struct.Struct("<8sIIQ")
 _DIGEST = 32
 _ITEM = {"q": 8, "d": 8, "B": 1}
 _LITTLE = sys.byteorder == "little"
-_SLICED = frozenset({"block_eq"})  # large and mostly unused: kept as a cast view, not a list
 
 
 class BinFormatError(ValueError):
     """Not a well-formed index file of this version."""
-
-
-class BlockEq(Mapping):
-    """A decoded tensor's split-run counts (TensorDelta.block_eq: rank position -> per-block
-    counts), cut out of the file's flat array only when a key is looked up: a bf16 family
-    has tens of thousands of such keys per expert and a merge asks for a few."""
-
-    __slots__ = ("_keys", "_flat", "_start", "_width", "_cut")
-
-    def __init__(self, keys: list[int], flat: list[int], start: int, width: int) -> None:
-        self._keys = {k: i for i, k in enumerate(keys)}
-        self._flat, self._start, self._width = flat, start, width
-        self._cut: dict[int, tuple[int, ...]] = {}
-
-    def __getitem__(self, key: int) -> tuple[int, ...]:
-        got = self._cut.get(key)
-        if got is None:
-            a = self._start + self._keys[key] * self._width
-            got = self._cut[key] = tuple(self._flat[a:a + self._width])
-        return got
-
-    def __iter__(self):
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 def _encode(kind: int, meta: dict, tensors: list, arrays: dict[str, tuple[str, object]]) -> bytes:
@@ -113,7 +87,7 @@ def _align(n: int) -> int:
 
 
 class _File:
-    """A decoded container: header and the arrays as Python lists."""
+    """A decoded container: header and the arrays as typed views of the file's bytes."""
 
     def __init__(self, data: bytes, kind: int) -> None:
         if len(data) < _PREFIX.size + _DIGEST:
@@ -147,10 +121,8 @@ class _File:
             view = body[off:end]
             self.raw[name] = view
             if code != "B":
-                if _LITTLE and name in _SLICED:
-                    self.arrays[name] = view.cast(code)  # cut per key on demand (BlockEq)
-                elif _LITTLE:
-                    self.arrays[name] = view.cast(code).tolist()
+                if _LITTLE:
+                    self.arrays[name] = view.cast(code)  # cut per tensor on demand (index/columns.py)
                 else:  # pragma: no cover (big-endian hosts)
                     import array
                     a = array.array(code, bytes(view))
@@ -168,13 +140,6 @@ class _File:
         if v is None or len(v) != n:
             raise BinFormatError(f"array {name!r}: expected {n} bytes")
         return v
-
-
-def _ints(row: list, n: int) -> list[int]:
-    vals = row[1:1 + n] if len(row) > n else None
-    if vals is None or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
-        raise BinFormatError("tensor entry")
-    return vals
 
 
 def _emb_meta(index) -> dict:
@@ -209,26 +174,33 @@ def decode_model(data: bytes) -> ModelIndex:
         emb = _emb_of(f.meta)
         if not isinstance(content, str) or not isinstance(bb, int):
             raise BinFormatError("meta")
-        total = 0
-        for row in f.tensors:
-            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and isinstance(row[1], str)
-                    and isinstance(row[2], list) and all(isinstance(d, int) and d >= 0 for d in row[2])
-                    and isinstance(row[3], int) and row[3] >= 0):
-                raise BinFormatError("tensor entry")
-            total += row[3]
+        names, dtypes, shapes, counts = _columns(f.tensors, 4)
+        # whole columns checked at once (C-speed passes; one Python step per tensor was most of a load)
+        if not (_all_type(names, str) and _all_type(dtypes, str) and _all_type(shapes, list)
+                and _all_type(counts, int) and min(counts, default=0) >= 0):
+            raise BinFormatError("tensor entry")
+        dims = list(chain.from_iterable(shapes))
+        if not (_all_type(dims, int) and min(dims, default=0) >= 0):
+            raise BinFormatError("tensor entry")
+        total = sum(counts)
         ranges = f.array("ranges", 2 * total)
-        hexes = bytes(f.bytes_of("hashes", _DIGEST * total)).hex()
-    except (KeyError, TypeError) as e:
+        digests = f.bytes_of("hashes", _DIGEST * total)
+        tensors = ModelColumns(names, dtypes, list(map(tuple, shapes)), counts, ranges, digests)
+    except (KeyError, TypeError, ValueError) as e:
         raise BinFormatError(f"fields: {e}") from None
-    tensors, pos = {}, 0
-    for name, dtype, shape, n in f.tensors:
-        rs = tuple(zip(ranges[2 * pos:2 * (pos + n):2], ranges[2 * pos + 1:2 * (pos + n):2]))
-        hs = tuple(hexes[64 * i:64 * (i + 1)] for i in range(pos, pos + n))
-        tensors[name] = TensorEntry(name, dtype, tuple(shape), rs, hs)
-        pos += n
-    if len(tensors) != len(f.tensors):
-        raise BinFormatError("duplicate tensor names")
     return ModelIndex(content, bb, tensors, emb)
+
+
+def _columns(rows: object, width: int) -> list[list]:
+    """The header's tensor rows (lists of `width` items) as `width` columns."""
+    if not (isinstance(rows, list) and _all_type(rows, list) and set(map(len, rows)) <= {width}):
+        raise BinFormatError("tensor entry")
+    return [list(c) for c in zip(*rows)] if rows else [[] for _ in range(width)]
+
+
+def _all_type(items: list, kind: type) -> bool:
+    """Every item is exactly of type `kind` (so no bool for int)."""
+    return set(map(type, items)) <= {kind}
 
 
 def encode_delta(delta: DeltaIndex) -> bytes:
@@ -265,43 +237,16 @@ def decode_delta(data: bytes) -> DeltaIndex:
         emb = _emb_of(meta)
         if not (isinstance(eh, str) and isinstance(bh, str) and isinstance(bb, int)):
             raise BinFormatError("meta")
-        nt = len(f.tensors)
-        sizes = []
-        for row in f.tensors:
-            if not (isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)):
-                raise BinFormatError("tensor entry")
-            sizes.append(_ints(row, 5))
-        nb = sum(s[2] for s in sizes)
-        nr = sum(s[3] for s in sizes)
-        ne = sum(s[4] for s in sizes)
-        ne_counts = sum(s[2] * s[4] for s in sizes)
-        scalars = f.array("scalars", 5 * nt)
-        block_l2, block_max = f.array("block_l2", nb), f.array("block_max", nb)
-        block_nnz = f.array("block_nnz", nb)
-        identical = [x != 0 for x in f.bytes_of("identical", nb)]
-        ranks, values = f.array("ranks", nr), f.array("values", nr)
-        count_gt, count_eq = f.array("count_gt", nr), f.array("count_eq", nr)
-        eq_keys, eq = f.array("block_eq_keys", ne), f.array("block_eq", ne_counts)
-    except (KeyError, TypeError) as e:
+        names, *sizes = _columns(f.tensors, 6)
+        if not (_all_type(names, str) and all(_all_type(c, int) and min(c, default=0) >= 0 for c in sizes)):
+            raise BinFormatError("tensor entry")
+        arrays = {k: f.arrays.get(k) for k in ("scalars", "block_l2", "block_max", "block_nnz", "ranks", "values",
+                                               "count_gt", "count_eq")}
+        arrays["eq_keys"], arrays["eq"] = f.arrays.get("block_eq_keys"), f.arrays.get("block_eq")
+        arrays["identical"] = f.raw.get("identical")
+        if any(v is None for v in arrays.values()):
+            raise BinFormatError("missing array")
+        tensors = DeltaColumns(names, *sizes, arrays)
+    except (KeyError, TypeError, ValueError) as e:
         raise BinFormatError(f"fields: {e}") from None
-    tensors = {}
-    b = r = k = c = 0
-    for i, (row, (numel, nonfinite, n_blocks, n_ranks, n_eq)) in enumerate(zip(f.tensors, sizes)):
-        name = row[0]
-        keys = eq_keys[k:k + n_eq]
-        if len(set(keys)) != n_eq:
-            raise BinFormatError(f"tensor {name!r}: duplicate block_eq keys")
-        block_eq = BlockEq(keys, eq, c, n_blocks)  # each value has n_blocks counts by construction
-        c += n_blocks * n_eq
-        k += n_eq
-        l1, l2, base_sq, expert_sq, dot = scalars[5 * i:5 * i + 5]
-        tensors[name] = TensorDelta(
-            name, numel, l1, l2, nonfinite, tuple(block_l2[b:b + n_blocks]), tuple(block_max[b:b + n_blocks]),
-            tuple(block_nnz[b:b + n_blocks]), tuple(identical[b:b + n_blocks]), tuple(ranks[r:r + n_ranks]),
-            tuple(values[r:r + n_ranks]), tuple(count_gt[r:r + n_ranks]), tuple(count_eq[r:r + n_ranks]),
-            block_eq, base_sq, expert_sq, dot)
-        b += n_blocks
-        r += n_ranks
-    if len(tensors) != len(f.tensors):
-        raise BinFormatError("duplicate tensor names")
     return DeltaIndex(eh, bh, bb, tensors, emb)

@@ -24,6 +24,7 @@ from blake3 import blake3
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
+from mergepipe.index.columns import DeltaColumns, ModelColumns, delta_describes, describes
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
 from mergepipe.util.fs import atomic_write_bytes
@@ -54,6 +55,8 @@ def _model_matches(index: ModelIndex, ckpt: Checkpoint, layout: BlockLayout, anc
     layout, block rows that tile each tensor, and a content hash that its block hashes give;
     with vocabulary blocks, the plain index `anchor`'s content hash and entries for every
     tensor whose blocks are the same."""
+    if anchor is None and isinstance(index.tensors, ModelColumns):
+        return describes(index, ckpt, layout)  # the same checks, a column at a time
     if index.layout != layout or list(index.tensors) != list(ckpt.tensors):
         return False
     for name, t in ckpt.tensors.items():
@@ -70,6 +73,8 @@ def _model_matches(index: ModelIndex, ckpt: Checkpoint, layout: BlockLayout, anc
 
 def _delta_matches(delta: DeltaIndex, base_index: ModelIndex, expert_index: ModelIndex) -> bool:
     """A cached delta index is this expert's against this base, with one entry per block."""
+    if isinstance(delta.tensors, DeltaColumns) and isinstance(expert_index.tensors, ModelColumns):
+        return delta_describes(delta, base_index, expert_index)  # the same checks, a column at a time
     if (delta.expert_hash, delta.base_hash, delta.layout) != \
             (expert_index.content_hash, base_index.content_hash, expert_index.layout):
         return False
@@ -139,17 +144,20 @@ class Store:
         self.hits += 1
         return index
 
-    def _save_model(self, ckpt: Checkpoint, index: ModelIndex, stats: dict[Path, dict]) -> None:
+    def _save_model(self, ckpt: Checkpoint, index: ModelIndex, stats: dict[Path, dict]) -> ModelIndex:
         """Record `index` for `ckpt`, whose files had `stats` before they were read: a file
-        that changed meanwhile was hashed half old, half new, so nothing is recorded."""
+        that changed meanwhile was hashed half old, half new, so nothing is recorded.
+        Returns the index as saved (decoded: columns, not an object per tensor, like a cached one)."""
         for h in ckpt.files:
             if self._stat(h.path) != stats[h.path]:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
         fingerprints = file_fingerprints(ckpt, index)
-        _atomic_write(self._model_key(fingerprints, index.layout), binfmt.encode_model(index))
+        data = binfmt.encode_model(index)
+        _atomic_write(self._model_key(fingerprints, index.layout), data)
         for h in ckpt.files:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
             _atomic_write(self._stat_path(h.path, index.layout), json.dumps(entry, sort_keys=True).encode())
+        return binfmt.decode_model(data)
 
     def model_index(self, path: str | Path, *, block_bytes: int | BlockLayout, threads: int = 2,
                     progress: bool = False) -> tuple[Checkpoint, ModelIndex]:
@@ -169,7 +177,7 @@ class Store:
             if anchor is not None:
                 index = replace(index, content_hash=anchor.content_hash)
             self.builds += 1
-            self._save_model(ckpt, index, stats)
+            index = self._save_model(ckpt, index, stats)
         return ckpt, index
 
     def expert_index(self, path: str | Path, base: Checkpoint, base_index: ModelIndex, *,
@@ -192,9 +200,8 @@ class Store:
             index = replace(index, content_hash=anchor.content_hash)
             delta = replace(delta, expert_hash=anchor.content_hash)
         self.builds += 1
-        self._save_model(ckpt, index, stats)
-        _atomic_write(self._delta_path(index, base_index), binfmt.encode_delta(delta))
-        return ckpt, index, delta
+        index = self._save_model(ckpt, index, stats)
+        return ckpt, index, self._save_delta(self._delta_path(index, base_index), delta)
 
     def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
         blocks = str(expert_index.layout.key).replace("/", "-")
@@ -213,5 +220,11 @@ class Store:
         delta = build_delta_index(base, expert, base_index, expert_index, threads=threads, counter=self.index_reads,
                                   progress=progress)
         self.builds += 1
-        _atomic_write(path, binfmt.encode_delta(delta))
-        return delta
+        return self._save_delta(path, delta)
+
+    @staticmethod
+    def _save_delta(path: Path, delta: DeltaIndex) -> DeltaIndex:
+        """Write `delta` to the cache; returns it as saved (decoded: columns)."""
+        data = binfmt.encode_delta(delta)
+        _atomic_write(path, data)
+        return binfmt.decode_delta(data)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, BlockLayout
 from mergepipe.config.fields import MIN_SHARD_BYTES
 from mergepipe.errors import ConfigError
+from mergepipe.index.read_bytes import full_read_bytes, planned_bytes
 from mergepipe.methods import get_method
 from mergepipe.plan import tensor_params
 
@@ -268,8 +269,10 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
         name = e["name"]
         idx = expert_indexes[name]
         delta = deltas.get(name) if deltas else None
-        nbytes = 0
-        for tensor, blocks in plan["reads"].get(name, {}).items():
+        reads = plan["reads"].get(name, {})
+        # whole columns at once; None (not columnar, or a read to name) takes the loop below
+        nbytes = planned_bytes(reads, idx, base_index, delta)
+        for tensor, blocks in reads.items() if nbytes is None else ():
             entry = idx.tensors.get(tensor)
             key = f"reads.{name}.{tensor}"
             if entry is None or tensor not in base_index.tensors:
@@ -287,7 +290,8 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
                     raise ConfigError(f"{where}: plan key {key}: block {bad} of tensor {tensor!r} is identical "
                                       "to the base; a plan never reads it")
             row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
-            nbytes += sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
+            nbytes = (nbytes or 0) + sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
+        nbytes = nbytes or 0
         if nbytes != plan["bytes"]["planned_by_expert"][name]:
             raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
                               f"are {nbytes} bytes, the plan says {plan['bytes']['planned_by_expert'][name]}")
@@ -311,6 +315,10 @@ def _check_budget(plan: dict, expert_indexes: dict, deltas: dict, where: str) ->
     full = 0
     for e in plan["experts"]:
         idx, delta = expert_indexes[e["name"]], deltas[e["name"]]
+        columns = full_read_bytes(idx, delta)  # whole columns at once, where the indexes are columnar
+        if columns is not None:
+            full += columns
+            continue
         for name, entry in idx.tensors.items():
             if entry.dtype not in FLOAT_DTYPES:
                 continue

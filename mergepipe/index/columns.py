@@ -1,0 +1,235 @@
+"""Columnar index records: a decoded index's tensors as a few flat arrays, not an object
+per tensor (issue 15: 100,000 tensors).
+
+`ModelColumns` and `DeltaColumns` are read-only mappings, name -> TensorEntry /
+TensorDelta, that make the entry when it is looked up: code that asks for one tensor
+works unchanged, and the bulk checks (store.py: the index describes the checkpoint, the
+content hash; plan/record.py: the plan's reads) use the columns directly. A decoded
+index of N tensors is then a handful of lists and the file's own bytes (the arrays are
+views of it), not N frozen objects with a tuple per field.
+
+Nothing is cached per lookup: an entry looked up twice is made twice (the engine and the
+checks use the columns; what looks entries up one by one does so once or a few times).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import accumulate, chain
+from json.encoder import encode_basestring_ascii as _esc
+
+from blake3 import blake3
+
+from mergepipe.index.records import TensorDelta, TensorEntry
+
+DIGEST = 32  # bytes of one block hash (blake3)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Prefix sums: element i is where item i's run starts, the last one the total."""
+    return [0, *accumulate(counts)]
+
+
+class BlockEq(Mapping):
+    """A decoded tensor's split-run counts (TensorDelta.block_eq: rank position -> per-block
+    counts), cut out of the file's flat array only when a key is looked up: a bf16 family
+    has tens of thousands of such keys per expert and a merge asks for a few."""
+
+    __slots__ = ("_keys", "_flat", "_start", "_width", "_cut")
+
+    def __init__(self, keys: list[int], flat: list[int], start: int, width: int) -> None:
+        self._keys = {k: i for i, k in enumerate(keys)}
+        self._flat, self._start, self._width = flat, start, width
+        self._cut: dict[int, tuple[int, ...]] = {}
+
+    def __getitem__(self, key: int) -> tuple[int, ...]:
+        got = self._cut.get(key)
+        if got is None:
+            a = self._start + self._keys[key] * self._width
+            got = self._cut[key] = tuple(self._flat[a:a + self._width])
+        return got
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class ModelColumns(Mapping):
+    """tensor name -> TensorEntry of a model index, in checkpoint order.
+
+    names, dtypes, shapes (tuples of ints): one item per tensor; starts: tensor i's blocks
+    are starts[i]:starts[i + 1]; ranges: the flat (row start, row end) of every block
+    (2 ints per block); digests: 32 bytes per block."""
+
+    __slots__ = ("names", "dtypes", "shapes", "starts", "ranges", "digests", "_pos")
+
+    def __init__(self, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], counts: list[int],
+                 ranges: Sequence[int], digests: bytes | memoryview) -> None:
+        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+        self.starts = _starts(counts)
+        self.ranges, self.digests = ranges, digests
+        self._pos = dict(zip(names, range(len(names))))
+        if len(self._pos) != len(names):
+            raise ValueError("duplicate tensor names")
+        if len(ranges) != 2 * self.starts[-1] or len(digests) != DIGEST * self.starts[-1]:
+            raise ValueError("block arrays do not match the block counts")
+
+    def index_of(self, name: str) -> int:
+        return self._pos[name]
+
+    def entry(self, i: int) -> TensorEntry:
+        a, z = self.starts[i], self.starts[i + 1]
+        flat = list(self.ranges[2 * a:2 * z])
+        hexes = bytes(self.digests[DIGEST * a:DIGEST * z]).hex()
+        return TensorEntry(self.names[i], self.dtypes[i], self.shapes[i], tuple(zip(flat[0::2], flat[1::2])),
+                           tuple(hexes[64 * k:64 * k + 64] for k in range(z - a)))
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self.entry(self._pos[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pos
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def content_hash(self) -> str:
+        """records.content_hash of these tensors, from the columns: blake3 over one JSON row
+        [name, dtype, shape, hashes] per tensor in name order (the same text `_row_json` makes)."""
+        hexes = bytes(self.digests).hex()
+        shape_text: dict[tuple[int, ...], str] = {}
+        rows = []
+        starts, dtypes, shapes = self.starts, self.dtypes, self.shapes
+        for i in sorted(range(len(self.names)), key=self.names.__getitem__):
+            shape = shapes[i]
+            s = shape_text.get(shape)
+            if s is None:
+                s = shape_text[shape] = ", ".join(map(str, shape))
+            a, z = starts[i], starts[i + 1]
+            hs = '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z))
+            rows.append(f'[{_esc(self.names[i])}, {_esc(dtypes[i])}, [{s}], [{hs and chr(34) + hs + chr(34)}]]\n')
+        return blake3("".join(rows).encode()).hexdigest()
+
+
+class DeltaColumns(Mapping):
+    """tensor name -> TensorDelta of a delta index, in the expert's order.
+
+    Per tensor: names, numel, nonfinite, and where its blocks (`bstarts`), ranks (`rstarts`),
+    split-run keys (`estarts`) and their counts (`cstarts`) start in the flat arrays;
+    `scalars` holds l1, l2, base_sq, expert_sq, dot per tensor (5 each); per block
+    `block_l2`, `block_max`, `block_nnz`, `identical` (0/1 bytes); per rank `ranks`,
+    `rank_values`, `count_gt`, `count_eq`; `eq_keys` and `eq` the split-run counts (one count
+    per block of the tensor for each key)."""
+
+    __slots__ = ("names", "numel", "nonfinite", "bstarts", "rstarts", "estarts", "cstarts", "scalars", "block_l2",
+                 "block_max", "block_nnz", "identical", "ranks", "rank_values", "count_gt", "count_eq", "eq_keys",
+                 "eq", "_pos")
+
+    def __init__(self, names: list[str], numel: list[int], nonfinite: list[int], n_blocks: list[int],
+                 n_ranks: list[int], n_eq: list[int], arrays: dict[str, Sequence]) -> None:
+        self.names, self.numel, self.nonfinite = names, numel, nonfinite
+        self.bstarts, self.rstarts, self.estarts = _starts(n_blocks), _starts(n_ranks), _starts(n_eq)
+        self.cstarts = _starts([b * e for b, e in zip(n_blocks, n_eq)])
+        for k in ("scalars", "block_l2", "block_max", "block_nnz", "identical", "ranks", "count_gt", "count_eq",
+                  "eq_keys", "eq"):
+            setattr(self, k, arrays[k])
+        self.rank_values = arrays["values"]  # not `values`: that is Mapping.values()
+        self._pos = dict(zip(names, range(len(names))))
+        if len(self._pos) != len(names):
+            raise ValueError("duplicate tensor names")
+        nb, nr = self.bstarts[-1], self.rstarts[-1]
+        want = {"scalars": 5 * len(names), "block_l2": nb, "block_max": nb, "block_nnz": nb, "identical": nb,
+                "ranks": nr, "values": nr, "count_gt": nr, "count_eq": nr, "eq_keys": self.estarts[-1],
+                "eq": self.cstarts[-1]}
+        bad = next((k for k, n in want.items() if len(arrays[k]) != n), None)
+        if bad is not None:
+            raise ValueError(f"array {bad!r}: expected {want[bad]} items")
+        for i in (i for i, e in enumerate(n_eq) if e > 1):
+            keys = self.eq_keys[self.estarts[i]:self.estarts[i + 1]]
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"tensor {names[i]!r}: duplicate block_eq keys")
+
+    def index_of(self, name: str) -> int:
+        return self._pos[name]
+
+    def n_blocks(self) -> list[int]:
+        b = self.bstarts
+        return [z - a for a, z in zip(b, b[1:])]
+
+    def entry(self, i: int) -> TensorDelta:
+        b0, b1 = self.bstarts[i], self.bstarts[i + 1]
+        r0, r1 = self.rstarts[i], self.rstarts[i + 1]
+        e0, e1 = self.estarts[i], self.estarts[i + 1]
+        l1, l2, base_sq, expert_sq, dot = self.scalars[5 * i:5 * i + 5]
+        return TensorDelta(
+            self.names[i], self.numel[i], l1, l2, self.nonfinite[i], tuple(self.block_l2[b0:b1]),
+            tuple(self.block_max[b0:b1]), tuple(self.block_nnz[b0:b1]), tuple(x != 0 for x in self.identical[b0:b1]),
+            tuple(self.ranks[r0:r1]), tuple(self.rank_values[r0:r1]), tuple(self.count_gt[r0:r1]),
+            tuple(self.count_eq[r0:r1]), BlockEq(list(self.eq_keys[e0:e1]), self.eq, self.cstarts[i], b1 - b0),
+            base_sq, expert_sq, dot)
+
+    def __getitem__(self, name: str) -> TensorDelta:
+        return self.entry(self._pos[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pos
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], layout) -> tuple[list[int], list[int]]:
+    """(block count per tensor, flat row ranges) that `layout` (checkpoint.blocks.BlockLayout)
+    gives these tensors: what an index of them must hold. Tensors of one shape and dtype
+    share the arithmetic (a checkpoint of 100k tensors has a few dozen shapes)."""
+    from mergepipe.checkpoint.safetensors import ITEMSIZE
+    memo: dict[tuple, list[int]] = {}
+    counts, flat = [], []
+    vocab = layout.embedding_block_bytes is not None
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        key = (shape, dtype, layout.bytes_for(name, shape) if vocab else 0)
+        r = memo.get(key)
+        if r is None:
+            r = memo[key] = list(chain.from_iterable(layout.ranges(name, shape, ITEMSIZE[dtype])))
+        counts.append(len(r) // 2)
+        flat += r
+    return counts, flat
+
+
+def describes(index, ckpt, layout) -> bool:
+    """store._model_matches for a decoded (columnar) index, in whole-column steps: the
+    checkpoint's tensors, dtypes and shapes in its order, the layout's block rows, and a
+    content hash that the block hashes give."""
+    cols: ModelColumns = index.tensors
+    infos = list(ckpt.tensors.values())
+    if index.layout != layout or cols.names != list(ckpt.tensors) or cols.dtypes != [t.dtype for t in infos] \
+            or cols.shapes != [tuple(t.shape) for t in infos]:
+        return False
+    counts, flat = expected_ranges(cols.names, cols.dtypes, cols.shapes, layout)
+    if cols.starts != _starts(counts) or list(cols.ranges) != flat:
+        return False
+    return cols.content_hash() == index.content_hash
+
+
+def delta_describes(delta, base_index, expert_index) -> bool:
+    """store._delta_matches for decoded (columnar) indexes: this expert's against this base,
+    the expert's tensors, one entry per block (the per-rank arrays have one length by the
+    file's construction)."""
+    cols: DeltaColumns = delta.tensors
+    exp: ModelColumns = expert_index.tensors
+    if (delta.expert_hash, delta.base_hash, delta.layout) != \
+            (expert_index.content_hash, base_index.content_hash, expert_index.layout):
+        return False
+    if cols.names == exp.names:
+        return cols.bstarts == exp.starts
+    if set(cols.names) != set(exp.names) or len(cols.names) != len(exp.names):
+        return False
+    nb = cols.n_blocks()
+    return all(nb[cols.index_of(n)] == exp.starts[i + 1] - exp.starts[i] for i, n in enumerate(exp.names))
