@@ -1,30 +1,8 @@
-"""Merge methods, one per module; importing this package registers all of them.
+"""Merge methods, one per module; `METHODS[name]` imports a method's module on first use.
 
 registry.py holds what the plan and the engine know of a method (params model, torch
 `fn`, index needs, effective weights, optional compiled kernel); base.py the data a
 method sees; modules starting with "_" are shared code: _common.py (trims, sums),
 _compiled.py and _kernels.py (the compiled bf16 kernels of task_arithmetic and ties)."""
-from mergepipe.methods import (  # noqa: F401
-    arcee_fusion,
-    breadcrumbs,
-    breadcrumbs_ties,
-    dare_linear,
-    dare_ties,
-    della,
-    della_linear,
-    karcher,
-    linear,
-    model_stock,
-    multislerp,
-    nearswap,
-    nuslerp,
-    passthrough,
-    ram,
-    ramplus_tl,
-    sce,
-    slerp,
-    task_arithmetic,
-    ties,
-)
 from mergepipe.index.ranks import requested_ranks  # noqa: F401
 from mergepipe.methods.registry import METHODS, Method, get_method, register  # noqa: F401

@@ -9,7 +9,8 @@ methods/joint.py: then every block is read for all experts or none).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,41 @@ class Method:
     joint: JointSpec | None = None
 
 
-METHODS: dict[str, Method] = {}
+# Every method, by the module that registers it (mergepipe/methods/<name>.py). A module is
+# imported when its method is first looked up: each builds pydantic models (~5-10 ms), and a
+# merge needs one method, not twenty (tests/test_methods_registry.py keeps this list true).
+NAMES = ("arcee_fusion", "breadcrumbs", "breadcrumbs_ties", "dare_linear", "dare_ties", "della",
+         "della_linear", "karcher", "linear", "model_stock", "multislerp", "nearswap", "nuslerp",
+         "passthrough", "ram", "ramplus_tl", "sce", "slerp", "task_arithmetic", "ties")
+_registered: dict[str, Method] = {}
+
+
+class _Registry(MutableMapping[str, Method]):
+    """name -> Method, importing the method's module on first lookup. Setting an item adds a
+    method that has no module (tests do, with monkeypatch.setitem)."""
+
+    def __getitem__(self, name: str) -> Method:
+        if name not in _registered and name in NAMES:
+            importlib.import_module(f"mergepipe.methods.{name}")
+        return _registered[name]
+
+    def __setitem__(self, name: str, method: Method) -> None:
+        _registered[name] = method
+
+    def __delitem__(self, name: str) -> None:
+        del _registered[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in NAMES or name in _registered
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*NAMES, *(n for n in _registered if n not in NAMES)])
+
+    def __len__(self) -> int:
+        return len(NAMES) + sum(n not in NAMES for n in _registered)
+
+
+METHODS: MutableMapping[str, Method] = _Registry()
 
 
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
@@ -68,9 +103,9 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
              rewrites_base: Callable[[BaseModel], bool] | None = None,
              joint: JointSpec | None = None) -> Callable[[MergeFn], MergeFn]:
     def wrap(fn: MergeFn) -> MergeFn:
-        if name in METHODS:
-            raise ValueError(f"merge method {name!r} registered twice")
-        METHODS[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
+        if name in _registered or name not in NAMES:
+            raise ValueError(f"merge method {name!r} registered twice, or missing from registry.NAMES")
+        _registered[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
                                effective_weights, compiled, rewrites_base, joint)
         return fn
     return wrap
