@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--mergekit-runs", type=int, default=0,
                     help="warm runs of mergekit 0.1.5 task_arithmetic (full, K experts), each alternated with "
                          "one of mergepipe's full task_arithmetic (.venv-mergekit, as bench/run.py)")
+    ap.add_argument("--mergekit-methods", default="task_arithmetic",
+                    help="comma list of task_arithmetic, ties (ties: density 0.5, as ours)")
     args = ap.parse_args()
     out = args.out.resolve()
     family = args.family.resolve()
@@ -144,23 +146,29 @@ def main() -> int:
                 one(name, cfgs[name], "cold", rnd)
     mk = ROOT / ".venv-mergekit" / "bin" / "mergekit-yaml"
     if args.mergekit_runs and mk.exists():
-        yml = out / "configs" / "mk_task_arithmetic.yml"
-        lines = ["merge_method: task_arithmetic", f"base_model: {family / 'base'}", "models:"]
-        lines += [f"  - {{model: {family / f'expert_{i}'}, parameters: {{weight: {WEIGHTS[i]}}}}}"
-                  for i in range(args.k)]
-        yml.write_text("\n".join(lines + ["parameters: {lambda: 1.0}", "dtype: float32", "out_dtype: bfloat16"]) + "\n")
-        res["mergekit"] = []
-        for rnd in range(args.mergekit_runs):
-            target = out / "runs" / "mergekit"
-            shutil.rmtree(target, ignore_errors=True)
-            measure.warm(files)
-            m = measure.run_measured([str(mk), str(yml), str(target), "--lazy-unpickle", "--quiet",
-                                      "--no-write-model-card"], env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                                                     "TRANSFORMERS_OFFLINE": "1"}, log=log)
-            res["mergekit"].append(m.to_json())
-            print(f"[{time.strftime('%H:%M:%S')}] mergekit task_arithmetic warm r{rnd}: {m.wall_s:.2f} s "
-                  f"(rc {m.returncode})", flush=True)
-            one("task_arithmetic-100%", cfgs["task_arithmetic-100%"], "warm", 100 + rnd)
+        res["mergekit"], res["mergekit_by_method"] = [], {}
+        for method in args.mergekit_methods.split(","):
+            extra = ", density: 0.5" if method == "ties" else ""
+            yml = out / "configs" / f"mk_{method}.yml"
+            lines = [f"merge_method: {method}", f"base_model: {family / 'base'}", "models:"]
+            lines += [f"  - {{model: {family / f'expert_{i}'}}}, parameters: {{weight: {WEIGHTS[i]}}}}}"
+                      for i in range(args.k)]
+            yml.write_text("\n".join(lines + [f"parameters: {{lambda: 1.0{extra}}}", "dtype: float32",
+                                               "out_dtype: bfloat16"]) + "\n")
+            for rnd in range(args.mergekit_runs):
+                target = out / "runs" / "mergekit"
+                shutil.rmtree(target, ignore_errors=True)
+                measure.warm(files)
+                m = measure.run_measured([str(mk), str(yml), str(target), "--lazy-unpickle", "--quiet",
+                                          "--no-write-model-card"], env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                         "TRANSFORMERS_OFFLINE": "1"}, log=log)
+                assert m.returncode == 0, m.stderr_tail
+                res["mergekit_by_method"].setdefault(method, []).append(m.to_json())
+                if method == "task_arithmetic":
+                    res["mergekit"].append(m.to_json())
+                print(f"[{time.strftime('%H:%M:%S')}] mergekit {method} warm r{rnd}: {m.wall_s:.2f} s", flush=True)
+                # ours, right after, paired: rounds >= 100 (task arithmetic) or >= 200 (ties)
+                one(f"{method}-100%", cfgs[f"{method}-100%"], "warm", (100 if method == "task_arithmetic" else 200) + rnd)
     res["loadavg_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     (out / "report.md").write_text(report(res))
@@ -191,12 +199,14 @@ def report(res: dict) -> str:
                     f"{statistics.median(r['roofline_ratio'] for r in rs):.1f} | "
                     + (f"{f / statistics.median(walls):.2f}× faster |" if f else "– |"))
     fx = res["fixed"]
-    if res.get("mergekit"):
-        mk = [m["wall_s"] for m in res["mergekit"]]
-        ours = [r["wall_s"] for r in res["runs"] if r["round"] >= 100]
-        rows.append(f"| mergekit task_arithmetic (full, paired with the rounds >= 100 of ours: {med(ours)} s) | warm | "
-                    f"{med(mk)} | {med([m['cpu_s'] for m in res['mergekit']])} | "
-                    f"{statistics.median(m['max_rss_bytes'] for m in res['mergekit']) / 2**20:,.0f} | – | – | – | – | – | – | "
+    by_method = res.get("mergekit_by_method") or ({"task_arithmetic": res["mergekit"]} if res.get("mergekit") else {})
+    for method, runs in by_method.items():
+        lo = 100 if method == "task_arithmetic" else 200
+        mk = [m["wall_s"] for m in runs]
+        ours = [r["wall_s"] for r in res["runs"] if lo <= r["round"] < lo + 100]
+        rows.append(f"| mergekit {method} (full, paired with ours right after: {med(ours)} s) | warm | "
+                    f"{med(mk)} | {med([m['cpu_s'] for m in runs])} | "
+                    f"{statistics.median(m['max_rss_bytes'] for m in runs) / 2**20:,.0f} | – | – | – | – | – | – | "
                     f"ours ÷ mergekit {statistics.median(ours) / statistics.median(mk):.3f} |")
     return (f"K={res['k']}, {res['model_bytes'] / 1e9:.2f} GB of model files, git {res['git']}, "
             f"load average {res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end\n\n"
