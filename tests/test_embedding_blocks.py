@@ -77,7 +77,7 @@ def family(tmp_path_factory) -> Path:
         ex = {n: t.clone() for n, t in base.items()}
         for name in VOCAB_TENSORS:
             rows = torch.randperm(VOCAB, generator=g)[:24]  # a few tokens per expert
-            ex[name][rows] += (0.1 * (k + 1)) * torch.randn(len(rows), HIDDEN, generator=g)
+            ex[name][rows] += (0.03 * (k + 1)) * torch.randn(len(rows), HIDDEN, generator=g)
         for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.small.wte.weight", "model.norm.weight"):
             ex[name] += 0.01 * torch.randn(ex[name].shape, generator=g)
         (root / f"expert_{k}").mkdir()
@@ -243,3 +243,39 @@ def test_index_file_roundtrip_keeps_the_layout(tmp_path, family):
     plain = store.model_index(family / "base", block_bytes=64 << 10)[1]
     assert b"embedding_block_bytes" not in binfmt.encode_model(plain)
     assert np.isfinite([v for t in delta.tensors.values() for v in t.block_l2]).all()
+
+
+def test_vocabulary_layout_ranks_by_energy_per_byte(tmp_path, family):
+    """With vocabulary blocks the energy order is score^2 / cost (then tensor, row_start,
+    expert hash): recomputed here from the delta index, greedy over the budget, it gives the
+    plan's reads at every budget, and at some budget score / cost (which favours the 16x
+    smaller vocabulary blocks 4x) would have read something else."""
+    from mergepipe.checkpoint.blocks import row_bytes
+    from mergepipe.checkpoint.safetensors import ITEMSIZE
+
+    def greedy(cands, budget, squared):
+        order = sorted(cands, key=lambda x: (-(x[0] * x[0] if squared else x[0]) / x[1], *x[2:5]))
+        left, want = budget, {}
+        for s, c, tensor, r0, h, name, b in order:
+            if c <= left:
+                left -= c
+                want.setdefault(name, {}).setdefault(tensor, []).append(b)
+        return {n: {t: sorted(bs) for t, bs in per.items()} for n, per in want.items()}
+
+    differs = 0
+    for budget in ("5%", "15%", "30%", "50%"):
+        plan, inputs = plan_config(load_config(_config(tmp_path, family, "r", budget=budget)),
+                                   Store(tmp_path / "cache"))
+        cands = []
+        for e in plan["experts"]:
+            idx, delta = inputs.expert_indexes[e["name"]], inputs.deltas[e["name"]]
+            for name, entry in idx.tensors.items():
+                rb = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
+                for b, (r0, r1) in enumerate(entry.ranges):
+                    if not delta.tensors[name].identical[b]:
+                        cands.append((e["weight"] * delta.tensors[name].block_l2[b], (r1 - r0) * rb, name, r0,
+                                      e["content_hash"], e["name"], b))
+        got = {n: {t: sorted(bs) for t, bs in per.items()} for n, per in plan["reads"].items() if per}
+        assert got == greedy(cands, plan["budget_bytes"], True)
+        differs += greedy(cands, plan["budget_bytes"], False) != got
+    assert differs

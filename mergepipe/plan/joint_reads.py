@@ -37,7 +37,7 @@ def select_groups(strat, items: list[Candidate], budget_bytes: int, ctx, params)
         cost = sum(items[i].cost for i in idx)
         score = math.fsum(items[i].score for i in idx)
         l2 = math.sqrt(math.fsum(items[i].l2 ** 2 for i in idx))
-        ratio = score / cost if cost else math.inf
+        ratio = (score * score if ctx.squared else score) / cost if cost else math.inf
         groups.append(Candidate(-ratio, tensor, items[idx[0]].row_start, "", "", block, cost, score, l2))
     groups.sort(key=lambda g: g[:4])
     chosen_groups = strat.select(groups, budget_bytes, ctx, params).chosen

@@ -99,6 +99,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     elif budget_bytes < 0:
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
+    # vocabulary blocks: candidates of different sizes by design, ranked by energy per byte
+    # (strategies/registry.py PlanContext.squared); plain layouts keep score per byte
+    squared = layout.embedding_block_bytes is not None
     eff = effective_weights(method, params, experts)
     eff_of = _tensor_effective_weights(method, params, experts, tensor_parameters)
     items: list[Candidate] = []
@@ -124,7 +127,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                     continue  # integer buffers are copied from the base, never merged
                 score = eff_of(name, eff)[e.name] * td.block_l2[b]
                 mass_sq += score * score
-                ratio = score / cost if cost else math.inf
+                ratio = (score * score if squared else score) / cost if cost else math.inf
                 items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score,
                                        td.block_l2[b]))
     items.sort(key=lambda it: it[:4])
@@ -147,7 +150,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores)
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, squared)
     if m.joint is not None:  # per-tensor parameters must not change the statistics
         joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
     if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)

@@ -9,7 +9,8 @@ F_ij ~ rows_i * cols_j (mergepipe/calibrate/). A block's score is
 (index/weighted.py), the square root of the second-order loss change its delta would
 cause alone, so blocks compete by what they do to the base's predictions, not by raw
 size: an embedding row of a token the text uses, a channel the activations load.
-Candidates are taken by s/c descending (ties: the energy order); blocks of tensors the
+Candidates are taken by s/c descending (with vocabulary blocks, whose sizes differ by design:
+s^2/c, the loss change per byte, which does not favour small blocks; ties: the energy order); blocks of tensors the
 artifact does not cover come after every covered one, in the energy order. With
 `shares: weight | equal` each expert first gets its own share of the budget, as
 `balanced` does, greedy by this score inside it.
@@ -48,7 +49,8 @@ def calibrated_order(cands: list[Candidate], ctx: PlanContext) -> list[int]:
         if energy is None:
             return (1, 0.0, i)
         s = abs(ctx.effective.get(c.expert, 0.0)) * math.sqrt(energy)
-        return (0, -(s / c.cost) if c.cost else -math.inf, i)
+        value = s * s if ctx.squared else s  # squared: e_k^2 * energy, the loss change itself
+        return (0, -(value / c.cost) if c.cost else -math.inf, i)
 
     return sorted(range(len(cands)), key=key)
 

@@ -52,6 +52,10 @@ class PlanContext:
     # (expert, tensor, block) -> importance-weighted delta energy (index/weighted.py); only
     # for strategies that declare `calibrated` (None otherwise)
     block_scores: dict[tuple[str, str, int], float] | None = None
+    # rank by score^2 / cost (energy per byte) instead of score / cost: set when the layout has
+    # vocabulary blocks, whose sizes differ by design; score / cost would rank a block 16x
+    # smaller with the same delta per element 4x higher. Within one block size both orders agree.
+    squared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
