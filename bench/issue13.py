@@ -117,6 +117,7 @@ def main() -> int:
                "inputs": inputs, "bandwidth": bw, "roofline_s": inputs / (bw["gb_per_s"] * 1e9),
                "roofline_ratio": m.wall_s / (inputs / (bw["gb_per_s"] * 1e9))}
         res["runs"].append(rec)
+        (out / "results.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")  # kept if a later run fails
         print(f"[{time.strftime('%H:%M:%S')}] {name} {cache} r{rnd}: {m.wall_s:.2f} s, cpu {m.cpu_s:.2f} s, "
               f"rss {m.max_rss_bytes / 2**20:.0f} MiB, inputs {inputs / 2**20:.0f} MiB, "
               f"ratio {rec['roofline_ratio']:.1f}", flush=True)
@@ -151,7 +152,7 @@ def main() -> int:
             extra = ", density: 0.5" if method == "ties" else ""
             yml = out / "configs" / f"mk_{method}.yml"
             lines = [f"merge_method: {method}", f"base_model: {family / 'base'}", "models:"]
-            lines += [f"  - {{model: {family / f'expert_{i}'}}}, parameters: {{weight: {WEIGHTS[i]}}}}}"
+            lines += [f"  - {{model: {family / f'expert_{i}'}, parameters: {{weight: {WEIGHTS[i]}}}}}"
                       for i in range(args.k)]
             yml.write_text("\n".join(lines + [f"parameters: {{lambda: 1.0{extra}}}", "dtype: float32",
                                                "out_dtype: bfloat16"]) + "\n")
