@@ -351,7 +351,10 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
         ref = resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source, roots)
         folders[s["model"]] = next((r / ref for r in roots if (r / ref).is_dir()), Path(ref))
     name = f"{out.stem}.stacked"
-    build_stack(slices, folders, out.parent / name, force=args.force)
+    try:
+        build_stack(slices, folders, out.parent / name, force=args.force)
+    except ConfigError as e:  # a layer range outside its model: name the config it is in
+        raise ConfigError(f"{source}: {e}") from None
     _log(args, f"built the stacked model {out.parent / name}")
     return name
 

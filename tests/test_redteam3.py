@@ -52,3 +52,29 @@ def test_run_is_not_a_noop_after_an_input_outside_the_models_changed(edit, tiny_
         assert (out / name).read_bytes() == (tok / name).read_bytes()
     assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     assert json.loads((tmp_path / "plan.json").read_text())["plan_hash"] == _plan_hash(out)
+
+
+def test_two_imports_of_one_stacking_config_at_once(tiny_family, tmp_path):
+    """Two `import-mergekit` of a stacking config at once (a shared folder, two terminals): both
+    removed and renamed the stacked folder unlocked (a FileNotFoundError/ENOTEMPTY traceback,
+    or no folder left). Now one builds, the other waits its turn or is refused by the lock."""
+    import subprocess
+    import sys
+    import yaml
+    root = Path(tiny_family["root"])
+    mk = tmp_path / "mk.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": str(root / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(root / "expert_1"), "layer_range": [2, 4]}]}]}))
+    argv = [sys.executable, "-m", "mergepipe", "import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml"),
+            "--force", "-q"]
+    assert main(argv[3:]) == 0
+    want = {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()}
+    for _ in range(3):
+        procs = [subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for p in procs:
+            err = p.communicate(timeout=120)[1]
+            assert p.returncode in (0, 7), err
+            assert "Traceback" not in err and (p.returncode == 0 or "locked by another" in err), err
+        assert {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()} == want
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml", "p.stacked", "p.yaml"]

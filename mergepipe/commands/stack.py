@@ -10,8 +10,9 @@ the layer count replaced, generation and tokenizer files are the first model's, 
 `stack.json` records for every output tensor the model and tensor it came from (the output
 of a merge of this folder keeps it, so the manifest hashes it). Built in a temporary folder
 beside the target and renamed into place, every time (the sources may have changed since;
-stack.json names them by path only, so that the same inputs give the same bytes anywhere); a
-previous stack there is replaced, any other folder only with `force`.
+stack.json names them by path only, so that the same inputs give the same bytes anywhere) and
+published as merges are (output/publish.py: locked, swapped in atomically, never through a
+symbolic link); a previous stack there is replaced, any other folder only with `force`.
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ import json
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, open_checkpoint
 from mergepipe.config.settings import LAYER_RE
 from mergepipe.errors import CheckpointError, ConfigError, OutputError
+from mergepipe.output.publish import Publisher
 
 STACK_FILE = "stack.json"
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -84,9 +85,13 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
     """Write the stacked model folder `target` (see the module docstring); returns it.
 
     Raises:
-        ConfigError: bad layer ranges; CheckpointError: a model folder that cannot be read;
+        ConfigError: bad layer ranges, a slice of `target` itself; CheckpointError: a model folder that cannot be read;
         OutputError: `target` exists, is not a previous stack, and not `force`.
     """
+    for i, s in enumerate(slices):  # replacing it would change the input of the next import
+        if os.path.realpath(roots[s["model"]]) == os.path.realpath(target):
+            raise ConfigError(f"slices[{i}].sources[0].model: {s['model']!r} is the stacked folder this import "
+                              "builds; stack its source models instead")
     mapping, n_layers = stack_plan(slices, roots)
     record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
               "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
@@ -105,9 +110,10 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
         raise CheckpointError(f"{first_root / 'config.json'}: no layer count ({', '.join(LAYER_KEYS)})")
     for k in keys:
         node[k] = n_layers
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
-    try:
+    # published like a merge (output/publish.py): a lock against a concurrent import of the
+    # same config, an atomic swap of the previous stack, never through a symbolic link
+    publisher = Publisher(target, force=True)  # (ours or --force: checked above)
+    with publisher as tmp:
         ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
         infos = [(o, ckpts[m].tensors[src]) for o, m, src in mapping]
         writer = SafetensorsWriter(tmp / "model.safetensors", [OutTensor(o, t.dtype, t.shape) for o, t in infos],
@@ -129,10 +135,5 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
             if (first_root / name).is_file():
                 shutil.copyfile(first_root / name, tmp / name)
         (tmp / STACK_FILE).write_text(text)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publisher.commit()
     return target

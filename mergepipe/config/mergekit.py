@@ -442,7 +442,8 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
         if extra or not isinstance(src, dict) or set(src) - {"model", "layer_range"} or src.get("parameters"):
             raise _fail(source, key, "stacked slices take only sources: [{model, layer_range}]")
         lr = src.get("layer_range")
-        if not (isinstance(lr, list | tuple) and len(lr) == 2 and all(isinstance(v, int) for v in lr)
+        if not (isinstance(lr, list | tuple) and len(lr) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)
                 and 0 <= lr[0] < lr[1]):
             raise _fail(source, f"{key}.sources[0].layer_range", f"must be [start, end], start < end, got {lr!r}")
         out.append({"model": _model_ref(src.get("model"), f"{key}.sources[0].model", source),
@@ -473,7 +474,8 @@ def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) 
         if not isinstance(src, dict) or set(src) - {"model", "layer_range", "parameters"}:
             raise _fail(source, key, "must be a mapping of model, layer_range and parameters")
         lr = src.get("layer_range")
-        if not (isinstance(lr, list | tuple) and len(lr) == 2 and all(isinstance(v, int) for v in lr)):
+        if not (isinstance(lr, list | tuple) and len(lr) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)):
             raise _fail(source, f"{key}.layer_range", f"must be [start, end], got {lr!r}")
         if lr[0] != 0:
             raise _fail(source, f"{key}.layer_range", f"{list(lr)} is part of the model; not built: "

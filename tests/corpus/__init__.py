@@ -1211,3 +1211,53 @@ for _kind in ("dangling", "folder", "fifo"):
 def c_tokenizer_source_missing_folder(ctx, work):
     return run(work, ctx, None, ("output.tokenizer_source", "not a folder"), CONFIG,
                output={"dir": str(work / "out"), "tokenizer_source": "tok-typo"})
+
+
+def _stack_config(ctx: Ctx, work: Path, second: dict, name: str = "mk.yml") -> Path:
+    """A mergekit passthrough config stacking base layers 0-2 and `second` (one source)."""
+    mk = work / name
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": str(ctx.base), "layer_range": [0, 3]}]}, {"sources": [second]}]}))
+    return mk
+
+
+@case
+def c_stack_layer_range_past_the_last_layer(ctx, work):
+    """[2, 5] of a 4-layer model: the error names the config file and the slice."""
+    mk = _stack_config(ctx, work, {"model": str(ctx.experts[1]), "layer_range": [2, 5]})
+    return Setup(["import-mergekit", str(mk), "-o", str(work / "params.yaml"), "-q"], work / "params.stacked",
+                 (str(mk), "slices[1]", "layer_range", "4 layers"), CONFIG, existing_ok=False)
+
+
+@case
+def c_stack_layer_range_of_booleans(ctx, work):
+    """layer_range: [true, 4] (a half-edited YAML): was read as [1, 4]."""
+    mk = _stack_config(ctx, work, {"model": str(ctx.experts[1]), "layer_range": [True, 4]})
+    return Setup(["import-mergekit", str(mk), "-o", str(work / "params.yaml"), "-q"], work / "params.stacked",
+                 (str(mk), "slices[1].sources[0].layer_range"), CONFIG, existing_ok=False)
+
+
+@case
+def c_stack_of_its_own_stacked_folder(ctx, work):
+    """A slice of params.stacked, the folder the import replaces: the next import would read
+    this one's output (a different model at every import)."""
+    from mergepipe.cli import main
+    first = _stack_config(ctx, work, {"model": str(ctx.experts[1]), "layer_range": [2, 4]}, "first.yml")
+    assert main(["import-mergekit", str(first), "-o", str(work / "params.yaml"), "-q"]) == 0
+    mk = _stack_config(ctx, work, {"model": str(work / "params.stacked"), "layer_range": [1, 5]})
+    return Setup(["import-mergekit", str(mk), "-o", str(work / "params.yaml"), "-q", "--force"],
+                 work / "params.stacked", (str(mk), "slices[1].sources[0].model", "stacked folder"), CONFIG,
+                 existing_ok=False)
+
+
+@case
+def c_stack_folder_is_a_symlink_to_a_users_folder(ctx, work):
+    """params.stacked is a link to the user's folder; --force (meant for params.yaml) used to
+    reach shutil.rmtree on the link: a traceback, and through a link a deleted folder."""
+    mine = work / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work\n")
+    (work / "params.stacked").symlink_to(mine)
+    mk = _stack_config(ctx, work, {"model": str(ctx.experts[1]), "layer_range": [2, 4]})
+    return Setup(["import-mergekit", str(mk), "-o", str(work / "params.yaml"), "-q", "--force"],
+                 work / "params.stacked", (str(work / "params.stacked"), "symbolic link"), OUTPUT, existing_ok=False)
