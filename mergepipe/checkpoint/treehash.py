@@ -94,7 +94,10 @@ class TensorHasher:
 
 def file_order(names_offsets: list[tuple[str, int, int]]) -> list[str]:
     """Tensor names in file order from (name, begin, end)."""
-    return [n for n, _, _ in sorted(names_offsets, key=lambda x: (x[1], x[2], x[0]))]
+    if not names_offsets:
+        return []
+    names, begins, ends = zip(*names_offsets)
+    return [n for _, _, n in sorted(zip(begins, ends, names))]  # tuples made and compared in C
 
 
 def hash_weight_file(path: str | Path, block_bytes: int | BlockLayout) -> tuple[str, dict[str, str]]:

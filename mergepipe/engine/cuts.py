@@ -62,3 +62,9 @@ class CutTable:
     def drop(self, tensor: str) -> None:
         for key in [k for k in self._cuts if k[1] == tensor]:
             del self._cuts[key]
+
+    def drop_all(self, tensors) -> None:
+        """`drop` each of `tensors` (a pack's: usually none was cut)."""
+        if self._cuts:
+            for t in tensors:
+                self.drop(t)

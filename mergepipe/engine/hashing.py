@@ -6,11 +6,11 @@ from __future__ import annotations
 import queue
 import threading
 
-from math import prod
 
 from blake3 import blake3
 
-from mergepipe.checkpoint.safetensors import ITEMSIZE, OutTensor, SafetensorsWriter, TensorInfo
+from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, TensorInfo
+from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order, tensor_digest
 from mergepipe.errors import IntegrityError
 
@@ -36,6 +36,22 @@ def check_expert_blocks(bufs, blocks: list[int], ranges, hashes, t: TensorInfo) 
                                  "modified since indexing); re-index with `mergepipe index`")
 
 
+def _block_sizes(layout: dict[str, list[OutTensor]], blocks: BlockLayout) -> dict[str, list[int]]:
+    """Tensor -> its blocks' byte lengths; tensors of one shape, dtype and block size share
+    one (read-only) list: a checkpoint of 100k tensors has a few dozen shapes."""
+    memo: dict[tuple, list[int]] = {}
+    out = {}
+    vocab = blocks.embedding_block_bytes is not None
+    for ts in layout.values():
+        for t in ts:
+            key = (t.shape, t.dtype, blocks.bytes_for(t.name, t.shape) if vocab else 0)
+            sizes = memo.get(key)
+            if sizes is None:
+                sizes = memo[key] = block_sizes(t.shape, t.dtype, blocks, t.name)
+            out[t.name] = sizes
+    return out
+
+
 class OutputHasher:
     """The output's hash tree (checkpoint/treehash.py), in a thread of its own, as it is written.
 
@@ -50,10 +66,8 @@ class OutputHasher:
     def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], block_bytes,
                  *, depth: int = 16) -> None:
         self.headers = {fname: w.header for fname, w in writers.items()}
-        self.order = {fname: file_order([(t.name, w.offset_of(t.name, 0), w.offset_of(t.name, 0)
-                                          + prod(t.shape) * ITEMSIZE[t.dtype]) for t in layout[fname]])
-                      for fname, w in writers.items()}
-        self.sizes = {t.name: block_sizes(t.shape, t.dtype, block_bytes, t.name) for ts in layout.values() for t in ts}
+        self.order = {fname: file_order(w.spans()) for fname, w in writers.items()}
+        self.sizes = _block_sizes(layout, BlockLayout.of(block_bytes))
         self.tensors: dict[str, str] = {}
         self._digests: dict[str, bytes] = {}
         self._open: dict[str, TensorHasher] = {}

@@ -30,11 +30,12 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
-from mergepipe.engine.packs import Pack, PackBuilder, PackRead, packable, read_pack
+from mergepipe.engine.packs import Pack, PackBuilder, PackRead, block_digest, packable, read_pack
 from mergepipe.engine.tensor_variants import TensorVariants
 from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
+from mergepipe.index.columns import ModelColumns
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -163,7 +164,7 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     plan_experts = plan["experts"]  # canonical order (content hash)
     experts = [_Expert(e["name"], e["content_hash"], float(e["weight"]), expert_knobs(params, e))
                for e in plan_experts]
-    reads = {e["name"]: {t: set(bs) for t, bs in plan["reads"][e["name"]].items()} for e in plan_experts}
+    reads = {e["name"]: _read_sets(plan["reads"][e["name"]]) for e in plan_experts}
     base = inputs.base
     layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
     out_of = {t.name: (fname, t) for fname, ts in layout.items() for t in ts}
@@ -182,18 +183,21 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
     rewrites_at = _group_rewrites(plan, method, rewrites)
     work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
     packs = PackBuilder()
-    for name, t in base.tensors.items():
-        planned = set().union(*(r.get(name, ()) for r in reads.values()))
-        copy_ok = out_of[name][1].dtype == t.dtype and not (rewrites_at(name) and t.dtype in FLOAT_DTYPES)
-        ranges = inputs.base_index.tensors[name].ranges
-        if copy_ok and packable(t, ranges) and group_index(plan, name) is None:  # small tensors: one unit per run of them (engine/packs.py)
-            fname = out_of[name][0]
+    per_expert = list(reads.values())
+    for (name, t), n_blocks in zip(base.tensors.items(), block_counts(inputs.base_index, base.tensors)):
+        fname, out_t = out_of[name]
+        copy_ok = out_t.dtype == t.dtype and not (rewrites_at(name) and t.dtype in FLOAT_DTYPES)
+        # small tensors: one unit per run of them (engine/packs.py)
+        if copy_ok and packable(t, n_blocks) and group_index(plan, name) is None:
+            planned = any(0 in r.get(name, ()) for r in per_expert)
             done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
             if done is not None:
                 work.append((done, PACK, ()))
             continue
         if (done := packs.flush()) is not None:
             work.append((done, PACK, ()))
+        planned = set().union(*(r.get(name, ()) for r in per_expert))
+        ranges = inputs.base_index.tensors[name].ranges
         work += [(name, kind, blocks) for kind, blocks in segments(t, ranges, planned, copy_ok=copy_ok)]
     if (done := packs.flush()) is not None:
         work.append((done, PACK, ()))
@@ -338,8 +342,8 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
     tensors = m.inputs.base.tensors
     if pack.kind == COPY:
         nbytes, kernel_bytes = result
-        entries = m.inputs.base_index.tensors
-        m.hasher.add_whole([(n, bytes.fromhex(entries[n].hashes[0])) for n in pack.names], digests=True)
+        index = m.inputs.base_index
+        m.hasher.add_whole([(n, block_digest(index, n, 0)) for n in pack.names], digests=True)
         realized.base_bytes_copied += nbytes
         realized.kernel_bytes_copied += kernel_bytes
         return
@@ -359,9 +363,8 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
             buf[a:z] = _block_bytes(m, t, out_of[name][1], 0, 0, r1, result.base[a:z], got)
         out = memoryview(buf)
     writers[pack.out_file].write_rows(pack.names[0], 0, out)
-    m.hasher.add_whole([(n, out[tensors[n].begin - pack.begin:tensors[n].end - pack.begin]) for n in pack.names])
-    for name in pack.names:
-        m.cuts.drop(name)
+    m.hasher.add_whole([(n, out[a:z]) for n, a, z in pack.spans()])
+    m.cuts.drop_all(pack.names)
 
 
 def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
@@ -370,8 +373,7 @@ def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
     every tensor of the pack (one buffer) or for none."""
     if m.kernel is None or not getattr(m.kernel, "elementwise", False) or result.got.keys() != result.whole.keys():
         return False
-    tensors = m.inputs.base.tensors
-    return all(tensors[n].dtype == "BF16" and n not in m.scales for n in pack.names)
+    return all(t.dtype == "BF16" and t.name not in m.scales for t in pack.tensors)
 
 
 def _no_cut(expert: str, rank: int):
@@ -411,6 +413,23 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed, joint=joint),
                          m.params)
     return tensor_bytes(merged.to(st.DTYPES[out_t.dtype][1]))
+
+
+def _read_sets(reads: dict[str, list[int]]) -> dict[str, list[int] | frozenset[int]]:
+    """An expert's planned blocks per tensor for `in` tests: the plan's own short lists
+    (one or a few blocks: a set per tensor was 10% of a 100k-tensor merge's memory), sets
+    for long ones."""
+    return {t: bs if len(bs) <= 8 else frozenset(bs) for t, bs in reads.items()}
+
+
+def block_counts(index: ModelIndex, names) -> list[int]:
+    """Blocks of each tensor `names` lists (a split merge's base is a part of the index's
+    model), from the columns of a decoded index without making entries."""
+    cols = index.tensors
+    if isinstance(cols, ModelColumns):
+        s = cols.starts
+        return [s[i + 1] - s[i] for i in map(cols.index_of, names)]
+    return [len(cols[n].ranges) for n in names]
 
 
 def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:

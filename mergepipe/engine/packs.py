@@ -22,6 +22,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, TensorInfo
 from mergepipe.errors import IntegrityError
+from mergepipe.index.columns import DIGEST, ModelColumns
 from mergepipe.index.records import ModelIndex
 
 SMALL_TENSOR_BYTES = 64 << 10  # larger tensors take the per-tensor path (their own unit or runs)
@@ -38,11 +39,16 @@ class Pack:
     begin: int  # absolute byte range in the base file
     end: int
     out_file: str  # the output weight file, where the range starts at the first tensor's offset
+    tensors: tuple[TensorInfo, ...] = ()  # the base's tensors, one per name
+
+    def spans(self):
+        """(name, start, end) of each tensor within the pack's bytes (every buffer of it)."""
+        return [(t.name, t.begin - self.begin, t.end - self.begin) for t in self.tensors]
 
 
-def packable(t: TensorInfo, ranges: tuple[tuple[int, int], ...]) -> bool:
-    """Whether a tensor may join a pack: one non-empty block, small."""
-    return len(ranges) == 1 and 0 < t.nbytes <= SMALL_TENSOR_BYTES
+def packable(t: TensorInfo, n_blocks: int) -> bool:
+    """Whether a tensor of `n_blocks` blocks may join a pack: one non-empty block, small."""
+    return n_blocks == 1 and 0 < t.end - t.begin <= SMALL_TENSOR_BYTES
 
 
 class PackBuilder:
@@ -50,7 +56,7 @@ class PackBuilder:
     the new tensor cannot extend the open one (other kind, file, gap, or full)."""
 
     def __init__(self) -> None:
-        self._open: list[str] = []
+        self._open: list[TensorInfo] = []
         self._kind = self._file = self._out_file = None
         self._begin = self._end = self._out_end = 0
 
@@ -61,30 +67,29 @@ class PackBuilder:
         done = None if extends else self.flush()
         if not extends:
             self._kind, self._file, self._out_file, self._begin = kind, t.file, out_file, t.begin
-        self._open.append(t.name)
-        self._end, self._out_end = t.end, out_offset + t.nbytes
+        self._open.append(t)
+        self._end, self._out_end = t.end, out_offset + t.end - t.begin
         return done
 
     def flush(self) -> Pack | None:
         """The open pack, if any (and none open after)."""
         if not self._open:
             return None
-        pack = Pack(self._kind, tuple(self._open), self._file, self._begin, self._end, self._out_file)
+        pack = Pack(self._kind, tuple(t.name for t in self._open), self._file, self._begin, self._end, self._out_file,
+                    tuple(self._open))
         self._open = []
         return pack
 
 
 def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader: CheckpointReader,
               experts: dict[str, Checkpoint], expert_indexes: dict[str, ModelIndex],
-              readers: dict[str, CheckpointReader], reads: dict[str, dict[str, set[int]]]) -> PackRead:
+              readers: dict[str, CheckpointReader], reads: dict[str, dict[str, object]]) -> PackRead:
     """The base bytes of a MERGE pack and, per expert, the bytes of each tensor the plan
     reads of it (adjacent ones with one pread), every block checked against its index."""
-    first = base.tensors[pack.names[0]]
-    buf = memoryview(base_reader.read_range(first, pack.begin, pack.end)).cast("B")
-    for name in pack.names:
-        t = base.tensors[name]
-        entry = base_index.tensors[name]
-        if blake3(buf[t.begin - pack.begin:t.end - pack.begin]).hexdigest() != entry.hashes[0]:
+    buf = memoryview(base_reader.read_range(pack.tensors[0], pack.begin, pack.end)).cast("B")
+    for t in pack.tensors:
+        if blake3(buf[t.begin - pack.begin:t.end - pack.begin]).digest() != block_digest(base_index, t.name, 0):
+            entry = base_index.tensors[t.name]
             raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:{entry.ranges[0][1]} do not "
                                  f"match the index of {base.root} (corrupted or modified since indexing)")
     got: dict[str, dict[str, memoryview]] = {}
@@ -95,6 +100,7 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
         if not wanted:
             continue
         mine = got[expert] = {}
+        index = expert_indexes[expert]
         i = 0
         while i < len(wanted):  # one pread per run adjacent in the expert's file
             j = i
@@ -103,8 +109,8 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
             run = memoryview(readers[expert].read_range(wanted[i], wanted[i].begin, wanted[j].end)).cast("B")
             for t in wanted[i:j + 1]:
                 view = run[t.begin - wanted[i].begin:t.end - wanted[i].begin]
-                entry = expert_indexes[expert].tensors[t.name]
-                if blake3(view).hexdigest() != entry.hashes[0]:
+                if blake3(view).digest() != block_digest(index, t.name, 0):
+                    entry = index.tensors[t.name]
                     raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:"
                                          f"{entry.ranges[0][1]} do not match the index (corrupted or modified "
                                          "since indexing); re-index with `mergepipe index`")
@@ -113,6 +119,16 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
                 whole[expert] = run  # every tensor of the pack, in one buffer, in pack order
             i = j + 1
     return PackRead(buf, got, whole)
+
+
+def block_digest(index: ModelIndex, name: str, b: int) -> bytes:
+    """The index's blake3 digest (32 bytes) of block `b` of tensor `name`; from the columns
+    of a decoded index without making its entry (index/columns.py)."""
+    cols = index.tensors
+    if isinstance(cols, ModelColumns):
+        k = DIGEST * (cols.starts[cols.index_of(name)] + b)
+        return bytes(cols.digests[k:k + DIGEST])
+    return bytes.fromhex(cols[name].hashes[b])
 
 
 @dataclass(frozen=True, slots=True)

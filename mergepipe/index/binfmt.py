@@ -36,6 +36,7 @@ from blake3 import blake3
 
 from mergepipe.index.columns import BlockEq, DeltaColumns, ModelColumns  # noqa: F401 (BlockEq: re-exported)
 from mergepipe.index.records import DeltaIndex, ModelIndex
+from mergepipe.util.gcpause import paused_gc
 
 MAGIC = b"MPINDEX\0"
 VERSION = 1
@@ -168,6 +169,11 @@ def encode_model(index: ModelIndex) -> bytes:
 
 
 def decode_model(data: bytes) -> ModelIndex:
+    with paused_gc():  # a row and a column item per tensor, no cycles (util/gcpause.py)
+        return _decode_model(data)
+
+
+def _decode_model(data: bytes) -> ModelIndex:
     f = _File(data, KIND_MODEL)
     try:
         content, bb = f.meta["content_hash"], f.meta["block_bytes"]
@@ -230,6 +236,11 @@ def encode_delta(delta: DeltaIndex) -> bytes:
 
 
 def decode_delta(data: bytes) -> DeltaIndex:
+    with paused_gc():
+        return _decode_delta(data)
+
+
+def _decode_delta(data: bytes) -> DeltaIndex:
     f = _File(data, KIND_DELTA)
     try:
         meta = f.meta
