@@ -42,6 +42,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 4, 4, 2, 384, 2048, context=2048, tied=False),
     "small": Preset(512, 6, 8, 2, 1408, 8192, context=4096, tied=False),
     "bench": Preset(896, 24, 14, 2, 4864, 151936, context=32768, tied=True),  # Qwen2.5-0.5B
+    "bench3b": Preset(2048, 36, 16, 2, 11008, 151936, context=32768, tied=True),  # Qwen2.5-3B: ~6.2 GB bf16
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 NEW_TOKENS = 32  # vocabulary rows that "new tokens" experts learn; all other rows stay put
