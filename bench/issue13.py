@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "issue13")
     ap.add_argument("--cold", action="store_true", help="also cold runs of task_arithmetic 100% and 10%")
+    ap.add_argument("--verify-deep", action="store_true", help="also time `mergepipe verify --deep` of a full merge")
     ap.add_argument("--no-warm", action="store_true",
                     help="skip the warm rounds (a family larger than the page cache cannot be warm)")
     ap.add_argument("--budgets", default="100%,50%,25%,10%,5%")
@@ -96,8 +97,10 @@ def main() -> int:
     # index once (not measured here: the cache is what every run below uses)
     first = next(iter(cfgs.values()))
     t = time.perf_counter()
-    subprocess.run([*MP, "plan", str(first), "-q", "-o", str(out / "plan.json")], check=True)
+    m = measure.run_measured([*MP, "plan", str(first), "-q", "-o", str(out / "plan.json")], log=log)
+    assert m.returncode == 0, m.stderr_tail
     res["index_s"] = time.perf_counter() - t
+    res["index_run"] = m.to_json()  # indexing K+1 models from a fresh cache (wall, CPU, peak RSS)
 
     def one(name: str, cfg: Path, cache: str, rnd: int) -> None:
         target = out / "runs" / Path(cfg).stem
@@ -172,6 +175,13 @@ def main() -> int:
                 print(f"[{time.strftime('%H:%M:%S')}] mergekit {method} warm r{rnd}: {m.wall_s:.2f} s", flush=True)
                 # ours, right after, paired: rounds >= 100 (task arithmetic) or >= 200 (ties)
                 one(f"{method}-100%", cfgs[f"{method}-100%"], "warm", (100 if method == "task_arithmetic" else 200) + rnd)
+    if args.verify_deep:  # the deep verify of one output: every byte reread and rehashed
+        name = "task_arithmetic-100%"
+        one(name, cfgs[name], "cold" if args.no_warm else "warm", 300)
+        m = measure.run_measured([*MP, "verify", str(out / "runs" / Path(cfgs[name]).stem), "--deep"], log=log)
+        assert m.returncode == 0, m.stderr_tail
+        res["verify_deep"] = m.to_json()
+        print(f"verify --deep: {m.wall_s:.2f} s, rss {m.max_rss_bytes / 2**20:.0f} MiB", flush=True)
     res["loadavg_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     (out / "report.md").write_text(report(res))
@@ -202,6 +212,16 @@ def report(res: dict) -> str:
                     f"{statistics.median(r['roofline_ratio'] for r in rs):.1f} | "
                     + (f"{f / statistics.median(walls):.2f}× faster |" if f else "– |"))
     fx = res["fixed"]
+    extra = []
+    if "index_run" in res:
+        ir = res["index_run"]
+        extra.append(f"indexing the {res['k'] + 1} models from a fresh cache (`mergepipe plan`): {ir['wall_s']:.1f} s, "
+                     f"{res['model_bytes'] / ir['wall_s'] / 1e6:.0f} MB/s of model files, peak RSS "
+                     f"{ir['max_rss_bytes'] / 2**20:,.0f} MiB")
+    if "verify_deep" in res:
+        vd = res["verify_deep"]
+        extra.append(f"`mergepipe verify --deep` of the full merge: {vd['wall_s']:.1f} s, peak RSS "
+                     f"{vd['max_rss_bytes'] / 2**20:,.0f} MiB")
     by_method = res.get("mergekit_by_method") or ({"task_arithmetic": res["mergekit"]} if res.get("mergekit") else {})
     for method, runs in by_method.items():
         lo = 100 if method == "task_arithmetic" else 200
@@ -214,7 +234,8 @@ def report(res: dict) -> str:
     return (f"K={res['k']}, {res['model_bytes'] / 1e9:.2f} GB of model files, git {res['git']}, "
             f"load average {res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end\n\n"
             f"no-op `mergepipe run`: {med(fx['noop_run_s'])} s; cached `mergepipe index --base`: "
-            f"{med(fx['cached_index_s'])} s (whole processes, {len(fx['noop_run_s'])} runs)\n\n" + "\n".join(rows) + "\n")
+            f"{med(fx['cached_index_s'])} s (whole processes, {len(fx['noop_run_s'])} runs)\n\n"
+            + "".join(f"{line}\n\n" for line in extra) + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":
