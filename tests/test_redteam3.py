@@ -78,3 +78,45 @@ def test_two_imports_of_one_stacking_config_at_once(tiny_family, tmp_path):
             assert "Traceback" not in err and (p.returncode == 0 or "locked by another" in err), err
         assert {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()} == want
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml", "p.stacked", "p.yaml"]
+
+
+_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
+
+
+def _calibrated_plan(family, work: Path, cache: Path, text: str) -> bytes:
+    work.mkdir(exist_ok=True)
+    (work / "calib.txt").write_text(text)
+    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
+    return (work / "plan.json").read_bytes()
+
+
+def _damage_weighted(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["tensors"].pop(sorted(data["tensors"])[0])
+    path.write_text(json.dumps(data))
+
+
+_CACHE_DAMAGE = {
+    "artifact_truncated": ("calibration", lambda p, other: p.write_bytes(p.read_bytes()[:1000])),
+    "artifact_of_another_text": ("calibration", lambda p, other: p.write_bytes(other.read_bytes())),
+    "energies_not_json": ("weighted", lambda p, other: p.write_text('{"format": 1, "tens')),
+    "energies_without_tensors": ("weighted", lambda p, other: p.write_text('{"format": 1, "tensors": {}}')),
+    "energies_missing_one_tensor": ("weighted", lambda p, other: _damage_weighted(p)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_CACHE_DAMAGE))
+def test_damaged_calibration_cache_entries_are_rebuilt(damage, tiny_family, tmp_path):
+    """The calibrated strategy's cache entries are untrusted like the rest of the store: a
+    truncated or unparsable one was a hard error ("delete it"), one made from another text was
+    used, and an energies entry missing tensors was taken as "not covered", silently ranking
+    those blocks last (another plan). Now each is rebuilt: the plan is the fresh cache's."""
+    fresh = _calibrated_plan(tiny_family, tmp_path / "fresh", tmp_path / "c0", "the quick brown fox. " * 30)
+    other = tmp_path / "c1"
+    _calibrated_plan(tiny_family, tmp_path / "other", other, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
+    folder, edit = _CACHE_DAMAGE[damage]
+    cache = tmp_path / "c0"
+    for p in sorted((cache / folder).iterdir()):
+        edit(p, next((other / folder).iterdir()))
+    assert _calibrated_plan(tiny_family, tmp_path / "fresh", cache, "the quick brown fox. " * 30) == fresh

@@ -66,8 +66,10 @@ def artifact_hash(path: Path) -> str:
     return hash_file(path)
 
 
-def load(path: Path, base: Checkpoint) -> Importance:
-    """The artifact's vectors, checked against the base (IntegrityError names what is wrong)."""
+def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> Importance:
+    """The artifact's vectors, checked against the base and, when given, `expect`: metadata
+    values it must carry (the base's and text's hashes a file at this key was made from;
+    IntegrityError names what is wrong)."""
     try:
         header = parse_header(path)
     except Exception as e:  # noqa: BLE001 - any parse failure is the same verdict
@@ -75,6 +77,10 @@ def load(path: Path, base: Checkpoint) -> Importance:
     if header.metadata.get("format") != ARTIFACT_FORMAT:
         raise IntegrityError(f"{path}: not a mergepipe importance artifact (format "
                              f"{header.metadata.get('format')!r}); delete it")
+    for key, want in (expect or {}).items():
+        if header.metadata.get(key) != want:
+            raise IntegrityError(f"{path}: metadata {key} is {header.metadata.get(key)!r}, not {want!r}; "
+                                 "made from other inputs; delete it")
     raw: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         for t in header.tensors:

@@ -1,7 +1,8 @@
 """What a `calibrated` plan scores with: the importance artifact of the base on the
 calibration text (made once, mergepipe/calibrate/) and each expert's importance-weighted
 block energies (one scan per expert and artifact, index/weighted.py), both cached in
-the store by content. Returns the `calibration` mapping `planner.make_plan` takes."""
+the store by content; a cache entry that is damaged, made from other inputs or missing
+tensors is rebuilt. Returns the `calibration` mapping `planner.make_plan` takes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ from blake3 import blake3
 from mergepipe.calibrate import artifact
 from mergepipe.calibrate.fisher import read_text
 from mergepipe.checkpoint.safetensors import Checkpoint
+from mergepipe.errors import IntegrityError
 from mergepipe.index import weighted
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store
@@ -27,20 +29,28 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
     # keyed by the base's content hash, which is the plain layout's in every layout
     # (index/store.py), so a layout with vocabulary blocks reuses the artifact
     path = artifact.artifact_path(store.root, base_index.content_hash, text_hash, recipe)
-    if not path.exists():
+    meta = {"base": base_index.content_hash, "text": text_hash, "recipe": RECIPE}
+    try:
+        importance = artifact.load(path, base, expect=meta) if path.exists() else None
+    except IntegrityError:
+        importance = None  # damaged or another inputs' file: the store is untrusted, rebuilt (design.md)
+    if importance is None:
         from mergepipe.calibrate.fisher import fisher
-        importance, meta = fisher(base, text, max_tokens=recipe["max_tokens"], seq_len=recipe["seq_len"],
-                                  progress=progress)
-        artifact.save(path, importance, {"base": base_index.content_hash, "text": text_hash,
-                                         "recipe": RECIPE, **meta})
-    importance = artifact.load(path, base)
+        importance, extra = fisher(base, text, max_tokens=recipe["max_tokens"], seq_len=recipe["seq_len"],
+                                   progress=progress)
+        artifact.save(path, importance, {**meta, **extra})
+        importance = artifact.load(path, base, expect=meta)
     art_hash = artifact.artifact_hash(path)
+    covered = weighted.covered_tensors(base, base_index, importance)
     energies = {}
     for name, (ckpt, index) in sorted(experts.items()):
         cache = weighted.cache_path(store.root, index.content_hash, base_index.content_hash, art_hash,
                                     base_index.layout.key)
-        found = weighted.load_cached(cache, base_index)
-        if found is None:
+        try:
+            found = weighted.load_cached(cache, base_index)
+        except IntegrityError:
+            found = None  # damaged: rebuilt
+        if found is None or set(found) != covered:  # (an entry missing tensors would rank them last)
             found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
             weighted.save(cache, found)
         energies[name] = found

@@ -32,16 +32,23 @@ Importance = dict[str, tuple[np.ndarray, np.ndarray]]  # tensor -> (rows fp32, c
 BlockEnergy = dict[str, list[float]]  # tensor -> energy per block (the index's ranges)
 
 
+def covered_tensors(base: Checkpoint, base_index: ModelIndex, importance: Importance) -> set[str]:
+    """The tensors `block_energies` gives energies for (a cache entry must have exactly these)."""
+    return {name for name in base_index.tensors if name in importance
+            and base.tensors[name].dtype in FLOAT_DTYPES and base.tensors[name].numel != 0}
+
+
 def block_energies(base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, importance: Importance, *,
                    counter=None) -> BlockEnergy:
     """energy_kb for every block of every float tensor that `importance` covers."""
     out: BlockEnergy = {}
+    covered = covered_tensors(base, base_index, importance)
     from mergepipe.index import kernels
     with CheckpointReader(base, counter=counter, random_access=False) as br, \
             CheckpointReader(expert, counter=counter, random_access=False) as er:
         for name, entry in base_index.tensors.items():
             t = base.tensors[name]
-            if name not in importance or t.dtype not in FLOAT_DTYPES or t.numel == 0:
+            if name not in covered:
                 continue
             rows, cols = importance[name]
             energies = []
