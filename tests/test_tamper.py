@@ -384,9 +384,9 @@ def test_flipped_byte_in_a_published_output_is_rebuilt_by_run(tiny_family, tiny_
     assert main(["verify", str(out)]) == 0
 
 
-def test_relinked_but_unchanged_output_stays_up_to_date(tiny_family, tiny_cache, tmp_path, capsys):
+def test_relinked_but_unchanged_output_stays_up_to_date(tiny_family, tiny_cache, tmp_path, capsys, monkeypatch):
     """A hard link added to a published file (the store, another target) changes its ctime but
-    not its bytes: `run` rehashes and still finds it up to date."""
+    not its bytes: `run` rehashes once, finds it up to date and records the new stat keys."""
     root = Path(tiny_family["root"])
     family = {"base": root / "base", "experts": [root / f"expert_{k}" for k in range(3)]}
     cfg = params(tmp_path / "p.yaml", family, tmp_path / "out", tiny_cache, budget="50%")
@@ -394,6 +394,23 @@ def test_relinked_but_unchanged_output_stays_up_to_date(tiny_family, tiny_cache,
     os.link(tmp_path / "out" / "model.safetensors", tmp_path / "extra-link")
     rc, err = _run(["run", str(cfg)], capsys)
     assert rc == 0 and "up to date" in err, err
+    # the rehash recorded the new stat keys: the next runs are fast no-ops, not rehashes
+    from mergepipe.commands import pipeline
+    rehashes = []
+    monkeypatch.setattr(pipeline, "verify_outputs", lambda *a, **k: rehashes.append(a))
+    for _ in range(2):
+        rc, err = _run(["run", str(cfg)], capsys)
+        assert rc == 0 and "up to date" in err, err
+    assert rehashes == []
+    # and an edit after that is still caught
+    weights = tmp_path / "out" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    monkeypatch.undo()
+    rc, err = _run(["run", str(cfg)], capsys)
+    assert rc == 0 and "up to date" not in err, err
+    assert main(["verify", str(tmp_path / "out")]) == 0
 
 
 def test_damaged_store_entry_is_not_restored(tiny_family, tiny_cache, tmp_path, capsys):

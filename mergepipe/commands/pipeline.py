@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from mergepipe.checkpoint.blocks import BlockLayout
+from mergepipe.commands import uptodate
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
@@ -262,7 +263,9 @@ def up_to_date(out_dir: Path, plan: dict) -> bool:
     Fast path: every file's stat key equals the one recorded in run.json when it was
     published, and no file was added. A stat key also changes when a file only gains or
     loses a hard link (the store, `gc`), so a mismatch is settled by rehashing every file
-    against the manifest (`verify_outputs`): an edited output is rebuilt, a relinked one is not.
+    against the manifest (`verify_outputs`): an edited output is rebuilt, a relinked one is not,
+    and its new stat keys are recorded (taken before the rehash and still the same after it),
+    so the next check is the fast one again instead of another rehash.
     """
     try:
         man = load_manifest(out_dir)
@@ -278,7 +281,9 @@ def up_to_date(out_dir: Path, plan: dict) -> bool:
                 return True
         except (OSError, ValueError, TypeError, AttributeError, KeyError):
             pass  # no or damaged record: rehash
+        before = {name: stat_key(out_dir / name) for name in files}
         verify_outputs(out_dir)
+        uptodate.record_output_stats(out_dir, before)
         return True
     except (IntegrityError, OSError, ValueError, TypeError, AttributeError, KeyError):
         return False  # anything unexpected: rebuild

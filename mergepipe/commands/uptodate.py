@@ -136,6 +136,16 @@ def fast_up_to_date(config_path: str | os.PathLike[str], overrides: dict,
 
 
 
+def record_output_stats(out_dir: str | os.PathLike[str], stats: dict[str, list[int]]) -> None:
+    """After a rehash proved an output's files, keep `stats` (their stat keys, taken before the
+    rehash) as the ones recorded at publication, if the files still have them. Best effort,
+    like `refresh`; the make-style record is dropped, since it vouched for the old keys."""
+    out_dir = Path(out_dir)
+    if any(_stat_key(str(out_dir / n)) != k for n, k in stats.items()):
+        return  # changed during the rehash: the next run rehashes again
+    _rewrite_run_info(out_dir, lambda info: {**{k: v for k, v in info.items() if k != RECORD}, "stat": stats})
+
+
 def refresh(out_dir: str | os.PathLike[str], record: dict | None) -> None:
     """Keep `record` in the run.json of an output that the full check found up to date,
     when its files still have the stat keys recorded at publication (else the next run
@@ -143,14 +153,23 @@ def refresh(out_dir: str | os.PathLike[str], record: dict | None) -> None:
     (never inside it) and renamed over run.json; any failure leaves things as they were."""
     if record is None:
         return
-    out_dir = Path(out_dir)
+
+    def update(info: dict) -> dict | None:
+        stats = info.get("stat")
+        if not isinstance(stats, dict) or any(_stat_key(str(Path(out_dir) / n)) != k for n, k in stats.items()):
+            return None
+        return {**info, RECORD: record}
+    _rewrite_run_info(Path(out_dir), update)
+
+
+def _rewrite_run_info(out_dir: Path, update) -> None:
+    """Replace run.json by update(its content) unless that is None; the temp file is written
+    beside the output folder (never inside it); any failure leaves things as they were."""
     tmp = out_dir.parent / f".{out_dir.name}.run-{os.urandom(6).hex()}"
     try:
-        info = json.loads((out_dir / RUN_INFO).read_bytes())
-        stats = info.get("stat")
-        if not isinstance(stats, dict) or any(_stat_key(str(out_dir / n)) != k for n, k in stats.items()):
+        info = update(json.loads((out_dir / RUN_INFO).read_bytes()))
+        if info is None:
             return
-        info[RECORD] = record
         tmp.write_text(json.dumps(info, sort_keys=True, indent=1) + "\n")
         os.replace(tmp, out_dir / RUN_INFO)
     except Exception:  # noqa: BLE001 -- only a cache: the full check runs next time
