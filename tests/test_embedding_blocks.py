@@ -245,16 +245,20 @@ def test_index_file_roundtrip_keeps_the_layout(tmp_path, family):
     assert np.isfinite([v for t in delta.tensors.values() for v in t.block_l2]).all()
 
 
-def test_vocabulary_layout_ranks_by_energy_per_byte(tmp_path, family):
-    """With vocabulary blocks the energy order is score^2 / cost (then tensor, row_start,
-    expert hash): recomputed here from the delta index, greedy over the budget, it gives the
-    plan's reads at every budget, and at some budget score / cost (which favours the 16x
-    smaller vocabulary blocks 4x) would have read something else."""
+def test_vocabulary_blocks_rank_as_their_plain_block(tmp_path, family):
+    """With vocabulary blocks the energy order ranks a vocabulary block by score / (cost *
+    sqrt(16)) (16 = its plain block's rows / its rows: as the plain block with the same delta
+    density would rank), every other block by score / cost (then tensor, row_start, expert
+    hash). Recomputed here from the delta index, greedy over the budget, it gives the plan's
+    reads at every budget; at some budget plain score / cost (which favours the 16x smaller
+    vocabulary blocks 4x) would have read something else."""
     from mergepipe.checkpoint.blocks import row_bytes
     from mergepipe.checkpoint.safetensors import ITEMSIZE
 
-    def greedy(cands, budget, squared):
-        order = sorted(cands, key=lambda x: (-(x[0] * x[0] if squared else x[0]) / x[1], *x[2:5]))
+    def greedy(cands, budget, scaled):
+        def ratio(x):
+            return x[0] / (x[1] * (4.0 if scaled and x[2] in VOCAB_TENSORS else 1.0))
+        order = sorted(cands, key=lambda x: (-ratio(x), *x[2:5]))
         left, want = budget, {}
         for s, c, tensor, r0, h, name, b in order:
             if c <= left:

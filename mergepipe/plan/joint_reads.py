@@ -16,7 +16,7 @@ import math
 
 from mergepipe.errors import ConfigError
 from mergepipe.plan.strategies import Candidate
-from mergepipe.plan.strategies.registry import DEFAULT_STRATEGY, Selection
+from mergepipe.plan.strategies.registry import DEFAULT_STRATEGY, Selection, per_byte
 
 READS = "all-or-none"
 
@@ -37,7 +37,7 @@ def select_groups(strat, items: list[Candidate], budget_bytes: int, ctx, params)
         cost = sum(items[i].cost for i in idx)
         score = math.fsum(items[i].score for i in idx)
         l2 = math.sqrt(math.fsum(items[i].l2 ** 2 for i in idx))
-        ratio = (score * score if ctx.squared else score) / cost if cost else math.inf
+        ratio = per_byte(score, cost, ctx.block_scale.get(tensor, 1.0))
         groups.append(Candidate(-ratio, tensor, items[idx[0]].row_start, "", "", block, cost, score, l2))
     groups.sort(key=lambda g: g[:4])
     chosen_groups = strat.select(groups, budget_bytes, ctx, params).chosen

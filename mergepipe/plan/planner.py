@@ -33,6 +33,7 @@ from mergepipe.plan import joint_reads
 from mergepipe.checkpoint.blocks import BlockLayout, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
+from mergepipe.plan.strategies.registry import per_byte
 from mergepipe.units import Budget, parse_budget
 from mergepipe.util.fs import canonical_json
 
@@ -99,9 +100,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     elif budget_bytes < 0:
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
-    # vocabulary blocks: candidates of different sizes by design, ranked by energy per byte
-    # (strategies/registry.py PlanContext.squared); plain layouts keep score per byte
-    squared = layout.embedding_block_bytes is not None
+    scale = vocabulary_scales(base_index, layout)  # empty for plain layouts: score / cost as before
     eff = effective_weights(method, params, experts)
     eff_of = _tensor_effective_weights(method, params, experts, tensor_parameters)
     items: list[Candidate] = []
@@ -127,7 +126,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                     continue  # integer buffers are copied from the base, never merged
                 score = eff_of(name, eff)[e.name] * td.block_l2[b]
                 mass_sq += score * score
-                ratio = (score * score if squared else score) / cost if cost else math.inf
+                ratio = per_byte(score, cost, scale.get(name, 1.0))
                 items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score,
                                        td.block_l2[b]))
     items.sort(key=lambda it: it[:4])
@@ -150,7 +149,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, squared)
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale)
     if m.joint is not None:  # per-tensor parameters must not change the statistics
         joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
     if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)
@@ -231,6 +230,18 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             plan["strategy"]["calibration"] = {k: calibration[k] for k in ("artifact", "text")}
     plan["plan_hash"] = plan_hash(plan)
     return plan
+
+
+def vocabulary_scales(base_index: ModelIndex, layout: BlockLayout) -> dict[str, float]:
+    """Vocabulary tensor -> rows per plain block / rows per vocabulary block (PlanContext.block_scale)."""
+    if layout.embedding_block_bytes is None:
+        return {}
+    out = {}
+    for name, e in base_index.tensors.items():
+        if layout.bytes_for(name, e.shape) != layout.block_bytes and e.ranges:
+            plain = BlockLayout(layout.block_bytes).ranges(name, e.shape, ITEMSIZE[e.dtype])
+            out[name] = (plain[0][1] - plain[0][0]) / (e.ranges[0][1] - e.ranges[0][0])
+    return out
 
 
 def _tensor_effective_weights(method: str, params: dict, experts: list[PlanInput], tensor_parameters: dict | None):

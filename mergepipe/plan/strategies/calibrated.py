@@ -9,8 +9,8 @@ F_ij ~ rows_i * cols_j (mergepipe/calibrate/). A block's score is
 (index/weighted.py), the square root of the second-order loss change its delta would
 cause alone, so blocks compete by what they do to the base's predictions, not by raw
 size: an embedding row of a token the text uses, a channel the activations load.
-Candidates are taken by s/c descending (with vocabulary blocks, whose sizes differ by design:
-s^2/c, the loss change per byte, which does not favour small blocks; ties: the energy order); blocks of tensors the
+Candidates are taken by s/c descending (a vocabulary block as its plain-size block with the
+same density would rank: registry.per_byte; ties: the energy order); blocks of tensors the
 artifact does not cover come after every covered one, in the energy order. With
 `shares: weight | equal` each expert first gets its own share of the budget, as
 `balanced` does, greedy by this score inside it.
@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from mergepipe.plan.strategies.balanced import select_balanced
 from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, greedy,
-                                                register)
+                                                per_byte, register)
 
 
 class CalibratedParams(BaseModel):
@@ -49,8 +49,7 @@ def calibrated_order(cands: list[Candidate], ctx: PlanContext) -> list[int]:
         if energy is None:
             return (1, 0.0, i)
         s = abs(ctx.effective.get(c.expert, 0.0)) * math.sqrt(energy)
-        value = s * s if ctx.squared else s  # squared: e_k^2 * energy, the loss change itself
-        return (0, -(value / c.cost) if c.cost else -math.inf, i)
+        return (0, -per_byte(s, c.cost, ctx.block_scale.get(c.tensor, 1.0)), i)
 
     return sorted(range(len(cands)), key=key)
 

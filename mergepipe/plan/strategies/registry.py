@@ -14,6 +14,7 @@ Contract of `select` (checked by tests/test_strategies.py for every strategy):
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -52,10 +53,19 @@ class PlanContext:
     # (expert, tensor, block) -> importance-weighted delta energy (index/weighted.py); only
     # for strategies that declare `calibrated` (None otherwise)
     block_scores: dict[tuple[str, str, int], float] | None = None
-    # rank by score^2 / cost (energy per byte) instead of score / cost: set when the layout has
-    # vocabulary blocks, whose sizes differ by design; score / cost would rank a block 16x
-    # smaller with the same delta per element 4x higher. Within one block size both orders agree.
-    squared: bool = False
+    # vocabulary tensor -> (its rows per plain block) / (its rows per vocabulary block), only
+    # with `embedding_block_bytes`: per_byte() ranks such a block as the plain block with the
+    # same energy density would rank, since score / cost grows as 1/sqrt(block size)
+    # (a block 16x smaller with the same delta per element would rank 4x higher)
+    block_scale: dict[str, float] = field(default_factory=dict)
+
+
+def per_byte(score: float, cost: int, scale: float = 1.0) -> float:
+    """score / cost, for a vocabulary block score / (cost * sqrt(scale)) (PlanContext.block_scale):
+    sqrt(density / plain block bytes), the ratio its plain-size block would have."""
+    if not cost:
+        return math.inf
+    return score / cost if scale == 1.0 else score / (cost * math.sqrt(scale))
 
 
 @dataclass(frozen=True, slots=True)
