@@ -13,6 +13,7 @@ them side by side is how they stay in agreement.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii as _esc
 import os
 import stat
 import sys
@@ -490,14 +491,31 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
 
 
-@dataclass(frozen=True, slots=True)
-class OutTensor:
+class OutTensor(NamedTuple):
+    """A tensor of a file to write (a named tuple: made once per tensor of the output)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
 
 
 FS_BLOCK = 4096  # the file-system block size reflinks share at (btrfs, XFS: 4 KiB)
+
+
+def _header_json(layout: dict[str, tuple[OutTensor, int, int]], metadata: dict[str, str] | None) -> bytes:
+    """The header's JSON: json.dumps({"__metadata__": sorted metadata, name: {dtype, shape,
+    data_offsets}, ...}, separators=(",", ":")), the same bytes, written one entry at a time
+    with the C string escaper (json.dumps of a dict per tensor was most of a 100k-tensor
+    writer's setup)."""
+    parts = [] if not metadata else ['"__metadata__":' + json.dumps(dict(sorted(metadata.items())),
+                                                                     separators=(",", ":"))]
+    shape_text: dict[tuple[int, ...], str] = {}
+    for t, offset, size in layout.values():
+        s = shape_text.get(t.shape)
+        if s is None:
+            s = shape_text[t.shape] = json.dumps(list(t.shape), separators=(",", ":"))
+        parts.append(f'{_esc(t.name)}:{{"dtype":{_esc(t.dtype)},"shape":{s},"data_offsets":[{offset},{offset + size}]}}')
+    return ("{" + ",".join(parts) + "}").encode()
 
 
 class SafetensorsWriter:
@@ -512,17 +530,13 @@ class SafetensorsWriter:
         bytes sit at the same place within a file-system block, so a reflink-capable file
         system (btrfs, XFS) can share their extents instead of copying them."""
         self.path = Path(path)
-        header: dict[str, object] = {}
-        if metadata:
-            header["__metadata__"] = dict(sorted(metadata.items()))
+        self._layout: dict[str, tuple[OutTensor, int, int]] = {}  # name -> (tensor, data offset, bytes)
         offset = 0
-        self._layout: dict[str, tuple[OutTensor, int]] = {}
         for t in tensors:
             size = prod(t.shape) * ITEMSIZE[t.dtype]
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-            self._layout[t.name] = (t, offset)
+            self._layout[t.name] = (t, offset, size)
             offset += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw = _header_json(self._layout, metadata)
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
         if align_like is not None and align_like % 8 == 0:
             raw += b" " * ((align_like - 8 - len(raw)) % FS_BLOCK)
@@ -546,12 +560,11 @@ class SafetensorsWriter:
     def spans(self) -> list[tuple[str, int, int]]:
         """(name, begin, end): each tensor's absolute byte range in the file, in layout order."""
         d = self.data_start
-        return [(t.name, d + offset, d + offset + prod(t.shape) * ITEMSIZE[t.dtype])
-                for t, offset in self._layout.values()]
+        return [(t.name, d + offset, d + offset + size) for t, offset, size in self._layout.values()]
 
     def offset_of(self, name: str, row_start: int) -> int:
         """Absolute file offset of row `row_start` of tensor `name`."""
-        t, offset = self._layout[name]
+        t, offset, _ = self._layout[name]
         if row_start == 0:
             return self.data_start + offset
         return self.data_start + offset + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])

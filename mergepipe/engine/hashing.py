@@ -114,11 +114,12 @@ class OutputHasher:
 
     def _hash(self, name: str | None, data, digests) -> None:
         if name is None:  # a pack of whole single-block tensors: hash tree = blake3(block digest)
+            sizes, done, tensors = self.sizes, self._digests, self.tensors
             for tensor, x in data:
-                if len(self.sizes[tensor]) != 1:
+                if len(sizes[tensor]) != 1:
                     raise ValueError(f"tensor {tensor!r} is not one block")
-                self._digests[tensor] = tensor_digest([x if digests else blake3(x).digest()])
-                self.tensors[tensor] = self._digests[tensor].hex()
+                d = done[tensor] = tensor_digest([x if digests else blake3(x).digest()])
+                tensors[tensor] = d.hex()
             return
         if data is None and digests is None:
             h = self._open.pop(name, None) or TensorHasher(self.sizes[name])
