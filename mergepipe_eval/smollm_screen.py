@@ -61,6 +61,9 @@ def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256
         "calibrated_weight": {**cal, "shares": "weight"},
         "energy_emb64k": {"embedding_block_bytes": EMB_BLOCKS},
         "calibrated_emb64k": {**cal, "shares": "none", "embedding_block_bytes": EMB_BLOCKS},
+        # and at most 10% of the budget on vocabulary tensors in the first pass
+        "calibrated_emb64k_v10": {**cal, "shares": "none", "vocabulary_share": 0.1,
+                                  "embedding_block_bytes": EMB_BLOCKS},
     }
 
 

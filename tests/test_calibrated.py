@@ -150,6 +150,49 @@ def test_select_is_budget_sound_deterministic_and_complete():
     assert any(t and (c.expert, c.tensor, c.block) == best for c, t in zip(cands, first))
 
 
+def test_vocabulary_share_caps_the_first_pass():
+    """vocabulary_share: the vocabulary tensors get at most that share of the budget while
+    other candidates remain; leftovers go to anyone; budget-sound; full budget reads all; unset,
+    the options' normalized form (hence old plans' hashes) is unchanged."""
+    from mergepipe.plan.strategies import normalized_options
+    rng = np.random.default_rng(5)
+    cands, scores = [], {}
+    for i in range(80):
+        expert = "ab"[i % 2]
+        tensor = "model.embed_tokens.weight" if i < 40 else f"t{i // 8}"
+        cost = 64 if i < 40 else 1024
+        cands.append(Candidate(-float(rng.random()), tensor, i, f"{expert}hash", expert, i, cost, 1.0, 1.0))
+        scores[(expert, tensor, i)] = float(rng.random()) * (1e4 if i < 40 else 1.0)  # vocab rows first
+    cands.sort(key=lambda c: c[:4])
+    ctx = PlanContext((("a", "ahash"), ("b", "bhash")), {"a": 1.0, "b": 1.0}, scores,
+                      vocabulary=frozenset({"model.embed_tokens.weight"}))
+    s = STRATEGIES["calibrated"]
+    total = sum(c.cost for c in cands)
+
+    def vocab_bytes(chosen):
+        return sum(c.cost for c, t in zip(cands, chosen) if t and c.tensor in ctx.vocabulary)
+
+    uncapped = s.select(cands, 4000, ctx, CalibratedParams(text="x")).chosen
+    assert vocab_bytes(uncapped) == 40 * 64  # every vocabulary row first
+    for share in (0.1, 0.3):
+        p = CalibratedParams(text="x", vocabulary_share=share)
+        for budget in (0, 1000, 4096, 20480):
+            chosen = s.select(cands, budget, ctx, p).chosen
+            assert sum(c.cost for c, t in zip(cands, chosen) if t) <= budget
+            # other candidates remain (40 x 1024 bytes): only the cap and leftovers smaller
+            # than a non-vocabulary block go to vocabulary rows
+            assert vocab_bytes(chosen) <= share * budget + 1023
+            if 1024 <= budget and share * budget + 1023 < 40 * 64:  # the cap binds: fewer rows than uncapped
+                assert vocab_bytes(chosen) < vocab_bytes(s.select(cands, budget, ctx, CalibratedParams(text="x")).chosen)
+        assert all(s.select(cands, total, ctx, p).chosen)
+    # leftovers: with room for every non-vocabulary block, the rest goes to vocabulary rows
+    assert vocab_bytes(s.select(cands, 40 * 1024 + 1000, ctx, CalibratedParams(text="x", vocabulary_share=0.01)
+                                ).chosen) == 1000 // 64 * 64
+    assert "vocabulary_share" not in normalized_options({"strategy": "calibrated", "text": "x"})
+    with pytest.raises(Exception, match="vocabulary_share needs shares: none"):
+        CalibratedParams(text="x", vocabulary_share=0.2, shares="weight")
+
+
 def test_bad_text_is_a_one_line_error_and_a_tampered_artifact_is_rebuilt(llama, tmp_path):
     r = _run("run", str(_config(tmp_path, llama, "30%", text="missing.txt")), check=False)
     assert r.returncode != 0 and "missing.txt: calibration text not found" in r.stderr

@@ -30,7 +30,7 @@ from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import statistics_key
 from mergepipe.plan import joint_reads
-from mergepipe.checkpoint.blocks import BlockLayout, row_bytes
+from mergepipe.checkpoint.blocks import BlockLayout, is_vocabulary_tensor, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
 from mergepipe.plan.strategies.registry import per_byte
@@ -149,7 +149,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale)
+    vocabulary = frozenset(n for n, e in base_index.tensors.items() if is_vocabulary_tensor(n, e.shape))
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale, vocabulary)
     if m.joint is not None:  # per-tensor parameters must not change the statistics
         joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
     if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)

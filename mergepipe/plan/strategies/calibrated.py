@@ -12,6 +12,9 @@ size: an embedding row of a token the text uses, a channel the activations load.
 Candidates are taken by s/c descending (a vocabulary block as its plain-size block with the
 same density would rank: registry.per_byte; ties: the energy order); blocks of tensors the
 artifact does not cover come after every covered one, in the energy order. With
+`vocabulary_share: x` the vocabulary tensors (embeddings, lm_head) get at most x of the
+budget in a first pass, every other candidate the rest in the same order, and what is left
+after both goes to any candidate in that order. With
 `shares: weight | equal` each expert first gets its own share of the budget, as
 `balanced` does, greedy by this score inside it.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from mergepipe.plan.strategies.balanced import select_balanced
 from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, greedy,
@@ -37,6 +40,17 @@ class CalibratedParams(BaseModel):
     max_tokens: int = Field(16384, ge=2, le=1 << 24, description="tokens of the text used, from its start")
     seq_len: int = Field(256, ge=2, le=1 << 16, description="tokens per calibration sequence")
     shares: Literal["none", "weight", "equal"] = "none"
+    vocabulary_share: float | None = Field(
+        None, gt=0, le=1, json_schema_extra={"omit_if_none": True},
+        description="most of the budget the first pass may spend on vocabulary tensors (embeddings, "
+                    "lm_head); what is left after it goes to any candidate (default: no cap; with "
+                    "shares: none only)")
+
+    @model_validator(mode="after")
+    def _cap_without_shares(self) -> "CalibratedParams":
+        if self.vocabulary_share is not None and self.shares != "none":
+            raise ValueError("vocabulary_share needs shares: none")
+        return self
 
 
 def calibrated_order(cands: list[Candidate], ctx: PlanContext) -> list[int]:
@@ -61,6 +75,17 @@ def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: Calib
         raise ValueError("strategy calibrated needs block scores from a calibration artifact")
     order = calibrated_order(cands, ctx)
     chosen = [False] * len(cands)
+    if p.vocabulary_share is not None:
+        # the Fisher ranks rows of frequent tokens far above dense blocks; at a mid budget that
+        # bought embedding rows with attention blocks (EVAL.md): the cap keeps them to a share,
+        # then leftovers go to any candidate, so a full budget still reads everything
+        cap = math.floor(p.vocabulary_share * budget_bytes)
+        vocab = [i for i in order if cands[i].tensor in ctx.vocabulary]
+        used = greedy(cands, vocab, chosen, cap)
+        used += greedy(cands, [i for i in order if cands[i].tensor not in ctx.vocabulary], chosen,
+                       budget_bytes - used)
+        greedy(cands, order, chosen, budget_bytes - used)  # leftovers: any candidate
+        return Selection(chosen)
     if p.shares == "none":
         greedy(cands, order, chosen, budget_bytes)
         return Selection(chosen)

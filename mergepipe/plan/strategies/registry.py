@@ -58,6 +58,8 @@ class PlanContext:
     # same energy density would rank, since score / cost grows as 1/sqrt(block size)
     # (a block 16x smaller with the same delta per element would rank 4x higher)
     block_scale: dict[str, float] = field(default_factory=dict)
+    # the base's vocabulary tensors (checkpoint/blocks.py::is_vocabulary_tensor), any layout
+    vocabulary: frozenset[str] = frozenset()
 
 
 def per_byte(score: float, cost: int, scale: float = 1.0) -> float:
@@ -133,7 +135,11 @@ def normalized_options(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     default strategy with default options: then neither the config's normalized form nor
     the plan JSON gets a new key, so plans made before strategies existed keep their hash."""
     s, opts = strategy_options(plan)
-    norm = opts.model_dump(mode="json")
+    # an option marked `omit_if_none` is left out while unset, so adding one keeps old plans' hashes
+    omit = {k for k, f in type(opts).model_fields.items()
+            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("omit_if_none")
+            and getattr(opts, k) is None}
+    norm = opts.model_dump(mode="json", exclude=omit)
     if s.name == DEFAULT_STRATEGY and norm == s.params().model_dump(mode="json"):
         return None
     return norm
