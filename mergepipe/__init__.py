@@ -1,7 +1,5 @@
 """mergepipe: budget-aware, reproducible weight-space merging of LLM checkpoints."""
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("mergepipe")
-except PackageNotFoundError:  # running from a source tree without install
-    __version__ = "0.0.0+unknown"
+# The one place the version is written (pyproject.toml reads it from here): a constant, not
+# importlib.metadata, whose import and distribution scan cost ~50 ms in every command.
+__version__ = "0.1.0"
