@@ -78,6 +78,9 @@ def main() -> int:
     args = ap.parse_args()
     out = args.out.resolve()
     family = args.family.resolve()
+    # bytecode as an installed package has it (pip compiles site-packages, so mergekit's is): an
+    # editable checkout under PYTHONDONTWRITEBYTECODE=1 would compile every module in every run
+    subprocess.run([*MP[:1], "-m", "compileall", "-q", str(ROOT / "mergepipe")], check=True, stdout=subprocess.DEVNULL)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "bench.log"
     if not (family / "base").is_dir():
