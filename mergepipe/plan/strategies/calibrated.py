@@ -24,7 +24,7 @@ plain one. Deterministic given the artifact, whose hash the plan records.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -35,13 +35,14 @@ from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, Plan
 
 class CalibratedParams(BaseModel):
     model_config = STRATEGY_CONFIG
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"vocabulary_share"})  # registry.normalized_options
     strategy: Literal["calibrated"] = "calibrated"
     text: str = Field(min_length=1, description="calibration text file (UTF-8), relative to params.yaml")
     max_tokens: int = Field(16384, ge=2, le=1 << 24, description="tokens of the text used, from its start")
     seq_len: int = Field(256, ge=2, le=1 << 16, description="tokens per calibration sequence")
     shares: Literal["none", "weight", "equal"] = "none"
     vocabulary_share: float | None = Field(
-        None, gt=0, le=1, json_schema_extra={"omit_if_none": True},
+        None, gt=0, le=1,
         description="most of the budget the first pass may spend on vocabulary tensors (embeddings, "
                     "lm_head); what is left after it goes to any candidate (default: no cap; with "
                     "shares: none only)")

@@ -135,10 +135,9 @@ def normalized_options(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     default strategy with default options: then neither the config's normalized form nor
     the plan JSON gets a new key, so plans made before strategies existed keep their hash."""
     s, opts = strategy_options(plan)
-    # an option marked `omit_if_none` is left out while unset, so adding one keeps old plans' hashes
-    omit = {k for k, f in type(opts).model_fields.items()
-            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("omit_if_none")
-            and getattr(opts, k) is None}
+    # options a params model lists in `omit_if_none` are left out while unset, so adding one
+    # keeps older plans' hashes
+    omit = {k for k in getattr(type(opts), "omit_if_none", ()) if getattr(opts, k) is None}
     norm = opts.model_dump(mode="json", exclude=omit)
     if s.name == DEFAULT_STRATEGY and norm == s.params().model_dump(mode="json"):
         return None
