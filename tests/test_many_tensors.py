@@ -158,3 +158,150 @@ def test_content_hash_rows_are_the_json_text(row):
     name, dtype, shape, hashes = row
     entry = TensorEntry(name, dtype, shape, tuple((0, 1) for _ in hashes), hashes)
     assert _row_json(name, entry) == json.dumps([name, dtype, list(shape), list(hashes)])
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "run.json"}
+
+
+def test_split_merge_of_packs_is_byte_identical(family, tmp_path):
+    """A part's base is a slice of the base (commands/parts.py) merged with the whole base
+    index: the engine looks block counts up by name, never by position."""
+    cfg = {"base": str(family / "base"), "method": "task_arithmetic", "parameters": {}, "seed": 0,
+           "experts": [{"name": "e1", "path": str(family / "e1"), "weight": 1.0},
+                       {"name": "e2", "path": str(family / "e2"), "weight": 0.5}],
+           "budget": "50%", "block_bytes": "4KiB", "output": {"dir": str(tmp_path / "out")},
+           "cache_dir": str(tmp_path / "cache")}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))
+    cache = str(tmp_path / "cache")
+    plan = str(tmp_path / "plan.json")
+    assert main(["plan", str(tmp_path / "params.yaml"), "-o", plan, "-q"]) == 0
+    assert main(["merge", plan, "-o", str(tmp_path / "single"), "--cache-dir", cache, "-q"]) == 0
+    assert main(["gc", "--cache-dir", cache, "-q"]) == 0
+    for i in (3, 1, 2):
+        assert main(["merge", plan, "--part", f"{i}/3", "-o", str(tmp_path / "parts"), "--cache-dir", cache,
+                     "-q"]) == 0
+    assert main(["gather", plan, str(tmp_path / "parts"), "--parts", "3", "-o", str(tmp_path / "split"),
+                 "--cache-dir", cache, "-q"]) == 0
+    assert _files(tmp_path / "single") == _files(tmp_path / "split")
+
+
+def test_columnar_indexes_give_the_records_and_checks(family):
+    """A decoded index is columnar (index/columns.py): the same entries, content hash and
+    cache checks as the built one, and the plan's byte sums (index/read_bytes.py) equal
+    the tensor-by-tensor sums."""
+    from mergepipe.checkpoint.blocks import BlockLayout, row_bytes
+    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE, open_checkpoint
+    from mergepipe.index import binfmt, build, store
+    from mergepipe.index.columns import DeltaColumns, ModelColumns
+    from mergepipe.index.read_bytes import full_read_bytes, planned_bytes
+    from mergepipe.index.records import ModelIndex, TensorEntry, content_hash
+
+    layout = BlockLayout(4096)
+    base, e1 = open_checkpoint(family / "base"), open_checkpoint(family / "e1")
+    bi = build.build_model_index(base, block_bytes=layout)
+    ei, delta = build.build_expert_index(base, e1, bi, block_bytes=layout)
+    cb, ce, cd = (binfmt.decode_model(binfmt.encode_model(bi)), binfmt.decode_model(binfmt.encode_model(ei)),
+                  binfmt.decode_delta(binfmt.encode_delta(delta)))
+    assert isinstance(cb.tensors, ModelColumns) and isinstance(cd.tensors, DeltaColumns)
+    assert (cb, ce) == (bi, ei) and dict(cd.tensors.items()) == delta.tensors
+    assert cb.tensors.content_hash() == content_hash(bi.tensors) == bi.content_hash
+    assert store._model_matches(cb, base, layout) and store._delta_matches(cd, cb, ce)
+    # a consistent lie: one block hash changed, the stored content hash kept
+    first = next(iter(bi.tensors.values()))
+    lie = ModelIndex(bi.content_hash, bi.block_bytes,
+                     {**bi.tensors, first.name: TensorEntry(first.name, first.dtype, first.shape, first.ranges,
+                                                            ("0" * 64,) + first.hashes[1:])})
+    assert not store._model_matches(binfmt.decode_model(binfmt.encode_model(lie)), base, layout)
+
+    reads = {n: [b for b, same in enumerate(t.identical) if not same][::2] for n, t in delta.tensors.items()
+             if ei.tensors[n].dtype in FLOAT_DTYPES}
+    reads = {n: bs for n, bs in reads.items() if bs}
+    slow = sum((ei.tensors[n].ranges[b][1] - ei.tensors[n].ranges[b][0])
+               * row_bytes(ei.tensors[n].shape, ITEMSIZE[ei.tensors[n].dtype]) for n, bs in reads.items() for b in bs)
+    assert planned_bytes(reads, ce, cb, cd) == slow > 0
+    assert planned_bytes(reads, ei, bi, delta) is None  # not columnar: the caller's loop
+    same = next(n for n, t in delta.tensors.items() if any(t.identical) and ei.tensors[n].dtype in FLOAT_DTYPES)
+    assert planned_bytes({same: [delta.tensors[same].identical.index(True)]}, ce, cb, cd) is None
+    assert planned_bytes({first.name: [len(first.ranges)]}, ce, cb, cd) is None  # outside the tensor
+    assert planned_bytes({"no such tensor": [0]}, ce, cb, cd) is None
+    full = sum((r1 - r0) * row_bytes(e.shape, ITEMSIZE[e.dtype]) for n, e in ei.tensors.items()
+               if e.dtype in FLOAT_DTYPES for (r0, r1), s in zip(e.ranges, delta.tensors[n].identical) if not s)
+    assert full_read_bytes(ce, cd) == full
+
+
+def test_header_columns_equal_the_entry_by_entry_parse(tmp_path, monkeypatch):
+    """safetensors headers are validated a column at a time (_entries_fast); the result is the
+    entry-by-entry parse's, whatever the order of the entries (sorted by data offset),
+    zero-size tensors included; anything odd goes to the entry-by-entry path."""
+    import struct
+    from mergepipe.checkpoint import safetensors as st
+
+    def write(entries: dict, data_len: int) -> Path:
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **entries}).encode()
+        path = tmp_path / f"m{len(list(tmp_path.iterdir()))}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
+        return path
+
+    files = [
+        write({"b": {"dtype": "BF16", "shape": [2], "data_offsets": [4, 8]},
+               "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+               "z": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [4, 4]},
+               "c": {"dtype": "I64", "shape": [], "data_offsets": [8, 16]}}, 16),
+        write({f"t{i}": {"dtype": "BF16", "shape": [1], "data_offsets": [2 * i, 2 * i + 2]} for i in range(50)}, 100),
+    ]
+    for path in files:
+        fast = st.parse_header(path)
+        with monkeypatch.context() as mp:
+            mp.setattr(st, "_entries_fast", lambda *a: None)
+            slow = st.parse_header(path)
+        assert fast == slow and [t.name for t in fast.tensors][:3] in (["a", "z", "b"], ["t0", "t1", "t2"])
+    bad = [({"a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+             "b": {"dtype": "BF16", "shape": [1], "data_offsets": [4, 6]}}, 6, "gap"),
+           ({"a": {"dtype": "BF16", "shape": [True], "data_offsets": [0, 2]}}, 2, "shape"),
+           ({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}}, 2, "needs"),
+           ({"a": {"dtype": "BF17", "shape": [1], "data_offsets": [0, 2]}}, 2, "dtype")]
+    for entries, n, what in bad:
+        with pytest.raises(st.CheckpointError, match=what):
+            st.parse_header(write(entries, n))
+
+
+def test_manifest_json_is_canonical_json():
+    """The manifest's pretty JSON (output/manifest_json.py) is util.fs.canonical_json's text."""
+    import random
+    from mergepipe.output.manifest_json import pretty_json
+    from mergepipe.util.fs import canonical_json
+
+    rng = random.Random(0)
+
+    def value(depth: int = 0):
+        k = rng.randrange(9 if depth < 4 else 5)
+        if k == 0:
+            return rng.randrange(-10**20, 10**20)
+        if k == 1:
+            return rng.choice([True, False, None, 0.0, -0.0, 1e300, 1.5, -2.25e-8])
+        if k == 2:
+            return "".join(rng.choice('ab\n\t"\\é\x00\u2028\U0001f600') for _ in range(rng.randrange(5)))
+        if k == 3:
+            return [rng.randrange(100) for _ in range(rng.randrange(4))]
+        if k == 4:
+            return {f"t{i}": f"{rng.getrandbits(256):064x}" for i in range(rng.randrange(4))}
+        if k == 5:
+            return {f"r{i}": [rng.randrange(9) for _ in range(rng.randrange(3))] for i in range(rng.randrange(4))}
+        if k == 6:
+            return (1, "a")
+        if k == 7:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice(["a", "é", 'x"y', ""]) + str(i): value(depth + 1) for i in range(rng.randrange(4))}
+
+    for _ in range(2000):
+        doc = value()
+        assert pretty_json(doc, indent=1) == canonical_json(doc, indent=1)
+    for bad in ({1: 2}, [float("nan")], {"a": float("inf")}):
+        try:
+            want = canonical_json(bad, indent=1)
+        except ValueError:
+            with pytest.raises(ValueError):
+                pretty_json(bad)
+        else:
+            assert pretty_json(bad) == want
