@@ -254,8 +254,9 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
 
 
 def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
-    """Every planned (tensor, block) lies inside its tensor, and the planned reads' bytes,
-    recomputed from the index, are the plan's and within its budget."""
+    """Every planned (tensor, block) lies inside its tensor, every per-tensor entry names a
+    tensor of the base, and the planned reads' bytes, recomputed from the index, are the
+    plan's and within its budget."""
     from mergepipe.checkpoint.blocks import row_bytes
     from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
     if plan["block_bytes"] != base_index.block_bytes:
@@ -264,6 +265,9 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
     if BlockLayout.of_plan(plan) != base_index.layout:
         raise ConfigError(f"{where}: plan key embedding_block_bytes: {plan.get('embedding_block_bytes')} but the "
                           f"base was indexed with {base_index.embedding_block_bytes}")
+    for tensor in (plan.get("tensor_parameters") or {}).get("tensors", {}):
+        if tensor not in base_index.tensors:  # a typo would leave the tensor meant on the top-level values
+            raise ConfigError(f"{where}: plan key tensor_parameters.tensors.{tensor}: the base has no such tensor")
     total = 0
     for e in plan["experts"]:
         name = e["name"]

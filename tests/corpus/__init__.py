@@ -1261,3 +1261,45 @@ def c_stack_folder_is_a_symlink_to_a_users_folder(ctx, work):
     mk = _stack_config(ctx, work, {"model": str(ctx.experts[1]), "layer_range": [2, 4]})
     return Setup(["import-mergekit", str(mk), "-o", str(work / "params.yaml"), "-q", "--force"],
                  work / "params.stacked", (str(work / "params.stacked"), "symbolic link"), OUTPUT, existing_ok=False)
+
+
+_PER_TENSOR = {"lambda": [{"filter": "mlp", "value": [0.0, 1.0]}, {"value": 0.5}]}
+
+
+def _typo(tensors: dict) -> None:
+    tensors[VICTIM[:-1] + "tt"] = tensors.pop(VICTIM)  # ...weight -> ...weigtt: that tensor falls to the top level
+
+
+_TENSOR_PARAMETER_EDITS = {
+    "tensor_name_typo": (lambda tp: _typo(tp["tensors"]), (VICTIM[:-1] + "tt", "no such tensor")),
+    "group_index_out_of_range": (lambda tp: tp["tensors"].update({VICTIM: len(tp["groups"])}),
+                                 (f"tensor_parameters.tensors.{VICTIM}", "group index")),
+    "group_index_a_string": (lambda tp: tp["tensors"].update({VICTIM: "0"}), (f"tensor_parameters.tensors.{VICTIM}",)),
+    "group_parameter_a_string": (lambda tp: tp["groups"][0]["parameters"].update({"lambda": "half"}),
+                                 ("tensor_parameters.groups.0.parameters",)),
+    "group_expert_unknown": (lambda tp: tp["groups"][0]["experts"].update({"gone": {"weight": 1.0}}),
+                             ("tensor_parameters.groups.0.experts.gone",)),
+    "groups_emptied": (lambda tp: tp.update(groups=[]), ("tensor_parameters.tensors.",)),
+}
+
+
+def _tensor_parameters_case(edit, expect):
+    def build(ctx, work):
+        from mergepipe.cli import main
+        from mergepipe.plan.planner import plan_hash
+        params = write_params(work, ctx, ctx.experts[1], budget="30%", parameters=_PER_TENSOR)
+        plan_path = work / "plan.json"
+        assert main(["plan", str(params), "-q", "-o", str(plan_path)]) == 0
+        plan = json.loads(plan_path.read_text())
+        edit(plan["tensor_parameters"])
+        plan["plan_hash"] = plan_hash(plan)
+        plan_path.write_text(json.dumps(plan))
+        return Setup(["merge", str(plan_path), "-o", str(work / "out"), "--cache-dir", str(ctx.cache), "-q"],
+                     work / "out", (str(plan_path), *expect), CONFIG)
+    build.__doc__ = "A plan's per-tensor parameters hand-edited (plan_hash recomputed)."
+    return build
+
+
+for _name, (_edit, _expect) in _TENSOR_PARAMETER_EDITS.items():
+    CASES[f"plan_tensor_parameters_{_name}"] = Case(f"plan_tensor_parameters_{_name}",
+                                                    _tensor_parameters_case(_edit, _expect))
