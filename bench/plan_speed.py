@@ -5,7 +5,9 @@ For each strategy, a params.yaml over the family (task arithmetic, every expert 
 1 MiB blocks; `*_emb64k`: vocabulary tensors in 64 KiB blocks) is planned once to fill the
 cache (indexes; for `calibrated`, the Fisher-weighted block energies of each expert), then
 `mergepipe plan CONFIG --budget B -o plan.json -q` is timed `--repeats` times, each a fresh
-process (wall clock, median reported; imports included).
+process (wall clock, median reported; imports included), and then the planning call itself,
+in this process with every module imported: `commands.pipeline.plan_config` (load the cached
+indexes, the artifact and the block energies, make the plan), median of `--repeats`.
 
 The calibration artifact: if the cache has none for the family's base and the text, one is
 written with seeded random positive vectors (marked `synthetic` in its metadata), since a
@@ -38,6 +40,7 @@ STRATEGIES = {
     "calibrated": ({"strategy": "calibrated", "shares": "none"}, None),
     "energy_emb64k": ({}, "64KiB"),
     "calibrated_emb64k": ({"strategy": "calibrated", "shares": "none"}, "64KiB"),
+    "calibrated_emb64k_v10": ({"strategy": "calibrated", "shares": "none", "vocabulary_share": 0.1}, "64KiB"),
 }
 
 
@@ -86,8 +89,11 @@ def main() -> int:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    from mergepipe.commands.pipeline import plan_config
+    from mergepipe.config.params import load_config
+    from mergepipe.index.store import Store
     family, cache, text = Path(a.family), Path(a.cache), Path(a.text)
-    work = cache / "plan-speed"
+    work = cache.with_name(cache.name + "-configs")  # beside the cache: an output may not overlap it
     work.mkdir(parents=True, exist_ok=True)
     result = {"family": str(family), "artifact": ensure_artifact(family, cache, text), "runs": []}
     for s in a.strategies.split(","):
@@ -105,8 +111,15 @@ def main() -> int:
                 t0 = time.monotonic()
                 subprocess.run(cmd, check=True)
                 walls.append(time.monotonic() - t0)
+            calls = []
+            for _ in range(a.repeats):
+                t0 = time.monotonic()
+                plan_config(load_config(cfg), Store(cache), budget=budget, threads=2)
+                calls.append(time.monotonic() - t0)
             row = {"strategy": s, "budget": budget, "first_s": round(warm, 2),
-                   "walls_s": [round(w, 3) for w in walls], "median_s": round(statistics.median(walls), 3)}
+                   "walls_s": [round(w, 3) for w in walls], "median_s": round(statistics.median(walls), 3),
+                   "plan_config_s": [round(w, 3) for w in calls],
+                   "plan_config_median_s": round(statistics.median(calls), 3)}
             result["runs"].append(row)
             print(json.dumps(row), flush=True)
             Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
