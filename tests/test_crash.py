@@ -263,7 +263,10 @@ def test_sigterm_and_sighup_during_a_merge_clean_up(sig, tiny_family, tiny_cache
         from mergepipe.cli import main
         sys.exit(main(["run", {str(cfg)!r}, "-q"]))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    # as from a terminal: a suite run under nohup would pass its ignored SIGHUP on, and an
+    # ignored hangup is respected on purpose (output/publish.py::terminate_unwinds)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
