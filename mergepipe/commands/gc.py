@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergepipe.errors import ConfigError
+from mergepipe.errors import ConfigError, OutputError
 from mergepipe.output.manifest import MANIFEST
 
 
@@ -41,8 +41,11 @@ def plan_hash_of(path: str | Path) -> str:
 
 
 def _freed(path: Path) -> int:
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
-    return sum(st.st_size for st in (p.stat() for p in files) if st.st_nlink == 1)
+    try:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+        return sum(st.st_size for st in (p.stat() for p in files) if st.st_nlink == 1)
+    except FileNotFoundError:
+        return 0  # removed meanwhile by another process (a second gc)
 
 
 # Only names mergepipe gives its own cache entries are ever removed: a --cache-dir that is by
@@ -71,10 +74,21 @@ def collect(cache_dir: str | Path, keep: set[str], *, indexes: bool = False) -> 
     return [Removal(p, _freed(p)) for p in victims]
 
 
+def _gone_ok(func, path, exc_info) -> None:
+    """rmtree's error hook: an entry another process removed first (a second `gc`, a run
+    replacing a damaged store entry) is not an error; anything else is."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
 def remove(removals: list[Removal]) -> int:
+    """Remove what `collect` found. Raises OutputError naming the entry that cannot be removed."""
     for r in removals:
-        if r.path.is_dir() and not r.path.is_symlink():
-            shutil.rmtree(r.path)
-        else:
-            r.path.unlink(missing_ok=True)
+        try:
+            if r.path.is_dir() and not r.path.is_symlink():
+                shutil.rmtree(r.path, onerror=_gone_ok)
+            else:
+                r.path.unlink(missing_ok=True)
+        except OSError as e:
+            raise OutputError(f"{r.path}: cannot remove this cache entry: {e.strerror or e}") from None
     return sum(r.freed for r in removals)
