@@ -19,7 +19,7 @@ from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer,
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
-from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.errors import CheckpointError, IntegrityError, OutputError
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, dumps, load_manifest,
                                       verify_outputs)
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
@@ -185,6 +185,9 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                 if tokenizer is not None and name in TOKENIZER_FILES:
                     continue
                 src = inputs.base.root / name
+                if os.path.lexists(src) and not src.is_file():  # the output would lack it, and verify say OK
+                    raise CheckpointError(f"{src}: not a regular file (a dangling link, a folder or a special "
+                                          "file); the output would be published without it; fix the base folder")
                 # a base weight shard may be named config.json (legal in a weight_map): never a config
                 if src.is_file() and os.path.realpath(src) not in weight_files:
                     shutil.copyfile(src, tmp / name)

@@ -1303,3 +1303,22 @@ def _tensor_parameters_case(edit, expect):
 for _name, (_edit, _expect) in _TENSOR_PARAMETER_EDITS.items():
     CASES[f"plan_tensor_parameters_{_name}"] = Case(f"plan_tensor_parameters_{_name}",
                                                     _tensor_parameters_case(_edit, _expect))
+
+
+def _base_aux_case(broken: str):
+    def build(ctx, work):
+        base = work / "base"
+        shutil.copytree(ctx.base, base)
+        bad = base / "tokenizer.json"
+        bad.unlink()
+        if broken == "dangling":
+            bad.symlink_to("../../blobs/not-downloaded")
+        else:
+            bad.mkdir()
+        return run(work, ctx, None, (str(bad), "not a regular file"), CHECKPOINT, base=str(base))
+    build.__doc__ = f"The base's tokenizer.json is a {broken}: the merge was published without a tokenizer, verify OK."
+    return build
+
+
+for _kind in ("dangling", "folder"):
+    CASES[f"base_tokenizer_json_{_kind}"] = Case(f"base_tokenizer_json_{_kind}", _base_aux_case(_kind))
