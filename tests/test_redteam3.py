@@ -141,3 +141,19 @@ def test_two_gcs_at_once_on_a_shared_cache(tmp_path):
             err = p.communicate(timeout=120)[1]
             assert p.returncode == 0 and err == "", err
         assert list((cache / "merges").iterdir()) == []
+
+
+@pytest.mark.parametrize("ref", ["..", ".", "", "../../x"])
+def test_a_damaged_hub_ref_never_names_a_folder_outside_snapshots(ref, tmp_path, monkeypatch):
+    """refs/main holding ".." resolved the model to `snapshots/..`, the repo folder itself."""
+    from mergepipe.config.hf_cache import hub_snapshot
+    from mergepipe.errors import ConfigError
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--m"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(ref)
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    assert hub_snapshot("org/m") == repo / "snapshots" / ("a" * 40)  # the only snapshot
+    (repo / "snapshots" / ("b" * 40)).mkdir()
+    with pytest.raises(ConfigError, match="2 cached snapshots"):
+        hub_snapshot("org/m")

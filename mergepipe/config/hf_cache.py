@@ -46,7 +46,7 @@ def hub_snapshot(model_id: str) -> Path:
     if ref.is_file():
         commit = ref.read_text(encoding="utf-8").strip()
         folder = snapshots / commit
-        if commit and "/" not in commit and folder.is_dir():
+        if commit not in ("", ".", "..") and "/" not in commit and folder.is_dir():  # (".." is the repo)
             return folder
     found = sorted(p for p in snapshots.iterdir() if p.is_dir())
     if len(found) == 1:
