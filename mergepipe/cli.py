@@ -257,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
                      force=args.force, run_record=None if record is None else {uptodate.RECORD: record},
-                     protect=(Path(args.config),))
+                     protect=(Path(args.config), *_calibration_text(cfg)))
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0
@@ -269,10 +269,13 @@ def _input_paths(cfg) -> list[Path]:
     paths = [cfg.base, *(e.path for e in cfg.experts)]
     if cfg.output.tokenizer_source is not None:
         paths.append(cfg.output.tokenizer_source)
+    return paths + _calibration_text(cfg)
+
+
+def _calibration_text(cfg) -> list[Path]:
+    """The calibrated strategy's text file, if any (an input the output folder may not hold)."""
     text = (cfg.plan_options or {}).get("text")
-    if text is not None:
-        paths.append(cfg.config_path(text))
-    return paths
+    return [] if text is None else [cfg.config_path(text)]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

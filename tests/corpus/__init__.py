@@ -1322,3 +1322,16 @@ def _base_aux_case(broken: str):
 
 for _kind in ("dangling", "folder"):
     CASES[f"base_tokenizer_json_{_kind}"] = Case(f"base_tokenizer_json_{_kind}", _base_aux_case(_kind))
+
+
+@case
+def c_run_force_into_the_folder_of_its_calibration_text(ctx, work):
+    """`output.dir: data` with `plan.text: data/calib.txt` and --force: publishing replaced data/,
+    deleting the calibration text the plan was made from (an input, like params.yaml)."""
+    data = work / "data"
+    data.mkdir()
+    (data / "calib.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    s = run(work, ctx, None, (str(data), "calib.txt", "input of this command"), OUTPUT, extra=("--force",),
+            output={"dir": str(data)},
+            plan={"strategy": "calibrated", "text": "data/calib.txt", "max_tokens": 64, "seq_len": 32})
+    return Setup(s.argv, data, s.expect, s.exit_code, existing_ok=False)
