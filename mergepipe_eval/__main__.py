@@ -209,7 +209,8 @@ def cmd_smollm_strategy_screen(a) -> int:
 def cmd_smollm_strategy_report(a) -> int:
     """Splice the SmolLM2 strategy section (notes, plot, tables) into EVAL.md from the screen's JSON."""
     from mergepipe_eval import smollm_screen as ss
-    result = json.loads(Path(a.result).read_text())
+    results = [json.loads(Path(r).read_text()) for r in a.result]
+    result = ss.merge_results(results) if len(results) > 1 else results[0]
     name = None
     if a.plot:
         ss.plot(result, Path(a.plot))
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_smollm_strategy_screen)
     s = sub.add_parser("smollm-strategy-report", help="EVAL.md section of the SmolLM2 strategy screen")
-    s.add_argument("--result", required=True)
+    s.add_argument("--result", required=True, action="append",
+                   help="screen JSON (repeat: later files' rows replace earlier ones', others are added)")
     s.add_argument("--markdown", required=True)
     s.add_argument("--notes")
     s.add_argument("--plot")

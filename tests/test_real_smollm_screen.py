@@ -75,6 +75,40 @@ def test_config_text_relative(tmp_path):
     assert "plan" not in yaml.safe_load(cfg.read_text())
 
 
+def test_config_vocabulary_blocks_go_top_level(tmp_path):
+    cfg = tmp_path / "w" / "configs" / "c.yaml"
+    for name in ("energy_emb64k", "calibrated_emb64k_v10"):
+        ss.write_config(cfg, base=tmp_path / "base", experts={"a": tmp_path / "e"},
+                        method=ss.METHODS["ta_l1.0"], strategy=ss.strategy_specs(tmp_path / "c.txt")[name],
+                        cache_dir=tmp_path / "w" / "cache")
+        d = yaml.safe_load(cfg.read_text())
+        assert d["embedding_block_bytes"] == "64KiB" and "embedding_block_bytes" not in d.get("plan", {})
+    assert d["plan"]["vocabulary_share"] == 0.1
+    ss.write_config(cfg, base=tmp_path / "base", experts={"a": tmp_path / "e"}, method=ss.METHODS["ta_l1.0"],
+                    strategy=ss.strategy_specs(tmp_path / "c.txt")["energy_emb64k"], cache_dir=tmp_path / "w" / "cache")
+    assert "plan" not in yaml.safe_load(cfg.read_text())
+
+
+def test_merge_results_later_rows_replace():
+    def res(rows, test_rows, chosen=None):
+        t = {"rule": "r", "best": {"ta_l1.0": "calibrated"}, "rows": test_rows, "experts": {}}
+        if chosen:
+            t["chosen"] = chosen
+        return {"family": "f", "n": {"dev": 1}, "bootstrap": {"resamples": 10, "seed": 0}, "texts": {}, "seeds": 1,
+                "methods": {"ta_l1.0": {}}, "strategies": {"energy": {}}, "rows": rows, "between": [],
+                "test": t, "timings": [1]}
+    row = lambda s, b, v: {"method": "ta_l1.0", "strategy": s, "budget": b, "v": v}  # noqa: E731
+    a = res([row("energy", "25%", 1), row("calibrated", "25%", 2)], [row("energy", "25%", 5)])
+    b = res([row("calibrated", "25%", 3), row("energy_emb64k", "25%", 4)], [row("x", "25%", 6)],
+            chosen={"ta_l1.0": ["x"]})
+    m = ss.merge_results([a, b])
+    assert [(r["strategy"], r["v"]) for r in m["rows"]] == [("energy", 1), ("calibrated", 3), ("energy_emb64k", 4)]
+    assert [r["v"] for r in m["test"]["rows"]] == [5, 6] and m["test"]["chosen"] == {"ta_l1.0": ["x"]}
+    assert m["timings"] == [1, 1]
+    with pytest.raises(ValueError, match="another family"):
+        ss.merge_results([a, {**b, "family": "g"}])
+
+
 def test_calibration_text_disjoint(tmp_path):
     from mergepipe_eval import calib
     from mergepipe_eval.tasks import FORTUNES_DIR, WORDNET_DIR, Sizes, write_task
