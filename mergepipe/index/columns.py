@@ -14,11 +14,13 @@ checks use the columns; what looks entries up one by one does so once or a few t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
 from json.encoder import encode_basestring_ascii as _esc
+from operator import attrgetter
 
 from blake3 import blake3
 
+from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.index.records import TensorDelta, TensorEntry
 
 DIGEST = 32  # bytes of one block hash (blake3)
@@ -99,20 +101,25 @@ class ModelColumns(Mapping):
 
     def content_hash(self) -> str:
         """records.content_hash of these tensors, from the columns: blake3 over one JSON row
-        [name, dtype, shape, hashes] per tensor in name order (the same text `_row_json` makes)."""
+        [name, dtype, shape, hashes] per tensor in name order (the text `_row_json` makes),
+        each row's parts made for every tensor at once (escaped names, one text per dtype
+        and per shape, the hash lists sliced out of one hex string)."""
+        n = len(self.names)
         hexes = bytes(self.digests).hex()
-        shape_text: dict[tuple[int, ...], str] = {}
-        rows = []
-        starts, dtypes, shapes = self.starts, self.dtypes, self.shapes
-        for i in sorted(range(len(self.names)), key=self.names.__getitem__):
-            shape = shapes[i]
-            s = shape_text.get(shape)
-            if s is None:
-                s = shape_text[shape] = ", ".join(map(str, shape))
-            a, z = starts[i], starts[i + 1]
-            hs = '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z))
-            rows.append(f'[{_esc(self.names[i])}, {_esc(dtypes[i])}, [{s}], [{hs and chr(34) + hs + chr(34)}]]\n')
-        return blake3("".join(rows).encode()).hexdigest()
+        starts = self.starts
+        if starts == list(range(n + 1)):  # one block each (the many-tensors case)
+            hashes = ['"' + hexes[64 * k:64 * k + 64] + '"' for k in range(n)]
+        else:
+            hashes = ['"' + '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z)) + '"' if z > a else ""
+                      for a, z in zip(starts, starts[1:])]
+        dtype_text = {d: _esc(d) for d in set(self.dtypes)}
+        shape_text = {sh: ", ".join(map(str, sh)) for sh in set(self.shapes)}
+        names = list(map(_esc, self.names))
+        dtypes = list(map(dtype_text.__getitem__, self.dtypes))
+        shapes = list(map(shape_text.__getitem__, self.shapes))
+        order = sorted(range(n), key=self.names.__getitem__)
+        text = "".join([f"[{names[i]}, {dtypes[i]}, [{shapes[i]}], [{hashes[i]}]]\n" for i in order])
+        return blake3(text.encode()).hexdigest()
 
 
 class DeltaColumns(Mapping):
@@ -187,20 +194,16 @@ class DeltaColumns(Mapping):
 
 def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], layout) -> tuple[list[int], list[int]]:
     """(block count per tensor, flat row ranges) that `layout` (checkpoint.blocks.BlockLayout)
-    gives these tensors: what an index of them must hold. Tensors of one shape and dtype
-    share the arithmetic (a checkpoint of 100k tensors has a few dozen shapes)."""
+    gives these tensors: what an index of them must hold. The arithmetic is done once per
+    (shape, dtype, block size): a checkpoint of 100k tensors has a few dozen of them."""
     from mergepipe.checkpoint.safetensors import ITEMSIZE
-    memo: dict[tuple, list[int]] = {}
-    counts, flat = [], []
-    vocab = layout.embedding_block_bytes is not None
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        key = (shape, dtype, layout.bytes_for(name, shape) if vocab else 0)
-        r = memo.get(key)
-        if r is None:
-            r = memo[key] = list(chain.from_iterable(layout.ranges(name, shape, ITEMSIZE[dtype])))
-        counts.append(len(r) // 2)
-        flat += r
-    return counts, flat
+    if layout.embedding_block_bytes is None:
+        keys = list(zip(shapes, dtypes, repeat(layout.block_bytes)))
+    else:  # a vocabulary tensor's block size depends on its name
+        keys = [(sh, d, layout.bytes_for(n, sh)) for n, d, sh in zip(names, dtypes, shapes)]
+    flat_of = {k: list(chain.from_iterable(block_ranges(k[0], ITEMSIZE[k[1]], k[2]))) for k in set(keys)}
+    count_of = {k: len(v) // 2 for k, v in flat_of.items()}
+    return list(map(count_of.__getitem__, keys)), list(chain.from_iterable(map(flat_of.__getitem__, keys)))
 
 
 def describes(index, ckpt, layout) -> bool:
@@ -209,8 +212,8 @@ def describes(index, ckpt, layout) -> bool:
     content hash that the block hashes give."""
     cols: ModelColumns = index.tensors
     infos = list(ckpt.tensors.values())
-    if index.layout != layout or cols.names != list(ckpt.tensors) or cols.dtypes != [t.dtype for t in infos] \
-            or cols.shapes != [tuple(t.shape) for t in infos]:
+    if index.layout != layout or cols.names != list(ckpt.tensors) \
+            or cols.dtypes != list(map(attrgetter("dtype"), infos)) or cols.shapes != list(map(attrgetter("shape"), infos)):
         return False
     counts, flat = expected_ranges(cols.names, cols.dtypes, cols.shapes, layout)
     if cols.starts != _starts(counts) or list(cols.ranges) != flat:
