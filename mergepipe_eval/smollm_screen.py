@@ -454,7 +454,8 @@ def merge_results(results: list[dict]) -> dict:
     ones are appended in order. Methods, strategies, the test's best/chosen and experts merged."""
     first = results[0]
     for r in results[1:]:
-        if (r["family"], r["n"], r["bootstrap"]) != (first["family"], first["n"], first["bootstrap"]):
+        if (Path(r["family"]).resolve(), r["n"], r["bootstrap"]) != \
+                (Path(first["family"]).resolve(), first["n"], first["bootstrap"]):
             raise ValueError(f"results of another family, example set or bootstrap: {r['family']}")
 
     def keyed(lists, key):
