@@ -243,9 +243,11 @@ def cmd_report(a) -> int:
         seeds = (json.loads(Path(a.strategies_seeds).read_text())
                  if a.strategies_seeds and Path(a.strategies_seeds).exists() else None)
         st.splice(Path(a.markdown), st.render_section(labelled, notes, name, seeds))
-    if a.smollm_strategies_result and Path(a.smollm_strategies_result).exists():  # issue 12, SmolLM2
+    found = [Path(r) for r in a.smollm_strategies_result or [] if Path(r).exists()]
+    if found:  # issue 12, SmolLM2
         from mergepipe_eval import smollm_screen as ss
-        res = json.loads(Path(a.smollm_strategies_result).read_text())
+        loaded = [json.loads(r.read_text()) for r in found]
+        res = ss.merge_results(loaded) if len(loaded) > 1 else loaded[0]
         name = None
         if a.smollm_strategies_plot:
             ss.plot(res, Path(a.smollm_strategies_plot))
@@ -404,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--strategies-notes")
     s.add_argument("--strategies-plot")
     s.add_argument("--strategies-seeds", help="strategy-seeds result JSON: its table is added to the section")
-    s.add_argument("--smollm-strategies-result", help="smollm-strategy-screen result JSON: its section is appended")
+    s.add_argument("--smollm-strategies-result", action="append",
+                   help="smollm-strategy-screen result JSON (repeat: merged, later rows replace earlier ones): "
+                        "its section is appended")
     s.add_argument("--smollm-strategies-notes")
     s.add_argument("--smollm-strategies-plot")
     s.set_defaults(fn=cmd_report)

@@ -9,6 +9,7 @@ rule report:
         strategies_seeds="workflows/real/results/strategies_minilm_seeds.json",
         strategies_notes="workflows/real/strategies_notes.md",
         smollm_strategies="workflows/real/results/strategies_smollm.json",
+        smollm_strategies_extra=SM["strategy_screen"].get("extra_results", []),
         smollm_strategies_notes="workflows/real/smollm_strategies_notes.md",
     output:
         markdown="EVAL.md",
@@ -18,6 +19,8 @@ rule report:
         smollm_summary="workflows/real/results/smollm.json",
     params:
         seeds=",".join(str(s) for s in SEEDS),
+        smollm_strategies_extra=" ".join(f"--smollm-strategies-result {r}"
+                                         for r in SM["strategy_screen"].get("extra_results", [])),
     log:
         LOGS + "/report.log",
     shell:
@@ -29,7 +32,7 @@ rule report:
         " --strategies-result {input.strategies} --strategies-result {input.strategies_s1}"
         " --strategies-notes {input.strategies_notes}"
         " --strategies-plot workflows/real/strategies_minilm.png --strategies-seeds {input.strategies_seeds}"
-        " --smollm-strategies-result {input.smollm_strategies}"
+        " --smollm-strategies-result {input.smollm_strategies} {params.smollm_strategies_extra}"
         " --smollm-strategies-notes {input.smollm_strategies_notes}"
         " --smollm-strategies-plot workflows/real/strategies_smollm.png"
         " > {log} 2>&1"

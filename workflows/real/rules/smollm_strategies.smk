@@ -56,11 +56,14 @@ rule smollm_strategy_screen:
 rule smollm_strategy_report:
     input:
         result="workflows/real/results/strategies_smollm.json",
+        extra=SS.get("extra_results", []),
         notes="workflows/real/smollm_strategies_notes.md",
     output:
         plot="workflows/real/strategies_smollm.png",
+    params:
+        extra=" ".join(f"--result {r}" for r in SS.get("extra_results", [])),
     log:
         LOGS + "/smollm_strategy_report.log",
     shell:
-        "{PY} -m mergepipe_eval smollm-strategy-report --result {input.result} --markdown EVAL.md"
+        "{PY} -m mergepipe_eval smollm-strategy-report --result {input.result} {params.extra} --markdown EVAL.md"
         " --notes {input.notes} --plot {output.plot} > {log} 2>&1"
