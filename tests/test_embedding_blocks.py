@@ -184,7 +184,7 @@ def test_deterministic_across_expert_order_and_threads(tmp_path, family):
     assert _weights(tmp_path / "out-a") == _weights(tmp_path / "out-b")
 
 
-def test_tampered_layout_refused(tmp_path, family):
+def test_tampered_layout_refused(tmp_path, family, capsys):
     plan = _plan(_config(tmp_path, family, "fine", budget="25%"), tmp_path)
     store = Store(tmp_path / "cache")
     _, base_index = store.model_index(family / "base", block_bytes=64 << 10)
@@ -197,11 +197,17 @@ def test_tampered_layout_refused(tmp_path, family):
     bad = dict(plan, embedding_block_bytes=1000)
     with pytest.raises(ConfigError, match="p.json: plan key embedding_block_bytes"):
         validate_plan(bad, "p.json")
-    # the key dropped by hand: the plan's reads name blocks the plain layout does not have
+    # the key dropped by hand, hash recomputed: the reads name vocabulary blocks the plain
+    # layout does not have, which the checks against the plain-layout indexes refuse
+    from mergepipe.plan.planner import plan_hash
     path = tmp_path / "p.json"
-    dropped = {k: v for k, v in plan.items() if k != "embedding_block_bytes"}
+    dropped = {k: v for k, v in plan.items() if k not in ("embedding_block_bytes", "plan_hash")}
+    dropped["plan_hash"] = plan_hash(dropped)
     path.write_text(json.dumps(dropped))
-    assert main(["merge", str(path), "-q", "-o", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "cache")]) != 0
+    capsys.readouterr()
+    assert main(["merge", str(path), "-q", "-o", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "p.json: plan key reads." in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "m").exists()
 
 
