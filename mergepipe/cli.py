@@ -92,6 +92,18 @@ def _check_overwrite(path: Path, args: argparse.Namespace, *, key: str, what: st
                           "(choose another name, or pass --force)")
 
 
+def _refuse_inside_inputs(path: Path, inputs: list[Path]) -> None:
+    """An -o file may not be an input file or lie in an input folder, even with --force
+    (`plan -o models/base/model.safetensors --force` replaced the base's weights)."""
+    from mergepipe.errors import OutputError
+    out = path.resolve()
+    for src in inputs:
+        real = src.resolve()
+        if out == real or real in out.parents:
+            raise OutputError(f"{path}: -o is {'inside ' if out != real else ''}an input of this command ({src}); "
+                              "refusing to write there, even with --force; write it elsewhere")
+
+
 def _write_record(path: Path, obj: dict) -> None:
     """Write canonical JSON; identical content is only touched, never rewritten.
 
@@ -124,6 +136,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.o:
         _check_overwrite(Path(args.o), args, key="plan_hash", what="plan", inputs=(args.config,))
     cfg = _load(args)
+    if args.o:
+        _refuse_inside_inputs(Path(args.o), _input_paths(cfg))
     plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads)
     data = canonical_json(plan) + b"\n"
     if args.o:
@@ -332,6 +346,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
     stack_dir = _build_stack(args, out)
     params = import_mergekit(args.config, stack_dir=stack_dir)
+    roots = (Path(args.config).parent, Path.cwd())  # where the mergekit config's model paths are looked up
+    refs = [params.get("base"), *(e.get("path") for e in params.get("experts", [])),
+            (params.get("output") or {}).get("tokenizer_source")]
+    _refuse_inside_inputs(out, [next((r / m for r in roots if (r / m).is_dir()), Path(m))
+                                for m in refs if isinstance(m, str)])
     write_params(params, args.o)
     _log(args, f"wrote {args.o}")
     return 0

@@ -157,3 +157,27 @@ def test_a_damaged_hub_ref_never_names_a_folder_outside_snapshots(ref, tmp_path,
     (repo / "snapshots" / ("b" * 40)).mkdir()
     with pytest.raises(ConfigError, match="2 cached snapshots"):
         hub_snapshot("org/m")
+
+
+@pytest.mark.parametrize("command", ["plan", "import-mergekit"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json"])
+def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, victim, tiny_family, tmp_path):
+    """`plan cfg -o models/base/model.safetensors --force` (a slip of -o; --force to get past
+    "not a mergepipe plan") replaced the base's weights with the plan's JSON; `import-mergekit
+    ... -o models/base/config.json --force` its config with params.yaml."""
+    import shutil
+    import yaml
+    base = tmp_path / "models" / "base"
+    shutil.copytree(Path(tiny_family["root"]) / "base", base)
+    expert = Path(tiny_family["root"]) / "expert_1"
+    if command == "plan":
+        argv = ["plan", str(write_config(tmp_path, tiny_family, base=str(base)))]
+    else:
+        mk = tmp_path / "mk.yml"
+        mk.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": "models/base",
+                                      "models": [{"model": str(expert), "parameters": {"weight": 1.0}}]}))
+        argv = ["import-mergekit", str(mk)]
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    assert main([*argv, "-o", str(base / victim), "--force", "-q"]) == 7
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    assert main([*argv, "-o", str(tmp_path / "elsewhere.out"), "--force", "-q"]) == 0
