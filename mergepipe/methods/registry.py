@@ -106,7 +106,7 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
         if name in _registered or name not in NAMES:
             raise ValueError(f"merge method {name!r} registered twice, or missing from registry.NAMES")
         _registered[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
-                               effective_weights, compiled, rewrites_base, joint)
+                                   effective_weights, compiled, rewrites_base, joint)
         return fn
     return wrap
 

@@ -2,7 +2,7 @@
 numba's decorator applied on a kernel's first call.
 
 Importing torch costs 1.5-2.5 s; bf16 task arithmetic and TIES merge in compiled kernels
-(numpy + numba) and never touch it, nor do the config, the plan or a no-op `run`. The
+(C, or numba where the C library was not built) and never touch it, nor do the config, the plan or a no-op `run`. The
 methods' modules name `torch` at module level only in (string) annotations; their function
 bodies reach the real module through this proxy, which imports it the first time an
 attribute is asked for (`torch.float32`, `torch.zeros`, ...) and is then a plain forward.
