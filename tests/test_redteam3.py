@@ -181,3 +181,19 @@ def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, vic
     assert main([*argv, "-o", str(base / victim), "--force", "-q"]) == 7
     assert {p.name: p.read_bytes() for p in base.iterdir()} == before
     assert main([*argv, "-o", str(tmp_path / "elsewhere.out"), "--force", "-q"]) == 0
+
+
+def test_a_rebuilt_calibration_artifact_gives_the_same_plan(tiny_family, tmp_path, monkeypatch):
+    """The artifact's blake3 is in the plan: two calibration passes on the same inputs must
+    write the same bytes, however long each took (its wall time once went into the file, so a
+    rebuilt artifact changed the plan hash)."""
+    import itertools
+    from mergepipe.calibrate import fisher
+    text = "the quick brown fox. " * 30
+    plans = []
+    for run, step in (("a", 7.3), ("b", 1.1)):  # a slow pass, then a fast one
+        clock = itertools.count(0.0, step)
+        monkeypatch.setattr(fisher.time, "monotonic", lambda: next(clock))
+        plans.append(_calibrated_plan(tiny_family, tmp_path / run, tmp_path / f"c{run}", text))
+    first, second = plans
+    assert json.loads(first)["strategy"] == json.loads(second)["strategy"]

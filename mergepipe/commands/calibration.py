@@ -38,7 +38,9 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
         from mergepipe.calibrate.fisher import fisher
         importance, extra = fisher(base, text, max_tokens=recipe["max_tokens"], seq_len=recipe["seq_len"],
                                    progress=progress)
-        artifact.save(path, importance, {**meta, **extra})
+        # the artifact's blake3 goes into the plan, so its bytes must be a function of its
+        # inputs only: the pass's wall time (fisher's "seconds") is not written into it
+        artifact.save(path, importance, {**meta, **{k: v for k, v in extra.items() if k != "seconds"}})
         importance = artifact.load(path, base, expect=meta)
     art_hash = artifact.artifact_hash(path)
     covered = weighted.covered_tensors(base, base_index, importance)
