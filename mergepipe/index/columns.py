@@ -57,7 +57,24 @@ class BlockEq(Mapping):
         return len(self._keys)
 
 
-class ModelColumns(Mapping):
+class _ByName(Mapping):
+    """A columnar index's tensors by name: subclasses set `names` and `_pos` (name -> row)
+    and make the record of row i with `entry(i)`."""
+
+    def __getitem__(self, name: str):
+        return self.entry(self._pos[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pos
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class ModelColumns(_ByName):
     """tensor name -> TensorEntry of a model index, in checkpoint order.
 
     names, dtypes, shapes (tuples of ints): one item per tensor; starts: tensor i's blocks
@@ -87,18 +104,6 @@ class ModelColumns(Mapping):
         return TensorEntry(self.names[i], self.dtypes[i], self.shapes[i], tuple(zip(flat[0::2], flat[1::2])),
                            tuple(hexes[64 * k:64 * k + 64] for k in range(z - a)))
 
-    def __getitem__(self, name: str) -> TensorEntry:
-        return self.entry(self._pos[name])
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._pos
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
     def content_hash(self) -> str:
         """records.content_hash of these tensors, from the columns: blake3 over one JSON row
         [name, dtype, shape, hashes] per tensor in name order (the text `_row_json` makes),
@@ -122,7 +127,7 @@ class ModelColumns(Mapping):
         return blake3(text.encode()).hexdigest()
 
 
-class DeltaColumns(Mapping):
+class DeltaColumns(_ByName):
     """tensor name -> TensorDelta of a delta index, in the expert's order.
 
     Per tensor: names, numel, nonfinite, and where its blocks (`bstarts`), ranks (`rstarts`),
@@ -178,18 +183,6 @@ class DeltaColumns(Mapping):
             tuple(self.ranks[r0:r1]), tuple(self.rank_values[r0:r1]), tuple(self.count_gt[r0:r1]),
             tuple(self.count_eq[r0:r1]), BlockEq(list(self.eq_keys[e0:e1]), self.eq, self.cstarts[i], b1 - b0),
             base_sq, expert_sq, dot)
-
-    def __getitem__(self, name: str) -> TensorDelta:
-        return self.entry(self._pos[name])
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._pos
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
 
 
 def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], layout) -> tuple[list[int], list[int]]:
