@@ -97,7 +97,26 @@ def _damage_weighted(path: Path) -> None:
     path.write_text(json.dumps(data))
 
 
+def _reverse_artifact_rows(path: Path) -> None:
+    """Every rows vector reversed in place: still well-formed, finite and >= 0, other importance."""
+    import numpy as np
+    from mergepipe.checkpoint.safetensors import parse_header
+    data = bytearray(path.read_bytes())
+    for t in parse_header(path).tensors:
+        if t.name.endswith("::rows"):
+            data[t.begin:t.begin + t.nbytes] = np.frombuffer(bytes(data[t.begin:t.begin + t.nbytes]), "<f4")[::-1].tobytes()
+    path.write_bytes(bytes(data))
+
+
+def _reverse_energies(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["tensors"] = {k: v[::-1] for k, v in data["tensors"].items()}
+    path.write_text(json.dumps(data))
+
+
 _CACHE_DAMAGE = {
+    "artifact_values_edited_in_place": ("calibration", lambda p, other: _reverse_artifact_rows(p)),
+    "energies_values_edited_in_place": ("weighted", lambda p, other: _reverse_energies(p)),
     "artifact_truncated": ("calibration", lambda p, other: p.write_bytes(p.read_bytes()[:1000])),
     "artifact_of_another_text": ("calibration", lambda p, other: p.write_bytes(other.read_bytes())),
     "energies_not_json": ("weighted", lambda p, other: p.write_text('{"format": 1, "tens')),

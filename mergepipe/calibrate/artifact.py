@@ -2,13 +2,16 @@
 
 File format: a safetensors file (written by our writer) with two F32 vectors per covered
 tensor, `<tensor>::rows` (length shape[0]) and `<tensor>::cols` (length prod(shape[1:]),
-1 for 1-D tensors), and metadata {format, base, text, recipe, sequences, tokens}. Stored
+1 for 1-D tensors), and metadata {format, base, text, recipe, sequences, tokens, vectors}.
+`vectors` is the blake3 of every vector's name and bytes (`vectors_hash`), so an edit that
+keeps the file well-formed (a changed value, a swapped vector) is caught on load. Stored
 under `<cache>/calibration/<key>.safetensors`, key = blake3(base content hash, text blake3,
 recipe JSON, format); its own blake3 (`artifact_hash`) goes into the plan, so a plan names
 exactly the importance it was made with.
 
-Loading treats the file as untrusted: every vector must name a float tensor of the base,
-have its length, and hold only finite, non-negative values.
+Loading treats the file as untrusted: its vectors must hash to `vectors`, and every one
+must name a float tensor of the base, have its length, and hold only finite, non-negative
+values.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, OutTensor
 from mergepipe.errors import IntegrityError
 from mergepipe.util.fs import canonical_json, fsync_dir, hash_file
 
-ARTIFACT_FORMAT = "mergepipe-importance-1"
+ARTIFACT_FORMAT = "mergepipe-importance-2"  # 2: the `vectors` checksum
 Importance = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
@@ -39,6 +42,16 @@ def vector_lengths(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
+def vectors_hash(vectors: dict[str, np.ndarray]) -> str:
+    """blake3 over (name, length, little-endian F32 bytes) of every vector, in name order."""
+    h = blake3()
+    for name in sorted(vectors):
+        v = np.ascontiguousarray(vectors[name], dtype="<f4")
+        h.update(canonical_json([name, int(v.size)]))
+        h.update(memoryview(v).cast("B"))
+    return h.hexdigest()
+
+
 def save(path: Path, importance: Importance, metadata: dict[str, str]) -> None:
     """Write the artifact atomically (temp name, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,7 +62,8 @@ def save(path: Path, importance: Importance, metadata: dict[str, str]) -> None:
             tensors.append(OutTensor(f"{name}::{suffix}", "F32", (v.size,)))
             data.append(np.ascontiguousarray(v, dtype=np.float32))
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique: concurrent writers never share it
-    writer = SafetensorsWriter(tmp, tensors, metadata={"format": ARTIFACT_FORMAT, **metadata})
+    digest = vectors_hash({t.name: v for t, v in zip(tensors, data)})
+    writer = SafetensorsWriter(tmp, tensors, metadata={"format": ARTIFACT_FORMAT, **metadata, "vectors": digest})
     try:
         for t, v in zip(tensors, data):
             writer.write_rows(t.name, 0, memoryview(v).cast("B"))
@@ -91,6 +105,9 @@ def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> 
             if v.size != t.shape[0] or not np.all(np.isfinite(v)) or np.any(v < 0):
                 raise IntegrityError(f"{path}: {t.name!r} has non-finite or negative values")
             raw[t.name] = v
+    if vectors_hash(raw) != header.metadata.get("vectors"):  # edited or damaged in place: never used
+        raise IntegrityError(f"{path}: its vectors do not match their recorded blake3 (metadata vectors); "
+                             "damaged or edited; delete it")
     out: Importance = {}
     for key in raw:
         name, _, suffix = key.rpartition("::")

@@ -54,6 +54,6 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
             found = None  # damaged: rebuilt
         if found is None or set(found) != covered:  # (an entry missing tensors would rank them last)
             found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
-            weighted.save(cache, found)
+            weighted.save(cache, found, art_hash)
         energies[name] = found
     return {"artifact": art_hash, "text": text_hash, "energies": energies}

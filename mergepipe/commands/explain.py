@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from mergepipe.errors import ConfigError, MergepipeError
+from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
 
@@ -127,7 +127,10 @@ def importance_kept(plan: dict, store, inputs) -> float | None:
     for e in plan["experts"]:
         path = weighted.cache_path(store.root, e["content_hash"], base.content_hash, cal["artifact"],
                                    base.layout.key)
-        energies = weighted.load_cached(path, base)
+        try:
+            energies = weighted.load_cached(path, base)
+        except IntegrityError:  # a damaged entry: no share shown (the next plan rebuilds it)
+            energies = None
         if energies is None:
             return None
         reads = plan["reads"].get(e["name"], {})

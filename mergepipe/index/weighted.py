@@ -10,7 +10,9 @@ adding expert k's delta is ~ 1/2 sum_ij F_ij delta_ij^2; its share in block b is
 (expert, importance artifact) pair is scanned once, reading the expert and the base in
 full, and cached by (expert content, base content, artifact hash, block size): a plan
 that uses it reads no weights. Tensors the artifact does not cover get no entry; the
-strategy decides what to do with them. No torch here (index layer).
+strategy decides what to do with them. A cache entry records the artifact it was made with
+(so `gc` knows what references it) and the blake3 of its energies (so an entry edited in
+place, still well-formed, is caught and rebuilt). No torch here (index layer).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from mergepipe.index.records import ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
 
-WEIGHTED_FORMAT = 1
+WEIGHTED_FORMAT = 2  # 2: `artifact` and the `blake3` of the energies
 Importance = dict[str, tuple[np.ndarray, np.ndarray]]  # tensor -> (rows fp32, cols fp32)
 BlockEnergy = dict[str, list[float]]  # tensor -> energy per block (the index's ranges)
 
@@ -69,8 +71,8 @@ def cache_path(root: Path, expert_hash: str, base_hash: str, artifact: str, bloc
 
 def load_cached(path: Path, base_index: ModelIndex) -> BlockEnergy | None:
     """A cached result, or None when absent; IntegrityError when it is not one of ours
-    (a cache entry is untrusted: every tensor must be the base's, with one finite,
-    non-negative energy per block)."""
+    (a cache entry is untrusted: its energies must hash to its `blake3`, every tensor must
+    be the base's, with one finite, non-negative energy per block)."""
     try:
         data = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -86,10 +88,29 @@ def load_cached(path: Path, base_index: ModelIndex) -> BlockEnergy | None:
                           for v in values))
             if not ok:
                 break
+    if ok and _digest(data["tensors"]) != data.get("blake3"):
+        raise IntegrityError(f"{path}: calibrated energies do not match their recorded blake3; "
+                             "damaged or edited; delete it")
     if not ok:
         raise IntegrityError(f"{path}: not a valid calibrated-energy cache entry; delete it")
     return {k: [float(v) for v in vs] for k, vs in data["tensors"].items()}
 
 
-def save(path: Path, energies: BlockEnergy) -> None:
-    atomic_write_bytes(path, canonical_json({"format": WEIGHTED_FORMAT, "tensors": energies}))
+def _digest(energies: dict) -> str:
+    return blake3(canonical_json(energies)).hexdigest()
+
+
+def save(path: Path, energies: BlockEnergy, artifact: str) -> None:
+    """`artifact`: the importance artifact's blake3 these energies were made with."""
+    atomic_write_bytes(path, canonical_json({"format": WEIGHTED_FORMAT, "artifact": artifact,
+                                             "tensors": energies, "blake3": _digest(energies)}))
+
+
+def recorded_artifact(path: Path) -> str | None:
+    """The artifact hash an entry records (gc's reference), or None for anything else."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    art = data.get("artifact") if isinstance(data, dict) else None
+    return art if isinstance(art, str) else None
