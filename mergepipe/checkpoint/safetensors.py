@@ -25,6 +25,7 @@ from operator import add, eq, itemgetter, le, mul, sub
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from mergepipe.checkpoint import header_scan
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.util.gcpause import paused_gc
@@ -166,21 +167,30 @@ def parse_header(path: str | Path) -> FileHeader:
     finally:
         os.close(fd)
     try:
-        with paused_gc():  # 100k small dicts, no cycles (util/gcpause.py)
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: header is not valid UTF-8") from None
+    data_start = 8 + n
+    data_len = size - data_start
+    with paused_gc():  # no cycles among the many small objects (util/gcpause.py)
+        cols = header_scan.scan(text, _reject_duplicates)  # the usual spelling, read as columns
+        metadata = {} if cols is None or cols[0] is None else cols[0]
+        if cols is not None and _good_metadata(metadata):
+            tensors = _entries_of_columns(path, *cols[1:], data_start, data_len)
+            if tensors is not None:
+                return FileHeader(path, n.to_bytes(8, "little") + raw, data_start, size, tuple(tensors),
+                                  dict(metadata))
+    try:
+        with paused_gc():  # 100k small dicts, no cycles (util/gcpause.py)
+            header = json.loads(text, object_pairs_hook=_reject_duplicates)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) and _is_text(k) and _is_text(v)
-                                                  for k, v in metadata.items()):
+    if not _good_metadata(metadata):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
-    data_start = 8 + n
-    data_len = size - data_start
     with paused_gc():
         tensors = _entries_fast(path, header, data_start, data_len)
         if tensors is not None:  # well formed, sorted and tiling the data: checked column by column
@@ -201,6 +211,11 @@ def parse_header(path: str | Path) -> FileHeader:
                       data_start, size, tuple(tensors), dict(metadata))
 
 
+def _good_metadata(metadata: object) -> bool:
+    return isinstance(metadata, dict) and all(isinstance(v, str) and _is_text(k) and _is_text(v)
+                                              for k, v in metadata.items())
+
+
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
@@ -212,20 +227,29 @@ def _entries_fast(path: Path, header: dict, data_start: int, data_len: int) -> l
     names, entries = list(header), list(header.values())
     if not entries:
         return None
+    if set(map(type, entries)) != {dict} or not all(map(eq, map(dict.keys, entries), repeat(_ENTRY_KEYS))):
+        return None
+    offsets = list(map(itemgetter("data_offsets"), entries))
+    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    return _entries_of_columns(path, names, list(map(itemgetter("dtype"), entries)),
+                               list(map(itemgetter("shape"), entries)), list(map(itemgetter(0), offsets)),
+                               list(map(itemgetter(1), offsets)), data_start, data_len)
+
+
+def _entries_of_columns(path: Path, names: list, dtypes: list, shapes: list, begins: list, ends: list,
+                        data_start: int, data_len: int) -> list[TensorInfo] | None:
+    """`_entries_fast` on the entries' fields as columns (from a parsed header, or from
+    checkpoint/header_scan.py: shapes are lists or tuples)."""
+    if not names:
+        return None
     try:
-        if set(map(type, entries)) != {dict} or not all(map(eq, map(dict.keys, entries), repeat(_ENTRY_KEYS))):
-            return None
-        dtypes = list(map(itemgetter("dtype"), entries))
-        shapes = list(map(itemgetter("shape"), entries))
-        offsets = list(map(itemgetter("data_offsets"), entries))
         if set(map(type, dtypes)) != {str} or not set(dtypes) <= ITEMSIZE.keys() \
-                or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} \
-                or set(map(len, offsets)) != {2}:
+                or not set(map(type, shapes)) <= {list, tuple}:
             return None
         dims = list(chain.from_iterable(shapes))
         if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) >= 2**53):
             return None
-        begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
         if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
                 or max(ends) > data_len:
             return None
