@@ -233,14 +233,17 @@ def cmd_gather(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from mergepipe.commands.gc import collect, plan_hash_of, remove
-    keep = {plan_hash_of(p) for p in args.keep}
-    removals = collect(args.cache_dir, keep, indexes=args.indexes)
+    from mergepipe.commands.gc import collect, keep_of, remove
+    keep = keep_of(args.keep)
+    foreign: list[Path] = []
+    removals = collect(args.cache_dir, keep, indexes=args.indexes, foreign=foreign)
+    for p in foreign:
+        print(f"keep {p} (its name is a cache entry's, its content is not mergepipe's)")
     for r in removals:
         print(f"{'would remove' if args.dry_run else 'remove'} {r.path} ({_mib(r.freed)})")
     freed = sum(r.freed for r in removals) if args.dry_run else remove(removals)
     _log(args, f"{args.cache_dir}: {'would free' if args.dry_run else 'freed'} {_mib(freed)}; "
-               f"kept {len(keep)} referenced merge(s)")
+               f"kept {len(keep.plans)} referenced merge(s)")
     return 0
 
 
@@ -463,10 +466,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
     s.set_defaults(fn=cmd_gather)
 
-    s = sub.add_parser("gc", parents=[common], help="prune the cache: stored merges, part files, indexes")
+    s = sub.add_parser("gc", parents=[common], help="prune the cache: stored merges, part files, calibration and "
+                       "joint statistics, indexes")
     s.add_argument("--cache-dir", default=".mergepipe")
     s.add_argument("--keep", action="append", default=[], metavar="OUTDIR|PLAN",
-                   help="keep the stored merge of this output folder or plan.json (repeatable)")
+                   help="keep the stored merge of this output folder or plan.json, and the calibration "
+                   "and joint statistics it names (repeatable)")
     s.add_argument("--indexes", action="store_true", help="also drop model/delta indexes (models are reread)")
     s.add_argument("--dry-run", "-n", action="store_true", help="only list what would be removed")
     s.set_defaults(fn=cmd_gc)

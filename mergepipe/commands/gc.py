@@ -5,7 +5,13 @@ What it may remove:
                         those referenced by a `--keep` output folder or plan.json stay
   merges/*.partial      store entries a dead process left half written
   parts/                part files of split merges (a finished gather no longer needs them)
+  calibration/ weighted/ joint/   the calibrated strategy's importance artifacts and energies and
+                        joint methods' statistics (rebuilt when a plan or merge needs them again);
+                        those a `--keep` output or plan names (its artifact hash, joint key) stay
   models/ deltas/ stat/ indexes, only with `indexes=True` (they are rebuilt by rereading the models)
+An entry is removed only when its name is one mergepipe gives and its content starts as
+mergepipe writes it (a safetensors header of format mergepipe-importance-*, an energies JSON,
+the joint magic): a user's file there with a look-alike name is kept and reported.
 Published outputs are separate hardlinks, so removing a store entry never touches them;
 the bytes a removal frees are those of files with no other link.
 """
@@ -14,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import ConfigError, OutputError
@@ -27,17 +33,46 @@ class Removal:
     freed: int  # bytes of files with no other hardlink
 
 
-def plan_hash_of(path: str | Path) -> str:
-    """The plan hash recorded by an output folder (its manifest) or a plan.json."""
+@dataclass
+class Keep:
+    """What `--keep` outputs and plans reference: plan hashes (merges/), importance artifact
+    hashes (calibration/ and the weighted/ entries made with them), joint keys (joint/)."""
+    plans: set[str] = field(default_factory=set)
+    artifacts: set[str] = field(default_factory=set)
+    joint: set[str] = field(default_factory=set)
+
+
+def plan_of(path: str | Path) -> dict:
+    """The plan recorded by an output folder (its manifest's) or a plan.json."""
     p = Path(path)
     src = p / MANIFEST if p.is_dir() else p
     try:
-        h = json.loads(src.read_text()).get("plan_hash")
+        doc = json.loads(src.read_text())
+        plan = doc.get("plan", doc) if p.is_dir() else doc
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: --keep needs an output folder or a plan.json ({e})") from None
-    if not isinstance(h, str):
+    if not isinstance(plan, dict) or not isinstance(doc.get("plan_hash"), str):
         raise ConfigError(f"{src}: no plan_hash; --keep needs an output folder or a plan.json")
-    return h
+    return {**plan, "plan_hash": doc["plan_hash"]}
+
+
+def plan_hash_of(path: str | Path) -> str:
+    """The plan hash recorded by an output folder (its manifest) or a plan.json."""
+    return plan_of(path)["plan_hash"]
+
+
+def keep_of(paths: list[str]) -> Keep:
+    keep = Keep()
+    for path in paths:
+        plan = plan_of(path)
+        keep.plans.add(plan["plan_hash"])
+        cal = (plan.get("strategy") or {}).get("calibration") if isinstance(plan.get("strategy"), dict) else None
+        if isinstance(cal, dict) and isinstance(cal.get("artifact"), str):
+            keep.artifacts.add(cal["artifact"])
+        joint = plan.get("joint")
+        if isinstance(joint, dict) and isinstance(joint.get("key"), str):
+            keep.joint.add(joint["key"])
+    return keep
 
 
 def _freed(path: Path) -> int:
@@ -56,21 +91,68 @@ _OURS = {
     "models": re.compile(r"[0-9a-f]{40}\.(?:json\.gz|idx)"),
     "deltas": re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+(?:-emb\d+)?-v\d+\.(?:json\.gz|idx)"),
     "stat": re.compile(r"[0-9a-f]{32}\.json"),
+    "calibration": re.compile(r"[0-9a-f]{40}\.safetensors"),
+    "weighted": re.compile(r"[0-9a-f]{40}\.json"),
+    "joint": re.compile(r"[0-9a-f]{64}\.stats"),
 }
+_DERIVED = ("calibration", "weighted", "joint")
 
 
-def collect(cache_dir: str | Path, keep: set[str], *, indexes: bool = False) -> list[Removal]:
-    """What gc would remove, in a stable order: store entries, part files and (with `indexes`)
-    index files, each recognised by its own name pattern; anything else is left alone."""
+def _head(path: Path, n: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
+def _written_by_us(sub: str, path: Path) -> bool:
+    """Whether a derived entry's content starts as mergepipe writes it (cheap: a few bytes)."""
+    if sub == "joint":
+        from mergepipe.index.joint import MAGIC
+        return _head(path, len(MAGIC)) == MAGIC
+    if sub == "weighted":
+        return _head(path, 22).startswith((b'{"artifact":"', b'{"format":1,"tensors":'))  # canonical: sorted keys
+    head = _head(path, 1 << 16)
+    return b'"format":"mergepipe-importance-' in head.replace(b" ", b"") and len(head) > 8
+
+
+def _referenced(sub: str, path: Path, keep: Keep) -> bool:
+    if sub == "joint":
+        return path.name[:-len(".stats")] in keep.joint
+    if sub == "weighted":
+        from mergepipe.index.weighted import recorded_artifact
+        return recorded_artifact(path) in keep.artifacts
+    from mergepipe.util.fs import hash_file
+    try:
+        return bool(keep.artifacts) and hash_file(path) in keep.artifacts
+    except OSError:
+        return False
+
+
+def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = False,
+            foreign: list[Path] | None = None) -> list[Removal]:
+    """What gc would remove, in a stable order: store entries, part files, derived entries
+    nothing in `keep` references and (with `indexes`) index files, each recognised by its own
+    name pattern; anything else is left alone. `foreign` collects the look-alike files kept
+    because their content is not ours."""
+    keep = keep if isinstance(keep, Keep) else Keep(plans=set(keep))
     root = Path(cache_dir)
     victims: list[Path] = []
-    for sub in ["merges", "parts", *(["models", "deltas", "stat"] if indexes else [])]:
+    for sub in ["merges", "parts", *_DERIVED, *(["models", "deltas", "stat"] if indexes else [])]:
         folder = root / sub
         if not folder.is_dir() or folder.is_symlink():
             continue
-        victims += [p for p in sorted(folder.iterdir())
-                    if _OURS[sub].fullmatch(p.name) and p.name not in keep and not p.is_symlink()
-                    and (p.is_dir() if sub == "merges" else p.is_file())]
+        for p in sorted(folder.iterdir()):
+            if not _OURS[sub].fullmatch(p.name) or p.is_symlink() or not (p.is_dir() if sub == "merges" else p.is_file()):
+                continue
+            if sub == "merges" and p.name in keep.plans or sub in _DERIVED and _referenced(sub, p, keep):
+                continue
+            if sub in _DERIVED and not _written_by_us(sub, p):
+                if foreign is not None:
+                    foreign.append(p)
+                continue
+            victims.append(p)
     return [Removal(p, _freed(p)) for p in victims]
 
 

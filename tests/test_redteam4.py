@@ -1,0 +1,96 @@
+"""Red-team pass 4 (issue 15): what the third pass left open (gc of the derived cache
+folders, a stacked folder whose sources changed, transformers' output under -q) and the
+ordinary mistakes this pass tried. Each test used to lose data, publish a stale model,
+keep garbage forever or print what -q promises not to; hostile inputs that only need a
+one-line error are in tests/corpus/."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mergepipe.cli import main
+from tests.helpers import write_config
+
+_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
+
+
+def _calibrated_plan(family, work: Path, cache: Path, text: str) -> Path:
+    work.mkdir(exist_ok=True)
+    (work / "calib.txt").write_text(text)
+    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
+    return work / "plan.json"
+
+
+def _joint_entry(cache: Path, key: str) -> Path:
+    from mergepipe.index.joint import encode
+    path = cache / "joint" / f"{key}.stats"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode(key, "karcher", {"t": b"\0" * 16}))
+    return path
+
+
+def test_gc_prunes_calibration_weighted_and_joint_entries_nothing_keeps(tiny_family, tmp_path):
+    """`gc` pruned merges/ and parts/ only: importance artifacts, their energies and joint
+    statistics of every text and family ever tried piled up for good. Now what no `--keep`
+    plan or output names goes (a kept plan keeps its artifact, the energies made with it
+    and its joint statistics)."""
+    cache = tmp_path / "cache"
+    kept = _calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30)
+    _calibrated_plan(tiny_family, tmp_path / "b", cache, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
+    assert len(list((cache / "calibration").iterdir())) == 2
+    assert len(list((cache / "weighted").iterdir())) == 6  # 3 experts x 2 artifacts
+    joint_kept, joint_gone = _joint_entry(cache, "1" * 64), _joint_entry(cache, "2" * 64)
+    other = tmp_path / "joint-plan.json"
+    other.write_text(json.dumps({"plan_hash": "f" * 64, "joint": {"key": "1" * 64}}))
+    assert main(["gc", "--cache-dir", str(cache), "--keep", str(kept), "--keep", str(other), "-q"]) == 0
+    artifact = json.loads(kept.read_text())["strategy"]["calibration"]["artifact"]
+    from mergepipe.index.weighted import recorded_artifact
+    from mergepipe.util.fs import hash_file
+    assert [hash_file(p) for p in (cache / "calibration").iterdir()] == [artifact]
+    assert {recorded_artifact(p) for p in (cache / "weighted").iterdir()} == {artifact}
+    assert len(list((cache / "weighted").iterdir())) == 3
+    assert joint_kept.exists() and not joint_gone.exists()
+    # the kept plan's entries are reused as they are: same plan, nothing rebuilt
+    before = {p: p.stat().st_mtime_ns for p in (cache / "calibration").iterdir()}
+    assert _calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30).read_bytes() \
+        == kept.read_bytes()
+    assert {p: p.stat().st_mtime_ns for p in (cache / "calibration").iterdir()} == before
+    assert main(["gc", "--cache-dir", str(cache), "-q"]) == 0  # nothing kept: all go
+    assert [list((cache / d).iterdir()) for d in ("calibration", "weighted", "joint")] == [[], [], []]
+
+
+_LOOKALIKE = {"calibration": "a" * 40 + ".safetensors", "weighted": "b" * 40 + ".json", "joint": "c" * 64 + ".stats"}
+_USER_FILES = {
+    "other_name": lambda folder, sub: (folder / "notes.txt", "file"),
+    "lookalike_name": lambda folder, sub: (folder / _LOOKALIKE[sub], "file"),
+    "lookalike_folder": lambda folder, sub: (folder / _LOOKALIKE[sub], "dir"),
+    "lookalike_link": lambda folder, sub: (folder / _LOOKALIKE[sub], "link"),
+}
+
+
+@pytest.mark.parametrize("sub", sorted(_LOOKALIKE))
+@pytest.mark.parametrize("kind", sorted(_USER_FILES))
+def test_gc_never_removes_a_users_file_in_the_derived_folders(sub, kind, tmp_path, capsys):
+    """`--cache-dir` by mistake a project folder with its own calibration/, weighted/ or joint/
+    (or a file dropped into the cache): only mergepipe's own entries may go. A file with an
+    entry's name but not our content is kept and reported."""
+    folder = tmp_path / "cache" / sub
+    folder.mkdir(parents=True)
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"user data")
+    path, what = _USER_FILES[kind](folder, sub)
+    if what == "file":
+        path.write_bytes(b"user data")
+    elif what == "dir":
+        path.mkdir()
+        (path / "inside.txt").write_bytes(b"user data")
+    else:
+        path.symlink_to(target)
+    assert main(["gc", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert os.path.lexists(path) and target.read_bytes() == b"user data"
+    if kind == "lookalike_name":
+        assert f"keep {path}" in capsys.readouterr().out
