@@ -530,9 +530,10 @@ def one_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from mergepipe.output.publish import terminate_unwinds
+    from mergepipe.util.gcpause import rare_gc
     args = build_parser().parse_args(argv)
     try:
-        with terminate_unwinds():  # SIGTERM/SIGHUP clean up (temp folders, locks) like Ctrl-C
+        with terminate_unwinds(), rare_gc():  # SIGTERM/SIGHUP clean up (temp folders, locks) like Ctrl-C
             return args.fn(args)
     except MergepipeError as e:
         if args.debug:
