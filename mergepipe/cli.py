@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 import tempfile
 import time
@@ -283,7 +285,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _input_paths(cfg) -> list[Path]:
     """Every file or folder a plan of `cfg` reads besides the cache: the models, the
     tokenizer source, the calibration text (run's no-op record keys on all of them)."""
+    from mergepipe.commands.stack import stack_sources
     paths = [cfg.base, *(e.path for e in cfg.experts)]
+    paths += sorted({src for m in paths for src in stack_sources(m)})  # a stacked folder's sources
     if cfg.output.tokenizer_source is not None:
         paths.append(cfg.output.tokenizer_source)
     return paths + _calibration_text(cfg)
@@ -313,7 +317,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         validate_plan(plan, where)
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
             store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
-            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=where)
+            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=where,
+                                 check_stacks=False)  # verify compares with the record, which names the stack
             checked.append(f"{1 + len(plan['experts'])} inputs")
             if args.replay:
                 from mergepipe.commands.pipeline import merge_plan
@@ -377,7 +382,9 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
         folders[s["model"]] = next((r / ref for r in roots if (r / ref).is_dir()), Path(ref))
     name = f"{out.stem}.stacked"
     try:
-        build_stack(slices, folders, out.parent / name, force=args.force)
+        build_stack(slices, folders, out.parent / name, force=args.force,
+                    rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
+                          f"-o {shlex.quote(os.path.abspath(out))} --force")
     except ConfigError as e:  # a layer range outside its model: name the config it is in
         raise ConfigError(f"{source}: {e}") from None
     _log(args, f"built the stacked model {out.parent / name}")

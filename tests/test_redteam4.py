@@ -94,3 +94,66 @@ def test_gc_never_removes_a_users_file_in_the_derived_folders(sub, kind, tmp_pat
     assert os.path.lexists(path) and target.read_bytes() == b"user data"
     if kind == "lookalike_name":
         assert f"keep {path}" in capsys.readouterr().out
+
+
+def _flip_in_place(path: Path) -> None:
+    """One byte flipped near the end (tensor data), size and mtime restored."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 10)
+        b = f.read(1)
+        f.seek(st.st_size - 10)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _replace_with_other(path: Path) -> None:
+    other = path.with_name("x.tmp")
+    other.write_bytes(path.read_bytes())  # same bytes, another inode and ctime
+    os.replace(other, path)
+
+
+_SOURCE_EDITS = {
+    "weights_flipped_mtime_restored": lambda m: _flip_in_place(m / "model.safetensors"),
+    "config_replaced_by_a_copy": lambda m: _replace_with_other(m / "config.json"),
+    "weights_gone": lambda m: (m / "model.safetensors").unlink(),
+}
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "merge"])
+@pytest.mark.parametrize("edit", sorted(_SOURCE_EDITS))
+def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_family, tmp_path, capsys):
+    """`import-mergekit` of a slices config builds P.stacked once; a source model changed
+    afterwards (retrained, re-downloaded, edited in place with its mtime restored) left the
+    stacked folder stale, and `run` said "up to date", `plan`/`merge` merged the old layers:
+    a model that is not the config's. Now each refuses (exit 6) naming the changed file and
+    the import to rerun, and after the rerun the merge has the new bytes."""
+    import shutil
+    import yaml
+    root = Path(tiny_family["root"])
+    for m in ("base", "expert_1"):
+        shutil.copytree(root / m, tmp_path / m)
+    mk = tmp_path / "mk.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": "base", "layer_range": [0, 3]}]},
+        {"sources": [{"model": "expert_1", "layer_range": [2, 4]}]}]}))
+    params = tmp_path / "p.yaml"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    assert main(["run", str(params), "-q"]) == 0
+    assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    out = tmp_path / "merged"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _SOURCE_EDITS[edit](tmp_path / "expert_1")
+    capsys.readouterr()
+    argv = {"run": ["run", str(params)], "plan": ["plan", str(params), "-o", str(tmp_path / "plan2.json")],
+            "merge": ["merge", str(tmp_path / "plan.json"), "-o", str(out), "--root", str(tmp_path)]}[command]
+    assert main([*argv, "-q"]) == 6
+    err = capsys.readouterr().err
+    assert "stale stacked model" in err and "expert_1" in err and "import-mergekit" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not (tmp_path / "plan2.json").exists()
+    if edit != "weights_gone":
+        assert main(["import-mergekit", str(mk), "-o", str(params), "--force", "-q"]) == 0
+        assert main(["run", str(params), "-q"]) == 0
+        assert (out / "model.safetensors").read_bytes() != before["model.safetensors"] or edit.startswith("config")

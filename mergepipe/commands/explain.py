@@ -92,7 +92,8 @@ def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: 
         from mergepipe.commands.pipeline import open_inputs
         from mergepipe.index.store import Store
         store = Store(cache_dir if cache_dir is not None else ".mergepipe")
-        inputs = open_inputs(plan, store, Path(root).resolve(), threads=threads, where=str(target))
+        inputs = open_inputs(plan, store, Path(root).resolve(), threads=threads, where=str(target),
+                             check_stacks=False)
     except MergepipeError as e:  # inputs moved or changed: the byte tables still hold
         note = f"(energy kept not shown: the plan's inputs cannot be indexed: {e})"
     return _render(plan, man, inputs, note, store)

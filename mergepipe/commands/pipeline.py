@@ -26,6 +26,7 @@ from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
+from mergepipe.commands.stack import check_fresh
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -37,10 +38,16 @@ def resolve(path: str, root: Path) -> Path:
     return p if p.is_absolute() else root / p
 
 
-def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where: str = "plan") -> Inputs:
+def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where: str = "plan",
+                check_stacks: bool = True) -> Inputs:
     """Open and index (cached) every input of a plan (a plan from disk: `validate_plan` first);
-    check they are the planned bytes and that the plan's reads are inside them and its budget."""
+    check they are the planned bytes and that the plan's reads are inside them and its budget.
+    `check_stacks`: refuse a stacked input folder whose sources changed (verify and explain,
+    which only compare with the record, pass False)."""
     bb = BlockLayout.of_plan(plan)
+    if check_stacks:
+        for m in (plan["base"], *plan["experts"]):
+            check_fresh(resolve(m["path"], root))
     base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas = {}, {}, {}
     for e in plan["experts"]:
@@ -60,6 +67,8 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
     """Index every input (cached) and make the plan for `cfg` (budget overridable)."""
     norm = cfg.normalized()
     bb = cfg.block_layout
+    for folder in {cfg.base, *(e.path for e in cfg.experts)}:
+        check_fresh(folder)  # a stacked folder whose source models changed is refused
     base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):

@@ -13,6 +13,13 @@ beside the target and renamed into place, every time (the sources may have chang
 stack.json names them by path only, so that the same inputs give the same bytes anywhere) and
 published as merges are (output/publish.py: locked, swapped in atomically, never through a
 symbolic link); a previous stack there is replaced, any other folder only with `force`.
+
+The folder goes stale when a source model changes after the import: `stack-sources.json`
+(not copied into merges: machine-specific) records each source folder and the stat keys
+(size, mtime_ns, ctime_ns, inode, device; links followed) of the files the stack was made
+from, taken before they were read. `check_fresh` compares them whenever the folder is about
+to be planned or merged and refuses a stale stack naming the changed file and the import
+to rerun; run's no-op record keys the source folders too (cli._input_paths).
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from pathlib import Path
 
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, open_checkpoint
 from mergepipe.config.settings import LAYER_RE
-from mergepipe.errors import CheckpointError, ConfigError, OutputError
+from mergepipe.errors import CheckpointError, ConfigError, IntegrityError, OutputError
 from mergepipe.output.publish import Publisher
 
 STACK_FILE = "stack.json"
@@ -81,7 +88,67 @@ def stack_plan(slices: list[dict], roots: dict[str, Path]) -> tuple[list[tuple[s
     return out, layer
 
 
-def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False) -> Path:
+SOURCES_FILE = "stack-sources.json"
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = os.stat(path)  # links followed: an HF-style blob's edit counts
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _source_files(root: Path) -> list[Path]:
+    """The files of a source model a stack reads: its weights (and shard index), config.json
+    and the generation/tokenizer files."""
+    ckpt = open_checkpoint(root)
+    files = {h.path for h in ckpt.files} | {root / n for n in ("config.json", "model.safetensors.index.json",
+                                                               *COPIED) if (root / n).is_file()}
+    return sorted(files)
+
+
+def source_stats(roots: list[Path]) -> dict[str, dict[str, list[int]]]:
+    """{source folder: {file: stat key}} (absolute paths)."""
+    return {str(r.absolute()): {str(f.absolute()): _stat_key(f) for f in _source_files(r)} for r in roots}
+
+
+def check_fresh(folder: str | Path) -> None:
+    """Refuse a stacked folder whose source models changed since it was built (see the module
+    docstring); anything without a stack-sources.json (an ordinary model, a merge output) passes.
+
+    Raises:
+        IntegrityError: naming the stacked folder, the changed file and the import to rerun.
+    """
+    record_path = Path(folder) / SOURCES_FILE
+    if not record_path.is_file():
+        return
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        sources, rerun = record["sources"], record["rerun"]
+        recorded = {r: dict(files) for r, files in sources.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise IntegrityError(f"{record_path}: unreadable record of the stack's sources; rebuild the stacked "
+                             "folder with `mergepipe import-mergekit ... --force`") from None
+    for root, files in sorted(recorded.items()):
+        try:
+            now = source_stats([Path(root)])[str(Path(root).absolute())]
+        except (OSError, CheckpointError) as e:
+            now, why = None, str(e)
+        if now != files:
+            changed = next((f for f in sorted(set(files) | set(now or {})) if (now or {}).get(f) != files.get(f)), root)
+            raise IntegrityError(f"{folder}: stale stacked model: its source {changed} changed (or is gone) since "
+                                 f"it was built; rebuild it with `{rerun}`"
+                                 + (f" ({why})" if now is None else ""))
+
+
+def stack_sources(folder: str | Path) -> list[Path]:
+    """The source model folders a stacked folder records (none for any other folder)."""
+    try:
+        return [Path(r) for r in sorted(json.loads((Path(folder) / SOURCES_FILE).read_text())["sources"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,
+                rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
 
     Raises:
@@ -92,6 +159,10 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
         if os.path.realpath(roots[s["model"]]) == os.path.realpath(target):
             raise ConfigError(f"slices[{i}].sources[0].model: {s['model']!r} is the stacked folder this import "
                               "builds; stack its source models instead")
+    try:  # before anything is read: a source edited during the build reads as changed later
+        stats = source_stats(sorted({roots[s["model"]] for s in slices}))
+    except OSError as e:
+        raise CheckpointError(f"{e.filename}: cannot stat a source model file: {e.strerror}") from None
     mapping, n_layers = stack_plan(slices, roots)
     record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
               "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
@@ -135,5 +206,6 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
             if (first_root / name).is_file():
                 shutil.copyfile(first_root / name, tmp / name)
         (tmp / STACK_FILE).write_text(text)
+        (tmp / SOURCES_FILE).write_text(json.dumps({"sources": stats, "rerun": rerun}, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return target
