@@ -41,6 +41,9 @@ def stages(work: Path) -> None:
     from mergepipe.engine.merge import run_merge
     from mergepipe.index.store import Store
     from mergepipe.output.manifest import build_manifest, dumps
+    import gc
+    from mergepipe.util.gcpause import RARE_THRESHOLD
+    gc.set_threshold(*RARE_THRESHOLD)  # as cli.main runs a command (util/gcpause.rare_gc)
     mark("imports")
     plan = _load_plan("plan.json")
     mark("plan file")
