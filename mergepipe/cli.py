@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.o:
         _refuse_inside_inputs(Path(args.o), _input_paths(cfg))
-    plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads)
+    plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads, quiet=args.quiet)
     data = canonical_json(plan) + b"\n"
     if args.o:
         out = Path(args.o)
@@ -265,7 +265,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     record = uptodate.snapshot(args.config, cli_overrides, _input_paths(cfg))
     store = Store(cfg.cache_dir)
-    plan, inputs = plan_config(cfg, store, threads=args.threads)
+    plan, inputs = plan_config(cfg, store, threads=args.threads, quiet=args.quiet)
     out_dir = Path(cfg.output.dir)
     files = [h.path for ck in (inputs.base, *inputs.experts.values()) for h in ck.files]
     record = uptodate.finish(record, files, out_dir, plan["plan_hash"])

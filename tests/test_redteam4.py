@@ -157,3 +157,39 @@ def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_fa
         assert main(["import-mergekit", str(mk), "-o", str(params), "--force", "-q"]) == 0
         assert main(["run", str(params), "-q"]) == 0
         assert (out / "model.safetensors").read_bytes() != before["model.safetensors"] or edit.startswith("config")
+
+
+def _warn_on_load(monkeypatch):
+    """transformers warning while loading the base (as it does for unused config keys, a
+    deprecated argument...): through its logger and through the warnings module."""
+    import warnings
+    import transformers
+    from transformers.utils import logging as hf_logging
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def noisy(*args, **kwargs):
+        hf_logging.get_logger("transformers.test").warning("a transformers warning")
+        warnings.warn("a library warning", FutureWarning)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", noisy)
+
+
+_NOISE = {
+    "text_longer_than_the_context": lambda monkeypatch: None,  # 9000 chars > the tiny tokenizer's 2048
+    "library_warning_while_loading": _warn_on_load,
+}
+
+
+@pytest.mark.parametrize("noise", sorted(_NOISE))
+def test_calibration_under_q_prints_nothing(noise, tiny_family, tmp_path, capfd, monkeypatch):
+    """`mergepipe plan -q` of a calibrated config printed transformers' "Token indices sequence
+    length is longer than the specified maximum" (the text is cut into seq_len sequences on
+    purpose) and whatever else it logs while loading. -q is quiet now; transformers' own
+    verbosity is left as it was."""
+    from transformers.utils import logging as hf_logging
+    _NOISE[noise](monkeypatch)
+    level = hf_logging.get_verbosity()
+    capfd.readouterr()
+    _calibrated_plan(tiny_family, tmp_path, tmp_path / "cache", "the quick brown fox jumps. " * 340)
+    assert capfd.readouterr().err == ""
+    assert hf_logging.get_verbosity() == level

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +47,34 @@ def read_text(path: Path) -> str:
     return text
 
 
+@contextmanager
+def _hushed(quiet: bool):
+    """transformers' logging at error level and Python warnings off, for this call only
+    (`-q` promises no output but errors; restored after, whatever happens)."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
-           progress: bool = False) -> tuple[Importance, dict[str, str]]:
-    """(importance per base tensor, metadata) from one pass over `text`."""
+           progress: bool = False, quiet: bool = False) -> tuple[Importance, dict[str, str]]:
+    """(importance per base tensor, metadata) from one pass over `text`; `quiet`: nothing of
+    transformers' on stderr but errors."""
+    with _hushed(quiet):
+        return _fisher(base, text, max_tokens=max_tokens, seq_len=seq_len, progress=progress)
+
+
+def _fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
+            progress: bool) -> tuple[Importance, dict[str, str]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,7 +88,9 @@ def fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{root}: the calibrated strategy needs the base as a transformers causal LM "
                           f"with its tokenizer: {msg}") from None
-    ids = tok(text, add_special_tokens=False)["input_ids"][:max_tokens]
+    # verbose=False: the whole text is longer than the model's context on purpose (it is cut
+    # into seq_len sequences below), which transformers would warn about
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"][:max_tokens]
     seqs = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     seqs = [s for s in seqs if len(s) >= 2]
     if not seqs:

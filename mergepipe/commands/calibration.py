@@ -21,7 +21,8 @@ RECIPE = "fisher-rank1"
 
 
 def calibration_inputs(options: dict, text_path: Path, store: Store, base: Checkpoint, base_index: ModelIndex,
-                       experts: dict[str, tuple[Checkpoint, ModelIndex]], *, progress: bool = False) -> dict:
+                       experts: dict[str, tuple[Checkpoint, ModelIndex]], *, progress: bool = False,
+                       quiet: bool = False) -> dict:
     """{artifact, text, energies: expert name -> tensor -> [energy per block]}."""
     text = read_text(text_path)
     text_hash = blake3(text.encode()).hexdigest()
@@ -37,7 +38,7 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
     if importance is None:
         from mergepipe.calibrate.fisher import fisher
         importance, extra = fisher(base, text, max_tokens=recipe["max_tokens"], seq_len=recipe["seq_len"],
-                                   progress=progress)
+                                   progress=progress, quiet=quiet)
         # the artifact's blake3 goes into the plan, so its bytes must be a function of its
         # inputs only: the pass's wall time (fisher's "seconds") is not written into it
         artifact.save(path, importance, {**meta, **{k: v for k, v in extra.items() if k != "seconds"}})

@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
@@ -60,11 +61,13 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
     tokenizer = plan["output"].get("tokenizer_source")
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
-                  tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root))
+                  tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root),
+                  sketches=plan_sketches(plan, store.root, base_index, where))
 
 
-def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[dict, Inputs]:
-    """Index every input (cached) and make the plan for `cfg` (budget overridable)."""
+def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool = False) -> tuple[dict, Inputs]:
+    """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`:
+    the calibration pass's libraries print nothing but errors (-q)."""
     norm = cfg.normalized()
     bb = cfg.block_layout
     for folder in {cfg.base, *(e.path for e in cfg.experts)}:
@@ -84,15 +87,20 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2) -> tuple[di
     if (norm.get("plan") or {}).get("strategy") == "calibrated":  # importance from the base on the user's text
         from mergepipe.commands.calibration import calibration_inputs
         calibration = calibration_inputs(norm["plan"], cfg.config_path(norm["plan"]["text"]), store, base,
-                                         base_index, {n: (experts[n], expert_indexes[n]) for n in experts})
+                                         base_index, {n: (experts[n], expert_indexes[n]) for n in experts},
+                                         quiet=quiet)
+    sketches = None
+    if (norm.get("plan") or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
+        sketches = sketch_inputs(store, base, base_index,
+                                 {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts})
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
                      output=_plan_output(cfg, norm),
                      nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"),
-                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration)
+                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration, sketches=sketches)
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
-                        tokenizer_dir=cfg.output.tokenizer_source)
+                        tokenizer_dir=cfg.output.tokenizer_source, sketches=sketches or {})
 
 
 def _plan_output(cfg, norm: dict) -> dict:

@@ -219,14 +219,14 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
     full = Budget("full")
     order = [full] + [b for b in budgets if b != full]
     t0 = time.monotonic()
-    _, inputs = plan_config(cfg, store, budget=full, threads=threads)  # indexes every input once
+    _, inputs = plan_config(cfg, store, budget=full, threads=threads, quiet=not progress)  # indexes every input once
     index_seconds = time.monotonic() - t0
     index_bytes = store.index_reads.total
     log(f"sweep: inputs indexed in {index_seconds:.1f} s ({index_bytes / 2**20:,.1f} MiB read)")
     merged: dict[Budget, tuple[dict, dict, float, float, bool, Path]] = {}
     for budget in order:
         t_plan = time.monotonic()
-        plan, _ = plan_config(cfg, store, budget=budget, threads=threads)
+        plan, _ = plan_config(cfg, store, budget=budget, threads=threads, quiet=not progress)
         t_merge = time.monotonic()
         target = out_dir / "models" / _label(budget)
         man = merge_plan(plan, inputs, target, store, threads=threads, progress=progress, protect=protect)
