@@ -60,6 +60,7 @@ def _parse(tmp_path, body: str, data_len: int):
     raw = body.encode()
     path = tmp_path / "m.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
+    st._LAST.clear()  # not the last header's entries: this parse
     try:
         return st.parse_header(path)
     except st.CheckpointError as e:
@@ -87,3 +88,18 @@ def test_scan_in_chunks(tmp_path, monkeypatch):
     cols = header_scan.scan(body, st._reject_duplicates)
     assert cols is not None and len(cols[1]) == 500
     assert _parse(tmp_path, body, 1000) == whole and not isinstance(whole, str)
+
+
+def test_a_header_like_the_last_one_takes_its_entries(tmp_path):
+    """An expert whose header is the base's, byte for byte, takes the base's checked entries
+    with its own path; the same header on a file of another size is parsed (and refused)."""
+    body = _body([f"t{i}" for i in range(10)]).encode()
+    for name, extra in (("base", 0), ("e1", 0), ("e2", 2)):
+        (tmp_path / name).write_bytes(struct.pack("<Q", len(body)) + body + bytes(20 + extra))
+    st._LAST.clear()
+    base, e1 = st.parse_header(tmp_path / "base"), st.parse_header(tmp_path / "e1")
+    st._LAST.clear()
+    assert e1 == st.parse_header(tmp_path / "e1") and e1.header_bytes is base.header_bytes
+    assert {t.file for t in e1.tensors} == {tmp_path / "e1"} and e1.tensors[3].name == "t3"
+    with pytest.raises(st.CheckpointError, match="2 bytes after the last tensor"):
+        st.parse_header(tmp_path / "e2")

@@ -68,6 +68,8 @@ def scan(text: str, pairs_hook: Callable) -> Columns | None:
         return None
     if len(set(names)) != len(names) or "__metadata__" in names:  # json.loads' errors, not ours
         return None
+    # one object per distinct dtype and shape (a few dozen), not one per tensor
+    dtype_of = {d: d for d in set(dtypes)}
     shape_of = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
-    return Columns((metadata, names, dtypes, list(map(shape_of.__getitem__, shapes)),
+    return Columns((metadata, names, list(map(dtype_of.__getitem__, dtypes)), list(map(shape_of.__getitem__, shapes)),
                     list(map(int, begins)), list(map(int, ends))))

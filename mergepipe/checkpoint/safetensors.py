@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, islice, repeat
 from math import prod
 from operator import add, eq, itemgetter, le, mul, sub
@@ -166,6 +166,34 @@ def parse_header(path: str | Path) -> FileHeader:
         raw = _pread_exact(fd, n, 8, path)
     finally:
         os.close(fd)
+    head = n.to_bytes(8, "little") + raw
+    last = _LAST[0] if _LAST else None
+    if last is not None and last.size == size and last.header_bytes == head:
+        return _same_header(last, path)
+    _LAST[:] = [_parse_raw(path, n, raw, size, head)]
+    return _LAST[0]
+
+
+# The last header parsed. The experts of one family often have the base's header byte for
+# byte (same tensors, same writer): theirs then takes its checked entries, with its own
+# path, and shares its bytes and names (one header kept alive at most, its checkpoint's own).
+_LAST: list[FileHeader] = []
+
+
+def _same_header(last: FileHeader, path: Path) -> FileHeader:
+    """`last`'s entries, for a file of the same size whose header has the same bytes."""
+    if not last.tensors:
+        return replace(last, path=path, metadata=dict(last.metadata))
+    names, dtypes, shapes, _, begins, ends = zip(*last.tensors)
+    with paused_gc():
+        rows = zip(names, dtypes, shapes, repeat(path), begins, ends)
+        tensors = tuple(map(tuple.__new__, repeat(TensorInfo), rows))  # TensorInfo(*row), as _entries_of_columns
+    return FileHeader(path, last.header_bytes, last.data_start, last.size, tensors, dict(last.metadata))
+
+
+def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHeader:
+    """parse_header after the read: the `n` header bytes `raw` (`head`: with the length
+    before them) of a file of `size` bytes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -178,7 +206,7 @@ def parse_header(path: str | Path) -> FileHeader:
         if cols is not None and _good_metadata(metadata):
             tensors = _entries_of_columns(path, *cols[1:], data_start, data_len)
             if tensors is not None:
-                return FileHeader(path, n.to_bytes(8, "little") + raw, data_start, size, tuple(tensors),
+                return FileHeader(path, head, data_start, size, tuple(tensors),
                                   dict(metadata))
     try:
         with paused_gc():  # 100k small dicts, no cycles (util/gcpause.py)
@@ -194,7 +222,7 @@ def parse_header(path: str | Path) -> FileHeader:
     with paused_gc():
         tensors = _entries_fast(path, header, data_start, data_len)
         if tensors is not None:  # well formed, sorted and tiling the data: checked column by column
-            return FileHeader(path, n.to_bytes(8, "little") + raw, data_start, size, tuple(tensors), dict(metadata))
+            return FileHeader(path, head, data_start, size, tuple(tensors), dict(metadata))
         tensors = [_parse_entry(path, name, entry, data_start, data_len) for name, entry in header.items()]
     tensors.sort(key=lambda t: (t.begin, t.end))
     # Like safetensors itself: tensors tile the data region exactly, no gaps or overlaps,
@@ -207,7 +235,7 @@ def parse_header(path: str | Path) -> FileHeader:
         pos = t.end
     if pos != size:
         raise CheckpointError(f"{path}: {size - pos} bytes after the last tensor are not described by the header")
-    return FileHeader(path, n.to_bytes(8, "little") + raw,
+    return FileHeader(path, head,
                       data_start, size, tuple(tensors), dict(metadata))
 
 

@@ -191,7 +191,10 @@ def _decode_model(data: bytes) -> ModelIndex:
         total = sum(counts)
         ranges = f.array("ranges", 2 * total)
         digests = f.bytes_of("hashes", _DIGEST * total)
-        tensors = ModelColumns(names, dtypes, list(map(tuple, shapes)), counts, ranges, digests)
+        # one object per distinct dtype and shape (a checkpoint of 100k tensors has a few dozen)
+        dtype_of, shape_of = {d: d for d in set(dtypes)}, {}
+        shapes = [shape_of.setdefault(sh, sh) for sh in map(tuple, shapes)]
+        tensors = ModelColumns(names, list(map(dtype_of.__getitem__, dtypes)), shapes, counts, ranges, digests)
     except (KeyError, TypeError, ValueError) as e:
         raise BinFormatError(f"fields: {e}") from None
     return ModelIndex(content, bb, tensors, emb)

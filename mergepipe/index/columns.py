@@ -97,6 +97,14 @@ class ModelColumns(_ByName):
     def index_of(self, name: str) -> int:
         return self._pos[name]
 
+    def share_names(self, names: list[str]) -> None:
+        """Take these equal names (the checkpoint's) in place of the decoded ones, which are
+        then freed: one string per tensor name in memory, not one per copy."""
+        if names != self.names:
+            raise ValueError("not the same names")
+        self.names = names
+        self._pos = dict(zip(names, range(len(names))))
+
     def entry(self, i: int) -> TensorEntry:
         a, z = self.starts[i], self.starts[i + 1]
         flat = list(self.ranges[2 * a:2 * z])
@@ -209,9 +217,10 @@ def describes(index, ckpt, layout) -> bool:
             or cols.dtypes != list(map(attrgetter("dtype"), infos)) or cols.shapes != list(map(attrgetter("shape"), infos)):
         return False
     counts, flat = expected_ranges(cols.names, cols.dtypes, cols.shapes, layout)
-    if cols.starts != _starts(counts) or list(cols.ranges) != flat:
+    if cols.starts != _starts(counts) or list(cols.ranges) != flat or cols.content_hash() != index.content_hash:
         return False
-    return cols.content_hash() == index.content_hash
+    cols.share_names(list(ckpt.tensors))
+    return True
 
 
 def delta_describes(delta, base_index, expert_index) -> bool:
