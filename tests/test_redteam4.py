@@ -120,17 +120,11 @@ _SOURCE_EDITS = {
 }
 
 
-@pytest.mark.parametrize("command", ["run", "plan", "merge"])
-@pytest.mark.parametrize("edit", sorted(_SOURCE_EDITS))
-def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_family, tmp_path, capsys):
-    """`import-mergekit` of a slices config builds P.stacked once; a source model changed
-    afterwards (retrained, re-downloaded, edited in place with its mtime restored) left the
-    stacked folder stale, and `run` said "up to date", `plan`/`merge` merged the old layers:
-    a model that is not the config's. Now each refuses (exit 6) naming the changed file and
-    the import to rerun, and after the rerun the merge has the new bytes."""
+def _stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
+    """base and expert_1 copied into tmp_path, a slices config stacking them, imported as p.yaml."""
     import shutil
     import yaml
-    root = Path(tiny_family["root"])
+    root = Path(family["root"])
     for m in ("base", "expert_1"):
         shutil.copytree(root / m, tmp_path / m)
     mk = tmp_path / "mk.yml"
@@ -139,6 +133,18 @@ def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_fa
         {"sources": [{"model": "expert_1", "layer_range": [2, 4]}]}]}))
     params = tmp_path / "p.yaml"
     assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    return mk, params
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "merge"])
+@pytest.mark.parametrize("edit", sorted(_SOURCE_EDITS))
+def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_family, tmp_path, capsys):
+    """`import-mergekit` of a slices config builds P.stacked once; a source model changed
+    afterwards (retrained, re-downloaded, edited in place with its mtime restored) left the
+    stacked folder stale, and `run` said "up to date", `plan`/`merge` merged the old layers:
+    a model that is not the config's. Now each refuses (exit 6) naming the changed file and
+    the import to rerun, and after the rerun the merge has the new bytes."""
+    mk, params = _stacked_project(tiny_family, tmp_path)
     assert main(["run", str(params), "-q"]) == 0
     assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     out = tmp_path / "merged"
@@ -193,3 +199,27 @@ def test_calibration_under_q_prints_nothing(noise, tiny_family, tmp_path, capfd,
     _calibrated_plan(tiny_family, tmp_path, tmp_path / "cache", "the quick brown fox jumps. " * 340)
     assert capfd.readouterr().err == ""
     assert hf_logging.get_verbosity() == level
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["expert_1", "expert_1/merged", "base/sub/p.yaml"])
+@pytest.mark.parametrize("command", ["run", "merge", "import-mergekit"])
+def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, target, tiny_family, tmp_path):
+    """The stacked folder's source models are the real inputs, yet only the stacked folder was
+    protected: `run p.yaml -o expert_1 --force` (after "not a mergepipe output") replaced the
+    user's expert_1 with the merge, and `import-mergekit mk.yml -o base/p.yaml` built p.stacked
+    and wrote p.yaml inside the base. Now every one is refused (exit 7), even with --force."""
+    mk, params = _stacked_project(tiny_family, tmp_path)
+    assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    before = {m: _tree(tmp_path / m) for m in ("base", "expert_1")}
+    argv = {"run": ["run", str(params), "-o"], "merge": ["merge", str(tmp_path / "plan.json"), "-o"],
+            "import-mergekit": ["import-mergekit", str(mk), "-o"]}[command]
+    path = tmp_path / target
+    if command == "import-mergekit" and not target.endswith(".yaml"):
+        path = path / "p.yaml"
+    assert main([*argv, str(path), "--force", "-q", *(["--root", str(tmp_path)] if command == "merge" else [])]) == 7
+    assert {m: _tree(tmp_path / m) for m in ("base", "expert_1")} == before
+    assert not (tmp_path / "base" / "sub").exists() and not (tmp_path / "expert_1" / "merged").exists()

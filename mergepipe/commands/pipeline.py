@@ -27,7 +27,7 @@ from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
-from mergepipe.commands.stack import check_fresh
+from mergepipe.commands.stack import check_fresh, stack_sources
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -159,6 +159,10 @@ def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: t
     for ck in [inputs.base, *inputs.experts.values()]:
         if overlaps(ck.root):
             raise OutputError(f"{out_dir}: output folder overlaps input model {ck.root}; choose another output dir")
+        for src in stack_sources(ck.root):  # a stacked input's models are inputs too
+            if overlaps(src):
+                raise OutputError(f"{out_dir}: output folder overlaps {src}, a source model of the stacked input "
+                                  f"{ck.root}; choose another output dir")
     if inputs.tokenizer_dir is not None and overlaps(inputs.tokenizer_dir):
         raise OutputError(f"{out_dir}: output folder overlaps the tokenizer source {inputs.tokenizer_dir}; "
                           "choose another output dir")
