@@ -30,11 +30,29 @@ from tests.helpers import load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},
            {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0},
-           {"strategy": "calibrated", "text": "c.txt"}, {"strategy": "calibrated", "text": "c.txt", "shares": "equal"}]
+           {"strategy": "calibrated", "text": "c.txt"}, {"strategy": "calibrated", "text": "c.txt", "shares": "equal"},
+           {"strategy": "sketch"}]
 
 # real merges of the non-default strategies; calibrated needs a transformers model as base
 # (its real merges are in tests/test_calibrated.py)
-REAL_OPTIONS = [o for o in OPTIONS[2:] if o["strategy"] != "calibrated"]
+# (sketch's real merges are in tests/test_sketch.py)
+REAL_OPTIONS = [o for o in OPTIONS[2:] if o["strategy"] not in ("calibrated", "sketch")]
+
+
+class _SyntheticSketch:
+    """What index/sketch.Sketch tells the planner, made up: every non-identical block sketched,
+    alpha such that the sketch keeps (0.3 + (block % 3) / 5) of the block's energy."""
+
+    def __init__(self, delta, expert: str):
+        self.delta, self.digest = delta, f"{int(expert[1:]) + 7:064x}"
+
+    def has(self, tensor: str, block: int) -> bool:
+        return not self.delta.tensors[tensor].identical[block]
+
+    def stats(self, tensor: str, block: int):
+        l2, nnz = self.delta.tensors[tensor].block_l2[block], 32
+        alpha = float(torch.tensor(l2 * math.sqrt((0.3 + (block % 3) / 5) / nnz), dtype=torch.float32))
+        return alpha, alpha * nnz, nnz
 
 
 def _calibration(idx, deltas) -> dict:
@@ -55,7 +73,9 @@ def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task
                      expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
                      budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
                      output={"dtype": None, "shard_bytes": None}, strategy=strategy,
-                     calibration=_calibration(idx, deltas) if (strategy or {}).get("strategy") == "calibrated" else None)
+                     calibration=_calibration(idx, deltas) if (strategy or {}).get("strategy") == "calibrated" else None,
+                     sketches={n: _SyntheticSketch(d, n) for n, d in deltas.items()}
+                     if (strategy or {}).get("strategy") == "sketch" else None)
 
 
 def test_every_registered_strategy_is_exercised():
@@ -67,7 +87,8 @@ def test_every_registered_strategy_is_exercised():
 def test_budget_sound_deterministic_and_full_at_full_budget(tensor_blocks, k, budget, seed, strategy):
     base_index, experts, idx, deltas = synthetic_indexes(tensor_blocks, k, seed)
     plan = _plan(base_index, experts, idx, deltas, budget, strategy)
-    assert plan["bytes"]["planned_expert_bytes"] <= budget == plan["budget_bytes"]
+    assert plan["bytes"]["planned_expert_bytes"] + plan["bytes"].get("planned_sketch_bytes", 0) <= budget
+    assert budget == plan["budget_bytes"]
     for e in experts:
         for tname, blocks in plan["reads"][e.name].items():
             assert all(not deltas[e.name].tensors[tname].identical[b] for b in blocks)
@@ -83,6 +104,10 @@ def test_budget_sound_deterministic_and_full_at_full_budget(tensor_blocks, k, bu
         full = _plan(base_index, experts, idx, deltas, b, strategy)
         plain = _plan(base_index, experts, idx, deltas, b, None)
         assert full["reads"] == plain["reads"]
+        # a sketch plan says it sketched nothing
+        assert full["bytes"].pop("planned_sketch_bytes", 0) == 0
+        assert not any(full["bytes"].pop("sketch_by_expert", {}).values())
+        assert not any(full.get("strategy", {}).get("sketch", {}).get("blocks", {}).values())
         assert full["bytes"] == plain["bytes"] and full["bound"]["omitted_mass"] == 0.0
         assert not full.get("strategy", {}).get("scales")
 

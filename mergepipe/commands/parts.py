@@ -133,10 +133,12 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
             sub = Checkpoint(base.root, base.files, {name: base.tensors[name] for name in names})
             sub_plan = {**plan, "output": {**plan["output"], "shard_bytes": ONE_FILE}}
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
-                                cache_dir=inputs.cache_dir)
+                                cache_dir=inputs.cache_dir, sketches=inputs.sketches)
             realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
             info.update(tensors=realized.tensors, base_bytes_read=realized.base_bytes_read,
                         base_bytes_copied=realized.base_bytes_copied, expert_bytes_read=realized.expert_bytes_read)
+            if realized.sketch_bytes_read:  # strategy sketch only: other sidecars keep their keys
+                info["sketch_bytes_read"] = realized.sketch_bytes_read
         os.replace(Path(tmp) / "model.safetensors", st_path)
     info["file"] = {"blake3": hash_file(st_path), "size": st_path.stat().st_size}
     info["seconds"] = round(time.monotonic() - t0, 3)
@@ -195,6 +197,8 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                 _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, BlockLayout.of_plan(plan))
                 realized.base_bytes_read += info["base_bytes_read"]
                 realized.base_bytes_copied += info["base_bytes_copied"]
+                sk = info.get("sketch_bytes_read", 0)
+                realized.sketch_bytes_read += sk if isinstance(sk, int) and not isinstance(sk, bool) and sk >= 0 else 0
                 for name, nbytes in info["expert_bytes_read"].items():
                     realized.expert_bytes_read[name] += nbytes
                 realized.tensors.update(info["tensors"])

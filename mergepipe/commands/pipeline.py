@@ -13,9 +13,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
+from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
@@ -62,7 +62,8 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
     tokenizer = plan["output"].get("tokenizer_source")
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                   tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root),
-                  sketches=plan_sketches(plan, store.root, base_index, where))
+                  sketches=plan_sketches(plan, store, base, base_index, {
+                      n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, where))
 
 
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool = False) -> tuple[dict, Inputs]:

@@ -37,6 +37,7 @@ from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.columns import ModelColumns
+from mergepipe.index.sketch import sketch_cost
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -60,6 +61,7 @@ class Inputs:
     deltas: dict[str, DeltaIndex]
     cache_dir: Path | None = None  # the store, where joint statistics are kept (engine/stats.py)
     tokenizer_dir: Path | None = None  # output.tokenizer_source's folder (commands/tokenizer_source.py)
+    sketches: dict = field(default_factory=dict)  # expert -> index.sketch.Sketch (strategy `sketch` only)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Realized:
     tensors: dict[str, str] = field(default_factory=dict)  # name -> tensor hash (checkpoint/treehash.py)
     joint_statistics: dict = field(default_factory=dict)  # {key, blake3} of a joint method's statistics
     joint_bytes_read: int = 0  # bytes the joint scan read (0: loaded from the store)
+    sketch_bytes_read: int = 0  # sketch codes and scales read in place of expert blocks (strategy `sketch`)
     seconds: float = 0.0
 
 
@@ -150,6 +153,10 @@ class _Merge:
     rewrites: bool = False
     # per-tensor parameters (plan `tensor_parameters`): the state for each tensor's group
     variants: TensorVariants | None = None
+    # tensor -> expert -> blocks read as sketches (plan `strategy.sketch`); such a tensor
+    # takes the torch path; sketch_read[0] counts their bytes (shared by variants' copies)
+    sketched: dict[str, dict[str, frozenset[int]]] = field(default_factory=dict)
+    sketch_read: list[int] = field(default_factory=lambda: [0])
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -197,6 +204,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
     packs = PackBuilder()
     per_expert = list(reads.values())
+    sketched = _sketched_by_tensor(plan)
     grouped = "tensor_parameters" in plan  # else every tensor has the top-level parameters
     for (name, t), n_blocks in zip(base.tensors.items(), block_counts(inputs.base_index, base.tensors)):
         fname, out_t = out_of[name]
@@ -204,14 +212,14 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                                                   and t.dtype in FLOAT_DTYPES)
         # small tensors: one unit per run of them (engine/packs.py)
         if copy_ok and packable(t, n_blocks) and (not grouped or group_index(plan, name) is None):
-            planned = any(0 in r.get(name, ()) for r in per_expert)
+            planned = any(0 in r.get(name, ()) for r in per_expert) or name in sketched
             done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
             if done is not None:
                 work.append((done, PACK, ()))
             continue
         if (done := packs.flush()) is not None:
             work.append((done, PACK, ()))
-        planned = set().union(*(r.get(name, ()) for r in per_expert))
+        planned = set().union(*(r.get(name, ()) for r in per_expert), *sketched.get(name, {}).values())
         ranges = inputs.base_index.tensors[name].ranges
         work += [(name, kind, blocks) for kind, blocks in segments(t, ranges, planned, copy_ok=copy_ok)]
     if (done := packs.flush()) is not None:
@@ -223,7 +231,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
         hasher = OutputHasher(layout, writers, BlockLayout.of_plan(plan))
         m = _Merge(method, params, plan["seed"], experts, inputs, CutTable(inputs.deltas), hasher, kernel,
-                   _scales_by_tensor(plan), rewrites=rewrites, joint=joint)
+                   _scales_by_tensor(plan), rewrites=rewrites, joint=joint, sketched=sketched)
         if "tensor_parameters" in plan:
             m.variants = TensorVariants(plan, lambda state, p, es: _for_group(state, p, es, compiled))
 
@@ -275,11 +283,14 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         raise
     finally:
         reader.close()
+        for sk in inputs.sketches.values():
+            sk.close()
         for fd in base_fds.values():
             os.close(fd)
     record_outputs(out_dir, layout, writers, realized, block_bytes=BlockLayout.of_plan(plan), file_hashes=file_hashes)
     realized.base_bytes_read = reader.base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(reader.counters.items())}
+    realized.sketch_bytes_read = m.sketch_read[0]
     realized.seconds = time.monotonic() - t_start
     return realized
 
@@ -306,10 +317,13 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
     if m.variants is not None:
         m = m.variants.get(m, t.name)
-    if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)):
+    sketched = m.sketched.get(t.name)
+    if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)
+                                       and not (sketched and any(b in bs for bs in sketched.values()))):
         # nothing to merge here: the base rows, cast if the output dtype differs
         return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
-    if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
+    if (m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales
+            and not sketched):
         return m.kernel(_raw_block(m, t, b, raw, got))
     return _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
 
@@ -388,7 +402,7 @@ def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
     every tensor of the pack (one buffer) or for none."""
     if m.kernel is None or not getattr(m.kernel, "elementwise", False) or result.got.keys() != result.whole.keys():
         return False
-    return all(t.dtype == "BF16" and t.name not in m.scales for t in pack.tensors)
+    return all(t.dtype == "BF16" and t.name not in m.scales and t.name not in m.sketched for t in pack.tensors)
 
 
 def _no_cut(expert: str, rank: int):
@@ -416,6 +430,10 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
         delta = None
         if buf is not None:
             delta = as_tensor(buf, t.dtype, shape).float() - base_block
+        elif b in m.sketched.get(t.name, {}).get(e.name, ()):  # alpha * code (index/sketch.py)
+            n = base_block.numel()
+            delta = torch.from_numpy(m.inputs.sketches[e.name].delta(t.name, b, n)).reshape(shape)
+            m.sketch_read[0] += sketch_cost(n)
         cut = m.cuts.get(e.name, t.name).for_block(b, base_block.numel()) if m.method.magnitude else None
         cosine = None
         if m.method.cosine:
@@ -445,6 +463,16 @@ def block_counts(index: ModelIndex, names) -> list[int]:
         s = cols.starts
         return [s[i + 1] - s[i] for i in map(cols.index_of, names)]
     return [len(cols[n].ranges) for n in names]
+
+
+def _sketched_by_tensor(plan: dict) -> dict[str, dict[str, frozenset[int]]]:
+    """The plan's sketched blocks (`strategy.sketch.blocks`: expert -> tensor -> blocks), by tensor."""
+    out: dict[str, dict[str, frozenset[int]]] = {}
+    for expert, per in (((plan.get("strategy") or {}).get("sketch") or {}).get("blocks") or {}).items():
+        for tensor, blocks in per.items():
+            if blocks:
+                out.setdefault(tensor, {})[expert] = frozenset(blocks)
+    return out
 
 
 def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:

@@ -62,6 +62,9 @@ def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
             "tensors": realized.tensors,
         },
     }
+    if "planned_sketch_bytes" in planned:  # strategy sketch: sketches read in place of expert blocks
+        man["bytes"]["planned_sketch_bytes"] = planned["planned_sketch_bytes"]
+        man["bytes"]["sketch_bytes_read"] = realized.sketch_bytes_read
     man["manifest_hash"] = manifest_hash(man)
     return man
 

@@ -29,7 +29,7 @@ from mergepipe.errors import BudgetError, CheckpointError, ConfigError
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import statistics_key
-from mergepipe.plan import joint_reads
+from mergepipe.plan import joint_reads, sketch_reads
 from mergepipe.checkpoint.blocks import BlockLayout, is_vocabulary_tensor, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
@@ -64,7 +64,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
               method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
               block_bytes: int | BlockLayout, output: dict, nonfinite: str = "error",
               strategy: dict | None = None, tensor_parameters: dict | None = None,
-              calibration: dict | None = None) -> dict:
+              calibration: dict | None = None, sketches: dict | None = None) -> dict:
     """Build the plan (a canonical, JSON-able dict with its own hash).
 
     `budget` is resolved against the plan's own full-read bytes (every expert
@@ -73,7 +73,8 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     The plan records both the budget as written and the resolved bytes.
     `strategy` is the `plan:` mapping of params.yaml ({strategy: NAME, ...options};
     None or the default: `energy`); `calibration` what a calibrated strategy scores with
-    (commands/calibration.py). `tensor_parameters` (config/tensor_params.py) gives
+    (commands/calibration.py); `sketches` expert name -> its opened sketch (index/sketch.py)
+    for a sketching strategy. `tensor_parameters` (config/tensor_params.py) gives
     per-tensor parameters and expert weights: recorded in the plan, and each tensor's
     scores use its own effective weights.
 
@@ -95,6 +96,10 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     if strat.rescales and m.cosine:
         raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {method!r} does not merge "
                           "weighted deltas, use strategy energy or balanced")
+    if strat.sketched:
+        sketch_reads.check_method(method, m, strat.name)
+        if sketches is None:
+            raise ConfigError(f"plan: strategy {strat.name!r} needs the experts' sketches (mergepipe run makes them)")
     if budget_bytes is None:
         budget = parse_budget(budget)
     elif budget_bytes < 0:
@@ -150,7 +155,11 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
     vocabulary = frozenset(n for n, e in base_index.tensors.items() if is_vocabulary_tensor(n, e.shape))
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale, vocabulary)
+    sk_ctx = None
+    if strat.sketched:
+        sk_ctx = sketch_reads.sketch_context(items, sketches, {n: e.dtype for n, e in base_index.tensors.items()})
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale, vocabulary,
+                      sketch=sk_ctx)
     if m.joint is not None:  # per-tensor parameters must not change the statistics
         joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
     if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)
@@ -164,8 +173,18 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     # per block: sum over omitted experts of s_kb, plus (c_kt - 1) s_kb over read ones a
     # strategy rescaled (the rescale's own error, zero when nothing is rescaled)
     omitted_by_block: dict[tuple[str, int], float] = {}
-    for it, take in zip(items, selection.chosen):
-        if take:
+    sketched = selection.sketched or [False] * len(items)
+    sketch_blocks: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
+    sketch_planned = {e.name: 0 for e in experts}
+    for it, take, sk in zip(items, selection.chosen, sketched):
+        if sk and not take:  # read as its sketch: its cost, and only its residual is left out
+            r2, cs = sk_ctx[(it.expert, it.tensor, it.block)]
+            used += cs
+            sketch_planned[it.expert] += cs
+            sketch_blocks[it.expert].setdefault(it.tensor, []).append(it.block)
+            key = (it.tensor, it.block)
+            omitted_by_block[key] = omitted_by_block.get(key, 0.0) + sketch_reads.residual_score(it, r2)
+        elif take:
             used += it.cost
             planned[it.expert] += it.cost
             reads[it.expert].setdefault(it.tensor, []).append(it.block)
@@ -202,7 +221,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         "bytes": {
             "total_expert_bytes": total_expert_bytes,
             "full_read_expert_bytes": full_read_bytes,
-            "planned_expert_bytes": used,
+            "planned_expert_bytes": used - sum(sketch_planned.values()),  # full reads; sketches below
             "planned_by_expert": dict(sorted(planned.items())),
             "skipped_identical_by_expert": dict(sorted(skipped_identical.items())),
             "candidate_pairs": len(items),
@@ -229,6 +248,13 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                             "scales": {k: dict(sorted(v.items())) for k, v in sorted(scales.items())}}
         if scores is not None:  # what the importance came from, so the plan hash covers it
             plan["strategy"]["calibration"] = {k: calibration[k] for k in ("artifact", "text")}
+        if strat.sketched:
+            plan["strategy"]["sketch"] = {
+                "artifacts": {e.name: sketches[e.name].digest for e in sorted(experts, key=lambda e: e.name)},
+                "blocks": {n: {t: sorted(bs) for t, bs in sorted(per.items())}
+                           for n, per in sorted(sketch_blocks.items())}}
+            plan["bytes"]["planned_sketch_bytes"] = sum(sketch_planned.values())
+            plan["bytes"]["sketch_by_expert"] = dict(sorted(sketch_planned.items()))
     plan["plan_hash"] = plan_hash(plan)
     return plan
 

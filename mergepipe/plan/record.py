@@ -75,6 +75,9 @@ class BytesRecord(BaseModel):
     skipped_identical_by_expert: dict[StrictStr, Count]
     candidate_pairs: Count
     planned_pairs: Count
+    # strategy `sketch` only (plan/sketch_reads.py): sketch bytes, also within budget_bytes
+    planned_sketch_bytes: Count | None = None
+    sketch_by_expert: dict[StrictStr, Count] | None = None
 
 
 class BoundRecord(BaseModel):
@@ -93,6 +96,15 @@ class CalibrationRecord(BaseModel):
     text: Hash
 
 
+class SketchRecord(BaseModel):
+    """The sketches a `sketch` plan reads: each expert's sketch header blake3, and its
+    sketched blocks per tensor (sorted, distinct; never also in `reads`)."""
+
+    model_config = _STRICT
+    artifacts: dict[StrictStr, Hash]
+    blocks: dict[StrictStr, dict[StrictStr, list[StrictInt]]]
+
+
 class StrategyRecord(BaseModel):
     """Present only when the plan strategy is not the default (plan/strategies/)."""
 
@@ -101,6 +113,7 @@ class StrategyRecord(BaseModel):
     parameters: dict[StrictStr, object]
     scales: dict[StrictStr, dict[StrictStr, Annotated[float, Field(ge=1, allow_inf_nan=False)]]]
     calibration: CalibrationRecord | None = None  # only for a calibrated strategy
+    sketch: SketchRecord | None = None  # only for a sketching strategy
 
 
 class JointRecord(BaseModel):
@@ -201,9 +214,17 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
             raise ConfigError(f"{where}: plan key bytes.{key}: must name exactly the plan's experts")
     if b.planned_expert_bytes != sum(b.planned_by_expert.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: not the sum of planned_by_expert")
-    if b.planned_expert_bytes > rec.budget_bytes:
-        raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: {b.planned_expert_bytes} exceeds "
-                          f"budget_bytes {rec.budget_bytes}")
+    sketched = rec.strategy is not None and rec.strategy.sketch is not None
+    if sketched != (b.planned_sketch_bytes is not None) or sketched != (b.sketch_by_expert is not None):
+        raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: present exactly for a sketch plan")
+    if sketched:
+        if sorted(b.sketch_by_expert) != sorted(names):
+            raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: must name exactly the plan's experts")
+        if b.planned_sketch_bytes != sum(b.sketch_by_expert.values()):
+            raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: not the sum of sketch_by_expert")
+    if b.planned_expert_bytes + (b.planned_sketch_bytes or 0) > rec.budget_bytes:
+        raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: {b.planned_expert_bytes} (and "
+                          f"{b.planned_sketch_bytes or 0} sketch bytes) exceeds budget_bytes {rec.budget_bytes}")
     if b.planned_pairs != sum(len(v) for r in rec.reads.values() for v in r.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_pairs: does not count the reads")
     return rec
@@ -244,6 +265,11 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
     if norm is None or norm != st.parameters or norm.get("strategy") != st.name:
         raise ConfigError(f"{where}: plan key strategy.parameters: not the normalized options of strategy "
                           f"{st.name!r} (the default strategy is never recorded)")
+    if (st.sketch is not None) != strategy.sketched:
+        raise ConfigError(f"{where}: plan key strategy.sketch: "
+                          + ("missing" if strategy.sketched else f"strategy {st.name!r} does not sketch"))
+    if st.sketch is not None:
+        _check_sketch(rec, where)
     cap = float(st.parameters.get("max_scale", 1.0))
     for expert, per in st.scales.items():
         if not strategy.rescales:
@@ -257,6 +283,22 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
                                   "of it")
             if c > cap:
                 raise ConfigError(f"{where}: plan key strategy.scales.{expert}.{tensor}: {c} exceeds max_scale {cap}")
+
+
+def _check_sketch(rec: PlanRecord, where: str) -> None:
+    """Every expert has one artifact; sketched blocks sorted, distinct and not read in full too."""
+    sk = rec.strategy.sketch
+    names = sorted(e.name for e in rec.experts)
+    if sorted(sk.artifacts) != names or not set(sk.blocks) <= set(names):
+        raise ConfigError(f"{where}: plan key strategy.sketch: must name exactly the plan's experts")
+    for expert, per in sk.blocks.items():
+        reads = rec.reads.get(expert, {})
+        for tensor, blocks in per.items():
+            key = f"strategy.sketch.blocks.{expert}.{tensor}"
+            if any(b < 0 for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
+                raise ConfigError(f"{where}: plan key {key}: block numbers must be non-negative, sorted and distinct")
+            if set(blocks) & set(reads.get(tensor, ())):
+                raise ConfigError(f"{where}: plan key {key}: a block both sketched and read in full")
 
 
 def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
@@ -306,6 +348,13 @@ def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict 
             raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
                               f"are {nbytes} bytes, the plan says {plan['bytes']['planned_by_expert'][name]}")
         total += nbytes
+    if "planned_sketch_bytes" in plan["bytes"]:  # strategy sketch (plan/sketch_reads.py)
+        from mergepipe.plan.sketch_reads import check_sketch_blocks
+        sketch = check_sketch_blocks(plan, expert_indexes, deltas, where)
+        if sketch != plan["bytes"]["sketch_by_expert"]:
+            raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: the sketched blocks are {sketch} bytes, "
+                              f"the plan says {plan['bytes']['sketch_by_expert']}")
+        total += sum(sketch.values())
     if total > plan["budget_bytes"]:
         raise ConfigError(f"{where}: plan reads {total} expert bytes, more than its budget_bytes "
                           f"{plan['budget_bytes']}")

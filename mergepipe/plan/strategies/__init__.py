@@ -4,8 +4,8 @@ are rescaled. Importing this package registers all of them.
 
 energy.py (default; today's greedy by |lambda w|*||delta||/byte), balanced.py (a budget
 share per expert), compensated.py (norm-matching rescale of what is read), calibrated.py (importance from
-the base on calibration text)."""
-from mergepipe.plan.strategies import balanced, calibrated, compensated, energy  # noqa: F401
+the base on calibration text), sketch.py (ternary sketches where a full read does not fit)."""
+from mergepipe.plan.strategies import balanced, calibrated, compensated, energy, sketch  # noqa: F401
 from mergepipe.plan.strategies.registry import (  # noqa: F401
     DEFAULT_STRATEGY,
     STRATEGIES,

@@ -60,6 +60,9 @@ class PlanContext:
     block_scale: dict[str, float] = field(default_factory=dict)
     # the base's vocabulary tensors (checkpoint/blocks.py::is_vocabulary_tensor), any layout
     vocabulary: frozenset[str] = frozenset()
+    # (expert, tensor, block) -> (residual energy of its sketch, the sketch's bytes), only for
+    # strategies that declare `sketched` (index/sketch.py; None otherwise)
+    sketch: dict[tuple[str, str, int], tuple[float, int]] | None = None
 
 
 def per_byte(score: float, cost: int, scale: float = 1.0) -> float:
@@ -76,6 +79,8 @@ class Selection:
     # expert -> tensor -> factor applied to the delta of that expert's read blocks of that
     # tensor; only factors != 1 are listed. Empty for strategies that do not rescale.
     scales: dict[str, dict[str, float]] = field(default_factory=dict)
+    # parallel to the candidates: read as a sketch instead (never also chosen); None: no sketches
+    sketched: list[bool] | None = None
 
 
 SelectFn = Callable[[list[Candidate], int, PlanContext, BaseModel], Selection]
@@ -89,18 +94,19 @@ class Strategy:
     rescales: bool  # may return scales != 1 (the plan records them; the engine applies them)
     doc: str
     calibrated: bool = False  # needs PlanContext.block_scores (a calibration artifact)
+    sketched: bool = False  # needs PlanContext.sketch (the experts' sketches) and may sketch blocks
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
 def register(name: str, *, params: type[BaseModel], rescales: bool = False,
-             calibrated: bool = False) -> Callable[[SelectFn], SelectFn]:
+             calibrated: bool = False, sketched: bool = False) -> Callable[[SelectFn], SelectFn]:
     def wrap(fn: SelectFn) -> SelectFn:
         if name in STRATEGIES:
             raise ValueError(f"plan strategy {name!r} registered twice")
         STRATEGIES[name] = Strategy(name, params, fn, rescales, (fn.__doc__ or "").strip().splitlines()[0],
-                                    calibrated)
+                                    calibrated, sketched)
         return fn
     return wrap
 

@@ -1,0 +1,231 @@
+"""Ternary delta sketches: a 2-bit-per-element summary of an expert's update, read where
+the budget cannot afford the expert's block itself (plan strategy `sketch`).
+
+For block b of expert k (the index's row ranges), with delta d = W_k - W_0 in fp32:
+
+    code_i  = +1 where d_i > 0, -1 where d_i < 0, 0 where d_i == 0 (or NaN)
+    alpha_b = fp32(sum_i |d_i| / nnz_b)          (nnz_b: the non-zero elements)
+    sketch  = alpha_b * code                      (the L2-best scale for these codes)
+
+A full fine-tune with Adam moves almost every weight by a similar amount, so the sign
+pattern holds most of the update (EVAL.md: ~77% of its energy on SmolLM2 experts) at an
+eighth of a bf16 block's bytes. The residual energy a sketch leaves is, from the delta
+index's exact block l2 and these two sums, ||d||^2 - 2 alpha S1 + nnz alpha^2 (S1 = sum |d|).
+
+S1 is summed exactly (each |d| split into an integer mantissa and an exponent, mantissas
+summed per exponent: integers below 2^53, so any order gives the same value; then an
+exactly rounded fsum), so alpha is the same on every CPU whatever numpy's vector width.
+
+File (one per (expert, base, block layout), in the store's `sketch/` folder):
+    codes of every sketched block, each starting on a byte (4 codes per byte, element i of
+    the block in bits 2*(i % 4), 1 = +1, 2 = -1), then the canonical JSON header, then the
+    header's length (u64 little endian) and the magic b"MPSKETCH". The header lists, per
+    tensor, per block, [offset, nbytes, alpha, s1, nnz, blake3 of the codes] (null for a
+    block identical to the base). Its blake3 is the artifact hash a plan records; each
+    block's codes are checked against their digest when the merge reads them. No torch here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from blake3 import blake3
+
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
+from mergepipe.errors import IntegrityError
+from mergepipe.index.records import DeltaIndex, ModelIndex
+from mergepipe.index.scan import _decode
+from mergepipe.util.fs import canonical_json
+
+SKETCH_FORMAT = 1
+MAGIC = b"MPSKETCH"
+SCALE_BYTES = 4  # alpha, fp32: counted with the codes as what a sketched block costs
+MAX_HEADER = 1 << 31
+
+# byte -> its four codes as fp32 (+1, -1, 0), for unpacking
+_LUT = np.zeros((256, 4), np.float32)
+for _byte in range(256):
+    for _j in range(4):
+        _LUT[_byte, _j] = {0: 0.0, 1: 1.0, 2: -1.0, 3: 0.0}[(_byte >> (2 * _j)) & 3]
+
+
+def code_bytes(n: int) -> int:
+    """Bytes of the codes of an n-element block."""
+    return (n + 3) // 4
+
+
+def sketch_cost(n: int) -> int:
+    """Expert-I/O bytes a sketched n-element block costs: its codes and its scale."""
+    return code_bytes(n) + SCALE_BYTES
+
+
+def exact_abs_sum(d: np.ndarray) -> float:
+    """sum |d| of fp32 values, exactly rounded and independent of summation order."""
+    a = np.abs(d[d != 0]).astype(np.float64)
+    if a.size == 0:
+        return 0.0
+    mant, exp = np.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1) with <= 24 significant bits
+    lo = int(exp.min())
+    # per exponent: a sum of integers < 2^24 over <= 2^29 elements per call stays exact below 2^53
+    sums = np.bincount(exp - lo, weights=np.ldexp(mant, 24))
+    return math.fsum(math.ldexp(float(s), lo + i - 24) for i, s in enumerate(sums) if s)
+
+
+def pack_codes(d: np.ndarray) -> bytes:
+    """The ternary codes of d, four per byte."""
+    codes = (d > 0).astype(np.uint8) | ((d < 0).astype(np.uint8) << 1)
+    pad = -codes.size % 4
+    if pad:
+        codes = np.concatenate([codes, np.zeros(pad, np.uint8)])
+    q = codes.reshape(-1, 4)
+    return (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).tobytes()
+
+
+def unpack(codes: bytes, n: int, alpha: float) -> np.ndarray:
+    """The sketched delta of an n-element block, fp32."""
+    out = _LUT[np.frombuffer(codes, np.uint8)].reshape(-1)[:n]
+    return out * np.float32(alpha)
+
+
+def block_sketch(d: np.ndarray) -> tuple[bytes, float, float, int]:
+    """(codes, alpha, s1, nnz) of one block's fp32 delta."""
+    nnz = int(np.count_nonzero(d > 0) + np.count_nonzero(d < 0))
+    s1 = exact_abs_sum(np.where(np.isnan(d), np.float32(0), d))
+    alpha = float(np.float32(s1 / nnz)) if nnz else 0.0
+    return pack_codes(d), alpha, s1, nnz
+
+
+def residual_sq(l2: float, alpha: float, s1: float, nnz: int) -> float:
+    """||d - alpha * code||^2 from the block's exact l2 and the sketch's sums (>= 0)."""
+    return max(0.0, l2 * l2 - 2.0 * alpha * s1 + nnz * alpha * alpha)
+
+
+def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | str) -> Path:
+    key = blake3(f"{expert_hash}:{base_hash}:{layout_key}:v{SKETCH_FORMAT}".encode()).hexdigest()[:40]
+    return root / "sketch" / f"{key}.sk"
+
+
+def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
+          delta: DeltaIndex, *, counter=None) -> None:
+    """Scan base and expert once and write the sketch file atomically (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        tensors: dict[str, list] = {}
+        offset = 0
+        with os.fdopen(fd, "wb") as f, \
+                CheckpointReader(base, counter=counter, random_access=False) as br, \
+                CheckpointReader(expert, counter=counter, random_access=False) as er:
+            for name, entry in base_index.tensors.items():
+                t = base.tensors[name]
+                if t.dtype not in FLOAT_DTYPES or t.numel == 0:
+                    continue
+                same = delta.tensors[name].identical
+                per_row = t.numel // t.shape[0] if t.shape else 1
+                rows = []
+                for b, (r0, r1) in enumerate(entry.ranges):
+                    if same[b]:
+                        rows.append(None)
+                        continue
+                    n = (r1 - r0) * per_row
+                    w0 = _decode(br.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
+                    wk = _decode(er.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
+                    codes, alpha, s1, nnz = block_sketch(wk - w0)
+                    f.write(codes)
+                    rows.append([offset, len(codes), alpha, s1, nnz, blake3(codes).hexdigest()])
+                    offset += len(codes)
+                tensors[name] = rows
+            header = canonical_json({"format": SKETCH_FORMAT, "expert": expert_index.content_hash,
+                                     "base": base_index.content_hash, "layout": base_index.layout.key,
+                                     "tensors": tensors})
+            f.write(header)
+            f.write(struct.pack("<Q", len(header)) + MAGIC)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+class Sketch:
+    """An opened sketch file: its header checked; codes read (and checked) per block."""
+
+    def __init__(self, path: Path, *, expert: str, base: str, base_index: ModelIndex):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 16:
+                    raise ValueError("too short")
+                f.seek(size - 16)
+                (hlen,), magic = struct.unpack("<Q", f.read(8)), f.read(8)
+                if magic != MAGIC or hlen > min(MAX_HEADER, size - 16):
+                    raise ValueError("no sketch trailer")
+                self.payload = size - 16 - hlen
+                f.seek(self.payload)
+                raw = f.read(hlen)
+            head = json.loads(raw)
+        except (OSError, ValueError, struct.error) as e:
+            raise IntegrityError(f"{path}: not a valid sketch file ({e}); delete it") from None
+        self.digest = blake3(raw).hexdigest()
+        if not (isinstance(head, dict) and head.get("format") == SKETCH_FORMAT and head.get("expert") == expert
+                and head.get("base") == base and head.get("layout") == base_index.layout.key
+                and isinstance(head.get("tensors"), dict)):
+            raise IntegrityError(f"{path}: a sketch of other inputs or another format; delete it")
+        self.tensors: dict[str, list] = head["tensors"]
+        for name, rows in self.tensors.items():
+            entry = base_index.tensors.get(name)
+            if entry is None or not isinstance(rows, list) or len(rows) != len(entry.ranges):
+                raise IntegrityError(f"{path}: tensor {name!r} does not match the base's blocks; delete it")
+            for r in rows:
+                if r is not None and not _valid_row(r, self.payload):
+                    raise IntegrityError(f"{path}: tensor {name!r} has a malformed block record; delete it")
+        self._fd: int | None = None
+
+    def has(self, tensor: str, block: int) -> bool:
+        rows = self.tensors.get(tensor)
+        return rows is not None and block < len(rows) and rows[block] is not None
+
+    def stats(self, tensor: str, block: int) -> tuple[float, float, int]:
+        """(alpha, s1, nnz) of a sketched block."""
+        _, _, alpha, s1, nnz, _ = self.tensors[tensor][block]
+        return float(alpha), float(s1), int(nnz)
+
+    def delta(self, tensor: str, block: int, n: int) -> np.ndarray:
+        """The sketched delta (fp32, n elements) of one block, its codes checked."""
+        off, nbytes, alpha, _, _, digest = self.tensors[tensor][block]
+        if nbytes != code_bytes(n):
+            raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: {nbytes} code bytes for "
+                                 f"{n} elements; delete it")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        codes = os.pread(self._fd, nbytes, off)  # the codes start the file
+        if len(codes) != nbytes or blake3(codes).hexdigest() != digest:
+            raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: the codes do not match their "
+                                 "blake3 (damaged or edited); delete it")
+        return unpack(codes, n, alpha)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _valid_row(r: object, payload: int) -> bool:
+    if not (isinstance(r, list) and len(r) == 6):
+        return False
+    off, nbytes, alpha, s1, nnz, digest = r
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, nbytes, nnz))
+    floats = all(isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                 for v in (alpha, s1))
+    return (ints and floats and off + nbytes <= payload and isinstance(digest, str) and len(digest) == 64
+            and float(np.float32(alpha)) == float(alpha))
