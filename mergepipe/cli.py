@@ -425,7 +425,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from mergepipe.commands.demo import main as demo_main
-    return demo_main(args.rest)
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest  # `demo -- --help`: the `--` is ours
+    return demo_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -223,3 +223,14 @@ def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, targ
     assert main([*argv, str(path), "--force", "-q", *(["--root", str(tmp_path)] if command == "merge" else [])]) == 7
     assert {m: _tree(tmp_path / m) for m in ("base", "expert_1")} == before
     assert not (tmp_path / "base" / "sub").exists() and not (tmp_path / "expert_1" / "merged").exists()
+
+
+@pytest.mark.parametrize("argv", [["demo", "--", "--help"], ["demo", "--", "-h"]])
+def test_demo_help_as_the_cli_help_says_prints_help(argv, tmp_path, monkeypatch, capsys):
+    """`mergepipe --help` says "see `mergepipe demo -- --help`": that wrote a demo family into
+    a folder named `--help` (argparse kept the `--`, so `--help` became the output folder)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and "--preset" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
