@@ -64,6 +64,7 @@ def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256
         # and at most 10% of the budget on vocabulary tensors in the first pass
         "calibrated_emb64k_v10": {**cal, "shares": "none", "vocabulary_share": 0.1,
                                   "embedding_block_bytes": EMB_BLOCKS},
+        "sketch": {"strategy": "sketch"},  # ternary sketches where a full block does not fit
     }
 
 

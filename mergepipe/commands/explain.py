@@ -146,6 +146,35 @@ def importance_kept(plan: dict, store, inputs) -> float | None:
     return kept / total if total > 0 else 1.0
 
 
+def sketch_summary(plan: dict, inputs) -> list[str]:
+    """For a sketch plan: the sketch bytes and the update energy kept counting what each
+    sketch keeps (l2^2 - residual^2, index/sketch.py), next to the full reads' alone."""
+    sk = (plan.get("strategy") or {}).get("sketch")
+    if sk is None or not inputs.sketches:
+        return []
+    from mergepipe.index.sketch import residual_sq
+    from mergepipe.plan.planner import PlanInput, effective_weights
+    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
+    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    kept = total = 0.0
+    pairs = 0
+    for e in plan["experts"]:
+        n, w2 = e["name"], eff[e["name"]] ** 2
+        reads, sketched = plan["reads"].get(n, {}), sk["blocks"].get(n, {})
+        for tname, td in inputs.deltas[n].tensors.items():
+            read, sks = set(reads.get(tname, ())), set(sketched.get(tname, ()))
+            pairs += len(sks)
+            for b, l2 in enumerate(td.block_l2):
+                total += w2 * l2 * l2
+                if b in read:
+                    kept += w2 * l2 * l2
+                elif b in sks:
+                    kept += w2 * (l2 * l2 - residual_sq(l2, *inputs.sketches[n].stats(tname, b)))
+    share = kept / total if total > 0 else 1.0
+    return [f"sketched {_mib(plan['bytes']['planned_sketch_bytes'])} MiB ({pairs} (expert, block) pairs read as "
+            f"2-bit sketches); update energy kept with the sketches: {share:.2%}"]
+
+
 def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
     """The tables; `inputs` (engine.merge.Inputs, or None) give the energy-kept columns."""
     deltas = inputs.deltas if inputs is not None else None
@@ -180,6 +209,8 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
             kept_sq = _kept_mass_sq(plan, deltas)
             lines.append(f"update energy kept, all experts (sum of planned s^2 / sum of all s^2): "
                          f"{kept_sq / (full * full):.2%}")
+        for line in sketch_summary(plan, inputs):
+            lines.append(line)
         imp = importance_kept(plan, store, inputs)
         if imp is not None:
             lines.append(f"importance kept (calibrated: sum of planned e^2 * Fisher-weighted energy / sum of all): "

@@ -3,7 +3,7 @@ the budget cannot afford the expert's block itself (plan strategy `sketch`).
 
 For block b of expert k (the index's row ranges), with delta d = W_k - W_0 in fp32:
 
-    code_i  = +1 where d_i > 0, -1 where d_i < 0, 0 where d_i == 0 (or NaN)
+    code_i  = +1 where d_i > 0, -1 where d_i < 0, 0 where d_i == 0 (or not finite)
     alpha_b = fp32(sum_i |d_i| / nnz_b)          (nnz_b: the non-zero elements)
     sketch  = alpha_b * code                      (the L2-best scale for these codes)
 
@@ -93,9 +93,11 @@ def unpack(codes: bytes, n: int, alpha: float) -> np.ndarray:
 
 
 def block_sketch(d: np.ndarray) -> tuple[bytes, float, float, int]:
-    """(codes, alpha, s1, nnz) of one block's fp32 delta."""
-    nnz = int(np.count_nonzero(d > 0) + np.count_nonzero(d < 0))
-    s1 = exact_abs_sum(np.where(np.isnan(d), np.float32(0), d))
+    """(codes, alpha, s1, nnz) of one block's fp32 delta; NaN/Inf elements (a plan with
+    `nonfinite: allow`) are sketched as 0."""
+    d = np.where(np.isfinite(d), d, np.float32(0))
+    nnz = int(np.count_nonzero(d))
+    s1 = exact_abs_sum(d)
     alpha = float(np.float32(s1 / nnz)) if nnz else 0.0
     return pack_codes(d), alpha, s1, nnz
 

@@ -1,0 +1,191 @@
+"""Plan strategy `sketch` (issue 12): ternary delta sketches read where a full block does not
+fit. The sketch's sums are exact and order-independent; a sketched merge is base + the
+weighted sum of (sketch or full) deltas, within budget, under its certified bound, the same
+bytes whatever the experts' order; the full budget is the plain merge; damaged sketches and
+edited plans are caught; methods that trim or elect signs are refused."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe.cli import main
+from mergepipe.commands.pipeline import plan_config
+from mergepipe.config.params import load_config
+from mergepipe.engine.merge import run_merge
+from mergepipe.errors import ConfigError, IntegrityError
+from mergepipe.index import sketch
+from mergepipe.index.store import Store
+from mergepipe.plan.planner import plan_hash
+from mergepipe.plan.record import check_plan_reads, validate_plan
+from tests.helpers import load_model, write_config
+
+
+def test_exact_abs_sum_is_exactly_rounded_and_order_independent():
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 1e20):
+        d = (rng.standard_normal(50_000) * np.exp(rng.uniform(-20, 20, 50_000)) * scale).astype(np.float32)
+        d[::7] = 0
+        want = math.fsum(abs(float(x)) for x in d)
+        assert sketch.exact_abs_sum(d) == want
+        assert sketch.exact_abs_sum(rng.permutation(d)) == want
+    assert sketch.exact_abs_sum(np.zeros(5, np.float32)) == 0.0
+
+
+def test_codes_round_trip_and_the_scale_is_the_l2_best():
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 4, 5, 1001):
+        d = rng.standard_normal(n).astype(np.float32)
+        d[rng.random(n) < 0.3] = 0
+        codes, alpha, s1, nnz = sketch.block_sketch(d)
+        assert len(codes) == sketch.code_bytes(n) and nnz == int(np.count_nonzero(d))
+        got = sketch.unpack(codes, n, alpha)
+        assert np.array_equal(np.sign(got), np.sign(d))
+        if nnz:
+            assert alpha == pytest.approx(np.abs(d[d != 0]).mean(), rel=1e-6)
+            l2 = float(np.sqrt(np.sum(d.astype(np.float64) ** 2)))
+            want = float(np.sum((d.astype(np.float64) - got) ** 2))
+            assert sketch.residual_sq(l2, alpha, s1, nnz) == pytest.approx(want, rel=1e-5, abs=1e-9)
+
+
+def _plan_and_merge(tmp_path, family, name, **over):
+    (tmp_path / name).mkdir(parents=True)
+    cfg = load_config(write_config(tmp_path / name, family, cache_dir=str(tmp_path / "cache"), **over))
+    store = Store(cfg.cache_dir)
+    plan, inputs = plan_config(cfg, store)
+    out = tmp_path / name / "out"
+    out.mkdir()
+    return plan, inputs, run_merge(plan, inputs, out), out
+
+
+def test_merge_is_base_plus_weighted_sketches_and_within_budget(tmp_path, tiny_family_f32):
+    fam = tiny_family_f32
+    plan, inputs, realized, out = _plan_and_merge(tmp_path, fam, "s", budget="30%", plan={"strategy": "sketch"})
+    b = plan["bytes"]
+    assert b["planned_sketch_bytes"] > 0 and b["planned_expert_bytes"] > 0
+    assert b["planned_expert_bytes"] + b["planned_sketch_bytes"] <= plan["budget_bytes"]
+    assert sum(realized.expert_bytes_read.values()) == b["planned_expert_bytes"]
+    assert realized.sketch_bytes_read == b["planned_sketch_bytes"]
+    merged, base = load_model(out), load_model(fam["root"] / "base")
+    experts = {e["name"]: (e, load_model(e["path"])) for e in plan["experts"]}
+    sk_blocks = plan["strategy"]["sketch"]["blocks"]
+    full_sq, dev_sq = 0.0, 0.0
+    for tname in base:
+        ranges = inputs.base_index.tensors[tname].ranges
+        want, full = base[tname].clone(), base[tname].clone()
+        for blk, (r0, r1) in enumerate(ranges):
+            b0 = base[tname][r0:r1].float()
+            terms, all_terms = [], []
+            for name, (e, w) in experts.items():  # plan order = canonical (content hash) order
+                d = w[tname][r0:r1].float() - b0
+                weight = torch.tensor(e["weight"], dtype=torch.float32)
+                if d.abs().sum() > 0:
+                    all_terms.append(d * weight)
+                if blk in plan["reads"][name].get(tname, []):
+                    terms.append(d * weight)
+                elif blk in sk_blocks[name].get(tname, []):
+                    s = torch.from_numpy(inputs.sketches[name].delta(tname, blk, b0.numel())).reshape(b0.shape)
+                    assert torch.equal(torch.sign(s), torch.sign(d))
+                    terms.append(s * weight)
+            for acc, ts in ((want, terms), (full, all_terms)):
+                if ts:
+                    total = ts[0]
+                    for t in ts[1:]:
+                        total = total + t
+                    acc[r0:r1] = b0 + total
+        assert torch.equal(merged[tname], want), tname
+        full_sq += float(((full - base[tname]).double() ** 2).sum())
+        dev_sq += float(((merged[tname] - full).double() ** 2).sum())
+    # the certified bound holds: ||M_S - M|| <= omitted mass (sketch residuals included)
+    assert math.sqrt(dev_sq) <= plan["bound"]["omitted_mass"] * (1 + 1e-4) + 1e-6
+    assert plan["bound"]["full_update_norm_estimate"] == pytest.approx(math.sqrt(full_sq), rel=1e-3)
+
+
+def test_full_budget_is_the_plain_merge_and_the_order_of_experts_does_not_matter(tmp_path, tiny_family):
+    def run(name, **over):
+        (tmp_path / name).mkdir()
+        cfg = write_config(tmp_path / name, tiny_family, cache_dir=str(tmp_path / "cache"), **over)
+        assert main(["run", str(cfg), "-q"]) == 0
+        return json.loads((tmp_path / name / "out" / "manifest.json").read_text())
+
+    plain = run("plain")
+    full = run("full", plan={"strategy": "sketch"})
+    assert full["outputs"]["tensors"] == plain["outputs"]["tensors"]
+    assert full["bytes"]["sketch_bytes_read"] == 0 and full["plan"]["reads"] == plain["plan"]["reads"]
+    a = run("a", plan={"strategy": "sketch"}, budget="20%")
+    assert a["bytes"]["sketch_bytes_read"] > 0
+    root = tiny_family["root"]
+    rev = [{"name": f"e{k}", "path": str(root / f"expert_{k}"), "weight": w}
+           for k, w in reversed(list(zip(range(len(tiny_family["experts"])), [1.0, 0.5, 0.7])))]
+    b = run("b", plan={"strategy": "sketch"}, budget="20%", experts=rev)
+    assert b["outputs"]["tensors"] == a["outputs"]["tensors"] and b["plan_hash"] == a["plan_hash"]
+    # verify --replay rebuilds the sketches in a fresh store and gets the same bytes
+    assert main(["verify", str(tmp_path / "a" / "out"), "--replay", "-q"]) == 0
+
+
+def test_damaged_sketches_are_caught_or_rebuilt(tmp_path, tiny_family):
+    plan, inputs, _, _ = _plan_and_merge(tmp_path, tiny_family, "s", budget="20%", plan={"strategy": "sketch"})
+    name, per = next((n, per) for n, per in plan["strategy"]["sketch"]["blocks"].items() if per)
+    tensor, blocks = next(iter(per.items()))
+    sk = inputs.sketches[name]
+    off = sk.tensors[tensor][blocks[0]][0]
+    raw = bytearray(sk.path.read_bytes())
+    raw[off] ^= 0x55
+    sk.path.write_bytes(bytes(raw))  # the header (and its hash) unchanged: only the codes differ
+    out = tmp_path / "again"
+    out.mkdir()
+    with pytest.raises(IntegrityError, match="do not match their blake3"):
+        run_merge(plan, inputs, out)
+    # a damaged header: the store is untrusted, so planning makes the sketch again
+    sk.path.write_bytes(b"garbage")
+    cfg = load_config(tmp_path / "s" / "params.yaml")
+    again, inputs2 = plan_config(cfg, Store(cfg.cache_dir))
+    assert again["plan_hash"] == plan["plan_hash"]
+    out2 = tmp_path / "again2"
+    out2.mkdir()
+    run_merge(again, inputs2, out2)
+
+
+def test_edited_sketch_plans_are_refused(tmp_path, tiny_family):
+    plan, inputs, _, _ = _plan_and_merge(tmp_path, tiny_family, "s", budget="20%", plan={"strategy": "sketch"})
+    name, per = next((n, per) for n, per in plan["strategy"]["sketch"]["blocks"].items() if per)
+    tensor, blocks = next(iter(per.items()))
+
+    def edited(edit):
+        bad = json.loads(json.dumps(plan))
+        edit(bad)
+        bad["plan_hash"] = plan_hash(bad)
+        return bad
+
+    record_edits = [
+        (lambda p: p["reads"][name].__setitem__(tensor, sorted({*p["reads"][name].get(tensor, []), blocks[0]})),
+         "both sketched and read"),
+        (lambda p: p["bytes"].pop("planned_sketch_bytes"), "planned_sketch_bytes"),
+        (lambda p: p["strategy"]["sketch"]["artifacts"].pop(name), "exactly the plan's experts"),
+        (lambda p: p["bytes"].__setitem__("planned_sketch_bytes", p["budget_bytes"]), "sum of sketch_by_expert"),
+        (lambda p: p["strategy"]["sketch"]["blocks"][name].__setitem__(tensor, [blocks[0], blocks[0]]),
+         "sorted and distinct"),
+    ]
+    for edit, match in record_edits:
+        with pytest.raises(ConfigError, match=match) as err:
+            validate_plan(edited(edit), "plan.json")
+        assert "\n" not in str(err.value)
+    # against the indexes: more sketch bytes than recorded, a block outside its tensor
+    n_blocks = len(inputs.base_index.tensors[tensor].ranges)
+    for edit, match in [
+        (lambda p: p["strategy"]["sketch"]["blocks"][name].__setitem__(tensor, [*blocks, n_blocks]), "outside"),
+        (lambda p: p["bytes"]["sketch_by_expert"].__setitem__(name, 1), "sketch_by_expert"),
+    ]:
+        bad = edited(edit)
+        with pytest.raises(ConfigError, match=match):
+            check_plan_reads(bad, inputs.base_index, inputs.expert_indexes, inputs.deltas, "plan.json")
+
+
+def test_methods_that_trim_or_elect_signs_are_refused(tmp_path, tiny_family):
+    with pytest.raises(ConfigError, match="not a weighted sum of deltas"):
+        _plan_and_merge(tmp_path, tiny_family, "t", budget="20%", method="ties",
+                        parameters={"lambda": 1.0, "density": 0.5}, plan={"strategy": "sketch"})
