@@ -3,6 +3,7 @@ for `normalized()`), and the output folder refused where it overlaps an input or
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,18 @@ if TYPE_CHECKING:
 
 def _absolute(root: Path, path: Path) -> Path:
     return Path(os.path.normpath(root / path.expanduser()))
+
+
+_VARIABLE = re.compile(r"\$(\{?[A-Za-z_])")
+
+
+def _refuse_variables(written: dict[str, str], source: str) -> None:
+    """`output.dir: $SCRATCH/merged` made a folder literally named `$SCRATCH` in the params
+    folder: params.yaml paths are taken as written (only ~ is expanded), so say so."""
+    for key, path in written.items():
+        if _VARIABLE.search(path):
+            raise ConfigError(f"{source}: {key}: {path!r} holds a shell variable; params.yaml paths are not "
+                              "expanded (only ~ is): write the path itself")
 
 
 def _overlaps(a: Path, b: Path) -> bool:
@@ -32,6 +45,7 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     if cfg.output.tokenizer_source is not None:
         written["output.tokenizer_source"] = cfg.output.tokenizer_source.as_posix()
         output["tokenizer_source"] = _absolute(root, cfg.output.tokenizer_source)
+    _refuse_variables(written, source)
     resolved = cfg.model_copy(update={
         "base": _absolute(root, cfg.base),
         "experts": experts,

@@ -1335,3 +1335,22 @@ def c_run_force_into_the_folder_of_its_calibration_text(ctx, work):
             output={"dir": str(data)},
             plan={"strategy": "calibrated", "text": "data/calib.txt", "max_tokens": 64, "seq_len": 32})
     return Setup(s.argv, data, s.expect, s.exit_code, existing_ok=False)
+
+
+# ------------------------------------------------------------- red-team pass 4 (issue 15): ordinary mistakes
+
+def _variable_case(key: str):
+    def build(ctx, work):
+        written = "$SCRATCH/mp" if key != "base" else "${SCRATCH}/models/base"
+        where = {"output.dir": {"output": {"dir": written}}, "cache_dir": {"cache_dir": written},
+                 "base": {"base": written}}[key]
+        s = run(work, ctx, None, ("params.yaml", key, written, "not expanded"), CONFIG, **where)
+        return Setup(s.argv, work / written.split("/")[0], s.expect, s.exit_code, existing_ok=False)
+    build.__doc__ = (f"{key}: '$SCRATCH/...' (a shell variable in params.yaml, as on a cluster): a folder "
+                     "literally named '$SCRATCH' was made in the params folder and the merge or cache went there.")
+    return build
+
+
+for _key in ("output.dir", "cache_dir", "base"):
+    CASES[f"params_shell_variable_in_{_key.replace('.', '_')}"] = Case(
+        f"params_shell_variable_in_{_key.replace('.', '_')}", _variable_case(_key))
