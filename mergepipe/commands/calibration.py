@@ -12,12 +12,22 @@ from blake3 import blake3
 from mergepipe.calibrate import artifact
 from mergepipe.calibrate.fisher import read_text
 from mergepipe.checkpoint.safetensors import Checkpoint
-from mergepipe.errors import IntegrityError
+from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.index import weighted
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store
 
 RECIPE = "fisher-rank1"
+
+
+def _cache_write(path: Path, write) -> None:
+    """`write()`, an OSError (disk full, file-size limit, calibration/ or weighted/ not a
+    folder) one line naming the entry, as the index store's (index/store.py)."""
+    try:
+        write()
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write to the cache: {e.strerror or e}; free space or set cache_dir "
+                          "elsewhere") from None
 
 
 def calibration_inputs(options: dict, text_path: Path, store: Store, base: Checkpoint, base_index: ModelIndex,
@@ -41,7 +51,8 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
                                    progress=progress, quiet=quiet)
         # the artifact's blake3 goes into the plan, so its bytes must be a function of its
         # inputs only: the pass's wall time (fisher's "seconds") is not written into it
-        artifact.save(path, importance, {**meta, **{k: v for k, v in extra.items() if k != "seconds"}})
+        _cache_write(path, lambda: artifact.save(path, importance,
+                                                 {**meta, **{k: v for k, v in extra.items() if k != "seconds"}}))
         importance = artifact.load(path, base, expect=meta)
     art_hash = artifact.artifact_hash(path)
     covered = weighted.covered_tensors(base, base_index, importance)
@@ -55,6 +66,6 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
             found = None  # damaged: rebuilt
         if found is None or set(found) != covered:  # (an entry missing tensors would rank them last)
             found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
-            weighted.save(cache, found, art_hash)
+            _cache_write(cache, lambda: weighted.save(cache, found, art_hash))
         energies[name] = found
     return {"artifact": art_hash, "text": text_hash, "energies": energies}
