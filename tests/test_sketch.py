@@ -185,7 +185,31 @@ def test_edited_sketch_plans_are_refused(tmp_path, tiny_family):
             check_plan_reads(bad, inputs.base_index, inputs.expert_indexes, inputs.deltas, "plan.json")
 
 
-def test_methods_that_trim_or_elect_signs_are_refused(tmp_path, tiny_family):
-    with pytest.raises(ConfigError, match="not a weighted sum of deltas"):
-        _plan_and_merge(tmp_path, tiny_family, "t", budget="20%", method="ties",
-                        parameters={"lambda": 1.0, "density": 0.5}, plan={"strategy": "sketch"})
+def test_methods_without_per_element_deltas_are_refused(tmp_path, tiny_family):
+    with pytest.raises(ConfigError, match="does not merge per-element deltas"):
+        _plan_and_merge(tmp_path, tiny_family, "t", budget="20%", method="slerp",
+                        parameters={"t": 0.5}, plan={"strategy": "sketch"},
+                        experts=[{"name": "e0", "path": str(tiny_family["root"] / "expert_0"), "weight": 1.0}])
+
+
+def test_ties_keeps_a_sketch_untrimmed_and_trims_full_reads(tmp_path, tiny_family):
+    """A TIES merge with sketches: the magnitude trim leaves a sketched delta as it is; at full
+    budget it is the plain TIES merge."""
+    from mergepipe.methods._common import sparsify_magnitude
+    from mergepipe.methods.base import BlockInputs, ExpertBlock
+    d = torch.tensor([0.5, -0.5, 0.0, 0.5])
+    block = BlockInputs("t", 0, 4, (4,), torch.zeros(4), (), 0)
+    assert torch.equal(sparsify_magnitude(d, ExpertBlock("e", "h", 1.0, d, density=0.25, sketched=True), block), d)
+    kw = dict(method="ties", parameters={"lambda": 1.0, "density": 0.5})
+    plan, _, realized, out = _plan_and_merge(tmp_path, tiny_family, "ties", budget="20%",
+                                             plan={"strategy": "sketch"}, **kw)
+    assert realized.sketch_bytes_read == plan["bytes"]["planned_sketch_bytes"] > 0
+    assert plan["bound"]["kind"] == "heuristic"
+    _, _, _, eout = _plan_and_merge(tmp_path, tiny_family, "energy", budget="20%", **kw)
+    a, b = load_model(out), load_model(eout)
+    assert not all(torch.equal(a[n], b[n]) for n in a)
+    fplan, _, _, fout = _plan_and_merge(tmp_path, tiny_family, "full", plan={"strategy": "sketch"}, **kw)
+    _, _, _, pout = _plan_and_merge(tmp_path, tiny_family, "plain", **kw)
+    assert fplan["bytes"]["planned_sketch_bytes"] == 0
+    a, b = load_model(fout), load_model(pout)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -427,13 +427,14 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     blocks = []
     for e in m.experts:
         buf = got.get(e.name, {}).get(b)
-        delta = None
+        delta, sketched = None, False
         if buf is not None:
             delta = as_tensor(buf, t.dtype, shape).float() - base_block
         elif b in m.sketched.get(t.name, {}).get(e.name, ()):  # alpha * code (index/sketch.py)
             n = base_block.numel()
             delta = torch.from_numpy(m.inputs.sketches[e.name].delta(t.name, b, n)).reshape(shape)
             m.sketch_read[0] += sketch_cost(n)
+            sketched = True
         cut = m.cuts.get(e.name, t.name).for_block(b, base_block.numel()) if m.method.magnitude else None
         cosine = None
         if m.method.cosine:
@@ -441,7 +442,7 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
             cosine = cosine_from_sums(td.base_sq, td.expert_sq, td.dot)
         scale = m.scales.get(t.name, {}).get(e.name, 1.0)
         blocks.append(ExpertBlock(e.name, e.content_hash, e.weight, delta, **e.knobs, cut=cut, cosine=cosine,
-                                  scale=scale))
+                                  scale=scale, sketched=sketched))
     joint = m.joint.tensors.get(t.name) if m.joint is not None else None
     merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed, joint=joint),
                          m.params)

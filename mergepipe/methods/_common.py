@@ -137,7 +137,10 @@ def top_rank_mask(magnitudes: torch.Tensor, expert: ExpertBlock, rank: int, n: i
 
 
 def sparsify_magnitude(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs) -> torch.Tensor:
-    """TIES trim: keep the k = max(1, int(density*n)) largest |delta| of the tensor."""
+    """TIES trim: keep the k = max(1, int(density*n)) largest |delta| of the tensor (a
+    sketched delta as it is: ExpertBlock.sketched)."""
+    if expert.sketched:
+        return delta
     n = block.tensor_numel
     rank = magnitude_rank(expert.density, n)
     if rank is None:
@@ -147,7 +150,10 @@ def sparsify_magnitude(delta: torch.Tensor, expert: ExpertBlock, block: BlockInp
 
 
 def sparsify_breadcrumbs(delta: torch.Tensor, expert: ExpertBlock, block: BlockInputs) -> torch.Tensor:
-    """Breadcrumbs: drop the int(gamma*n) largest |delta|, keep the next int(density*n)."""
+    """Breadcrumbs: drop the int(gamma*n) largest |delta|, keep the next int(density*n)
+    (a sketched delta as it is)."""
+    if expert.sketched:
+        return delta
     n = block.tensor_numel
     ranks = breadcrumbs_ranks(expert.density, expert.gamma, n)
     if ranks is None:

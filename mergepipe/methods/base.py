@@ -48,6 +48,9 @@ class ExpertBlock:
     # factor on this block's (sparsified) delta, from the plan's `strategy.scales` (the
     # `compensated` strategy); 1.0, the default, leaves the arithmetic untouched
     scale: float = 1.0
+    # the delta is a ternary sketch (plan strategy `sketch`, index/sketch.py): its elements
+    # share one magnitude, so magnitude trims leave it as it is (its zeros are its trim)
+    sketched: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,10 +31,19 @@ def sketch_context(items: list[Candidate], sketches: dict[str, Sketch], dtypes: 
     return out
 
 
+# methods whose output is a (sign-consensus) weighted sum of per-element sparsified deltas
+# (methods/_common.combine): a sketch stands in for a delta there. A magnitude trim leaves a
+# sketch as it is (its zeros are its trim: ExpertBlock.sketched), DARE drops its elements
+# like any delta's. Not slerp/cosine, joint or per-tensor-statistics methods.
+SKETCHABLE = frozenset({"linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
+                        "breadcrumbs_ties"})
+
+
 def check_method(method: str, m, strategy: str) -> None:
-    if not m.additive or m.joint is not None:
+    if method not in SKETCHABLE:
         raise ConfigError(f"plan: strategy {strategy!r} feeds sketched deltas to the method; method {method!r} "
-                          "is not a weighted sum of deltas (use task_arithmetic or linear, or another strategy)")
+                          f"does not merge per-element deltas (use one of {', '.join(sorted(SKETCHABLE))}, or "
+                          "another strategy)")
 
 
 def residual_score(it: Candidate, r2: float) -> float:
