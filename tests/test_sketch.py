@@ -213,3 +213,28 @@ def test_ties_keeps_a_sketch_untrimmed_and_trims_full_reads(tmp_path, tiny_famil
     assert fplan["bytes"]["planned_sketch_bytes"] == 0
     a, b = load_model(fout), load_model(pout)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_gc_prunes_sketches_no_kept_plan_names_and_never_a_users_file(tmp_path, tiny_family):
+    """gc keeps the sketches a --keep plan or output records (by header hash) and removes the
+    rest; a file in sketch/ with a sketch's name but not a sketch's trailer is the user's."""
+    cache = tmp_path / "cache"
+
+    def plan(name, block):
+        (tmp_path / name).mkdir()
+        cfg = write_config(tmp_path / name, tiny_family, cache_dir=str(cache), budget="20%",
+                           block_bytes=block, plan={"strategy": "sketch"})
+        assert main(["plan", str(cfg), "-o", str(tmp_path / name / "plan.json"), "-q"]) == 0
+        return tmp_path / name / "plan.json"
+
+    kept, _ = plan("a", "16KiB"), plan("b", "32KiB")
+    folder = cache / "sketch"
+    assert len(list(folder.iterdir())) == 6
+    lookalike = folder / ("d" * 40 + ".sk")
+    lookalike.write_bytes(b"user data")
+    assert main(["gc", "--cache-dir", str(cache), "--keep", str(kept), "-q"]) == 0
+    want = set(json.loads(kept.read_text())["strategy"]["sketch"]["artifacts"].values())
+    left = {p: sketch.header_digest(p) for p in folder.iterdir()}
+    assert set(left.values()) == want | {None} and left[lookalike] is None
+    assert lookalike.read_bytes() == b"user data"
+    assert main(["merge", str(kept), "-o", str(tmp_path / "out"), "--cache-dir", str(cache), "-q"]) == 0

@@ -5,13 +5,14 @@ What it may remove:
                         those referenced by a `--keep` output folder or plan.json stay
   merges/*.partial      store entries a dead process left half written
   parts/                part files of split merges (a finished gather no longer needs them)
-  calibration/ weighted/ joint/   the calibrated strategy's importance artifacts and energies and
-                        joint methods' statistics (rebuilt when a plan or merge needs them again);
-                        those a `--keep` output or plan names (its artifact hash, joint key) stay
+  calibration/ weighted/ joint/ sketch/   the calibrated strategy's importance artifacts and
+                        energies, joint methods' statistics and the sketch strategy's sketches
+                        (rebuilt when a plan or merge needs them again); those a `--keep` output
+                        or plan names (its artifact hash, joint key, sketch header hash) stay
   models/ deltas/ stat/ indexes, only with `indexes=True` (they are rebuilt by rereading the models)
 An entry is removed only when its name is one mergepipe gives and its content starts as
 mergepipe writes it (a safetensors header of format mergepipe-importance-*, an energies JSON,
-the joint magic): a user's file there with a look-alike name is kept and reported.
+the joint magic, a sketch trailer): a user's file there with a look-alike name is kept and reported.
 Published outputs are separate hardlinks, so removing a store entry never touches them;
 the bytes a removal frees are those of files with no other link.
 """
@@ -40,15 +41,16 @@ class Keep:
     plans: set[str] = field(default_factory=set)
     artifacts: set[str] = field(default_factory=set)
     joint: set[str] = field(default_factory=set)
+    sketches: set[str] = field(default_factory=set)  # sketch header hashes (sketch/)
 
 
 def plan_of(path: str | Path) -> dict:
-    """The plan recorded by an output folder (its manifest's) or a plan.json."""
+    """The plan recorded by an output folder or its manifest.json (under `plan`), or a plan.json."""
     p = Path(path)
     src = p / MANIFEST if p.is_dir() else p
     try:
         doc = json.loads(src.read_text())
-        plan = doc.get("plan", doc) if p.is_dir() else doc
+        plan = doc["plan"] if isinstance(doc.get("plan"), dict) else doc  # a plan itself has no `plan` key
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: --keep needs an output folder or a plan.json ({e})") from None
     if not isinstance(plan, dict) or not isinstance(doc.get("plan_hash"), str):
@@ -72,6 +74,9 @@ def keep_of(paths: list[str]) -> Keep:
         joint = plan.get("joint")
         if isinstance(joint, dict) and isinstance(joint.get("key"), str):
             keep.joint.add(joint["key"])
+        sk = (plan.get("strategy") or {}).get("sketch") if isinstance(plan.get("strategy"), dict) else None
+        if isinstance(sk, dict) and isinstance(sk.get("artifacts"), dict):
+            keep.sketches.update(v for v in sk["artifacts"].values() if isinstance(v, str))
     return keep
 
 
@@ -94,8 +99,9 @@ _OURS = {
     "calibration": re.compile(r"[0-9a-f]{40}\.safetensors"),
     "weighted": re.compile(r"[0-9a-f]{40}\.json"),
     "joint": re.compile(r"[0-9a-f]{64}\.stats"),
+    "sketch": re.compile(r"[0-9a-f]{40}\.sk"),
 }
-_DERIVED = ("calibration", "weighted", "joint")
+_DERIVED = ("calibration", "weighted", "joint", "sketch")
 
 
 def _head(path: Path, n: int) -> bytes:
@@ -111,6 +117,9 @@ def _written_by_us(sub: str, path: Path) -> bool:
     if sub == "joint":
         from mergepipe.index.joint import MAGIC
         return _head(path, len(MAGIC)) == MAGIC
+    if sub == "sketch":
+        from mergepipe.index.sketch import header_digest
+        return header_digest(path) is not None
     if sub == "weighted":
         return _head(path, 22).startswith((b'{"artifact":"', b'{"format":1,"tensors":'))  # canonical: sorted keys
     head = _head(path, 1 << 16)
@@ -120,6 +129,9 @@ def _written_by_us(sub: str, path: Path) -> bool:
 def _referenced(sub: str, path: Path, keep: Keep) -> bool:
     if sub == "joint":
         return path.name[:-len(".stats")] in keep.joint
+    if sub == "sketch":
+        from mergepipe.index.sketch import header_digest
+        return header_digest(path) in keep.sketches
     if sub == "weighted":
         from mergepipe.index.weighted import recorded_artifact
         return recorded_artifact(path) in keep.artifacts

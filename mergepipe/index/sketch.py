@@ -158,6 +158,31 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
         raise
 
 
+def _trailer(f, size: int) -> tuple[int, int] | None:
+    """(header offset, header length) from a sketch file's trailer, or None if it has none."""
+    if size < 16:
+        return None
+    f.seek(size - 16)
+    (hlen,), magic = struct.unpack("<Q", f.read(8)), f.read(8)
+    if magic != MAGIC or hlen > min(MAX_HEADER, size - 16):
+        return None
+    return size - 16 - hlen, hlen
+
+
+def header_digest(path: Path) -> str | None:
+    """The blake3 of a sketch file's header (what plans record), or None for any other file
+    (gc's test of what it may remove and what a kept plan references)."""
+    try:
+        with open(path, "rb") as f:
+            found = _trailer(f, os.fstat(f.fileno()).st_size)
+            if found is None:
+                return None
+            f.seek(found[0])
+            return blake3(f.read(found[1])).hexdigest()
+    except OSError:
+        return None
+
+
 class Sketch:
     """An opened sketch file: its header checked; codes read (and checked) per block."""
 
@@ -165,14 +190,10 @@ class Sketch:
         self.path = path
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < 16:
-                    raise ValueError("too short")
-                f.seek(size - 16)
-                (hlen,), magic = struct.unpack("<Q", f.read(8)), f.read(8)
-                if magic != MAGIC or hlen > min(MAX_HEADER, size - 16):
+                found = _trailer(f, os.fstat(f.fileno()).st_size)
+                if found is None:
                     raise ValueError("no sketch trailer")
-                self.payload = size - 16 - hlen
+                self.payload, hlen = found
                 f.seek(self.payload)
                 raw = f.read(hlen)
             head = json.loads(raw)
