@@ -277,3 +277,18 @@ def test_a_calibration_cache_that_cannot_be_written_is_a_one_line_error(failure,
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot write" in proc.stderr and str(cache) in proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("keep", ["output_folder", "its_manifest_json", "plan_json"])
+def test_gc_keep_names_the_calibration_of_an_output_however_it_is_given(keep, tiny_family, tmp_path):
+    """`gc --keep out/manifest.json` (the file, not the folder) kept the stored merge but not
+    the importance artifact its plan names: the plan sits under the manifest's `plan` key."""
+    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=_CAL, cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "calib.txt").write_text("the quick brown fox. " * 30)
+    assert main(["run", str(cfg), "-q"]) == 0
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    arg = {"output_folder": tmp_path / "out", "its_manifest_json": tmp_path / "out" / "manifest.json",
+           "plan_json": tmp_path / "plan.json"}[keep]
+    assert main(["gc", "--cache-dir", str(tmp_path / "cache"), "--keep", str(arg), "-q"]) == 0
+    assert len(list((tmp_path / "cache" / "calibration").iterdir())) == 1
+    assert len(list((tmp_path / "cache" / "weighted").iterdir())) == 3
