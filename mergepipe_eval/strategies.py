@@ -43,6 +43,7 @@ STRATEGIES = {
     "balanced": {"strategy": "balanced"},
     "compensated": {"strategy": "compensated"},
     "compensated_balanced": {"strategy": "compensated", "select": "balanced"},
+    "sketch": {"strategy": "sketch"},  # ternary sketches where a full block does not fit
 }
 BUDGETS = ["10%", "25%", "50%"]
 TASKS = ["noun_cat", "verb_cat", "pos", "shuffled", "topic"]
