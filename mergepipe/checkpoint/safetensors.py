@@ -391,6 +391,13 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if all(isinstance(f, str) for f in names):
             names = set(names)  # each shard resolved once, not once per tensor (a resolve() each)
         files = sorted({_inside(path, f) for f in names})
+        single = path / "model.safetensors"
+        if single.exists() and single.resolve() not in {f.resolve() for f in files}:
+            # transformers loads model.safetensors before the index: merging the shards would
+            # merge another model than the one the folder loads as
+            raise CheckpointError(f"{single}: the folder also has {INDEX_JSON}, which does not name it; "
+                                  "transformers would load this file, the index names other shards; "
+                                  "remove whichever is stale")
         return _build(path, files, weight_map)
     files = sorted(path.glob("*.safetensors"))
     if not files:

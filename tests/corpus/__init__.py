@@ -1354,3 +1354,13 @@ def _variable_case(key: str):
 for _key in ("output.dir", "cache_dir", "base"):
     CASES[f"params_shell_variable_in_{_key.replace('.', '_')}"] = Case(
         f"params_shell_variable_in_{_key.replace('.', '_')}", _variable_case(_key))
+
+
+@case
+def c_model_folder_with_shards_and_a_stray_model_safetensors(ctx, work):
+    """A sharded expert whose folder also holds a model.safetensors that its index json does not
+    name (a re-save or re-download over the old folder): mergepipe merged the shards, while
+    transformers (and so the user) loads model.safetensors first: another model than intended."""
+    bad = copy_expert(ctx, work, k=0)
+    shutil.copyfile(ctx.experts[1] / "model.safetensors", bad / "model.safetensors")
+    return run(work, ctx, bad, (str(bad / "model.safetensors"), INDEX_JSON), CHECKPOINT)
