@@ -13,7 +13,7 @@ checks use the columns; what looks entries up one by one does so once or a few t
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate, chain, repeat
 from json.encoder import encode_basestring_ascii as _esc
 from operator import attrgetter
@@ -191,6 +191,26 @@ class DeltaColumns(_ByName):
             tuple(self.ranks[r0:r1]), tuple(self.rank_values[r0:r1]), tuple(self.count_gt[r0:r1]),
             tuple(self.count_eq[r0:r1]), BlockEq(list(self.eq_keys[e0:e1]), self.eq, self.cstarts[i], b1 - b0),
             base_sq, expert_sq, dot)
+
+
+def model_rows(tensors) -> Iterator[tuple[str, str, tuple[int, ...], Sequence[int]]]:
+    """(name, dtype, shape, flat row ranges: r0, r1 of each block) of each tensor of a model
+    index, in order: from the columns without making entries (or from a built index's entries)."""
+    if isinstance(tensors, ModelColumns):
+        s, r = tensors.starts, tensors.ranges
+        return zip(tensors.names, tensors.dtypes, tensors.shapes, (r[2 * a:2 * z] for a, z in zip(s, s[1:])))
+    return ((n, e.dtype, e.shape, [x for rg in e.ranges for x in rg]) for n, e in tensors.items())
+
+
+def delta_rows(tensors, names: list[str]) -> Iterator[tuple[int, Sequence, Sequence[float]]]:
+    """(nonfinite, identical per block, block_l2 per block) of each of `names` in a delta
+    index, from the columns without making entries (or from a built index's entries)."""
+    if isinstance(tensors, DeltaColumns):
+        b = tensors.bstarts
+        rows = range(len(names)) if tensors.names == names else map(tensors.index_of, names)
+        return ((tensors.nonfinite[j], tensors.identical[b[j]:b[j + 1]], tensors.block_l2[b[j]:b[j + 1]])
+                for j in rows)
+    return ((t.nonfinite, t.identical, t.block_l2) for t in map(tensors.__getitem__, names))
 
 
 def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], layout) -> tuple[list[int], list[int]]:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from blake3 import blake3
 
 from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError, ConfigError
+from mergepipe.index.columns import delta_rows, model_rows
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import statistics_key
@@ -112,29 +114,36 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     skipped_identical: dict[str, int] = {}
     total_expert_bytes = 0
     mass_sq = 0.0
+    row_bytes_of: dict[tuple, int] = {}
     for e in experts:
         idx, delta = expert_indexes[e.name], deltas[e.name]
         skipped_identical[e.name] = 0
-        for name, entry in idx.tensors.items():
-            td = delta.tensors[name]
-            if td.nonfinite and nonfinite == "error":
-                raise CheckpointError(f"{e.path}: tensor {name!r} has {td.nonfinite} NaN/Inf values "
+        # the indexes' columns walked once, no entry made per tensor (index/columns.py)
+        rows = zip(model_rows(idx.tensors), delta_rows(delta.tensors, list(idx.tensors)))
+        for (name, dtype, shape, flat), (bad, identical, block_l2) in rows:
+            if bad and nonfinite == "error":
+                raise CheckpointError(f"{e.path}: tensor {name!r} has {bad} NaN/Inf values "
                                       "(set nonfinite: allow to merge anyway)")
-            entry_row_bytes = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
-            for b, (r0, r1) in enumerate(entry.ranges):
+            entry_row_bytes = row_bytes_of.get((shape, dtype))
+            if entry_row_bytes is None:  # once per shape and dtype, not per tensor
+                entry_row_bytes = row_bytes_of[shape, dtype] = row_bytes(shape, ITEMSIZE[dtype])
+            weight = None
+            for b in range(len(flat) // 2):
+                r0, r1 = flat[2 * b], flat[2 * b + 1]
                 cost = (r1 - r0) * entry_row_bytes
                 total_expert_bytes += cost
-                if td.identical[b]:
+                if identical[b]:
                     skipped_identical[e.name] += cost
                     continue
-                if entry.dtype not in FLOAT_DTYPES:
+                if dtype not in FLOAT_DTYPES:
                     continue  # integer buffers are copied from the base, never merged
-                score = eff_of(name, eff)[e.name] * td.block_l2[b]
+                if weight is None:
+                    weight = eff_of(name, eff)[e.name]
+                score = weight * block_l2[b]
                 mass_sq += score * score
                 ratio = per_byte(score, cost, scale.get(name, 1.0))
-                items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score,
-                                       td.block_l2[b]))
-    items.sort(key=lambda it: it[:4])
+                items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score, block_l2[b]))
+    items.sort(key=itemgetter(0, 1, 2, 3))  # it[:4], compared in C
     full_read_bytes = sum(it[6] for it in items)
     if budget_bytes is None:
         budget_bytes = budget.resolve(full_read_bytes)
@@ -154,7 +163,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
         scores = {(name, t, b): v for name, per in calibration["energies"].items()
                   for t, vs in per.items() for b, v in enumerate(vs)}
-    vocabulary = frozenset(n for n, e in base_index.tensors.items() if is_vocabulary_tensor(n, e.shape))
+    vocabulary = frozenset(n for n, _, shape, _ in model_rows(base_index.tensors) if is_vocabulary_tensor(n, shape))
     sk_ctx = None
     if strat.sketched:
         sk_ctx = sketch_reads.sketch_context(items, sketches, {n: e.dtype for n, e in base_index.tensors.items()})
