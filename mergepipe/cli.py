@@ -382,8 +382,9 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
         folders[s["model"]] = next((r / ref for r in roots if (r / ref).is_dir()), Path(ref))
     name = f"{out.stem}.stacked"
     # params.yaml and the stacked folder beside it never go into a source model (even with --force)
-    _refuse_inside_inputs(out, list(folders.values()))
-    _refuse_inside_inputs(out.parent / name, list(folders.values()))
+    sources = [f for f in folders.values() if f.resolve() != (out.parent / name).resolve()]  # (build_stack
+    _refuse_inside_inputs(out, sources)  # names a slice of the folder being built)
+    _refuse_inside_inputs(out.parent / name, sources)
     try:
         build_stack(slices, folders, out.parent / name, force=args.force,
                     rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
