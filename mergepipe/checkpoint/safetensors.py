@@ -19,7 +19,7 @@ import stat
 import sys
 import threading
 from dataclasses import dataclass, field, replace
-from itertools import chain, islice, repeat
+from itertools import accumulate, chain, islice, repeat
 from math import prod
 from operator import add, eq, itemgetter, le, mul, sub
 from pathlib import Path
@@ -589,12 +589,12 @@ class SafetensorsWriter:
         bytes sit at the same place within a file-system block, so a reflink-capable file
         system (btrfs, XFS) can share their extents instead of copying them."""
         self.path = Path(path)
-        self._layout: dict[str, tuple[OutTensor, int, int]] = {}  # name -> (tensor, data offset, bytes)
-        offset = 0
-        for t in tensors:
-            size = prod(t.shape) * ITEMSIZE[t.dtype]
-            self._layout[t.name] = (t, offset, size)
-            offset += size
+        # name -> (tensor, data offset, bytes), made in whole-column steps (100k tensors)
+        sizes = list(map(mul, map(prod, map(itemgetter(2), tensors)), map(ITEMSIZE.__getitem__, map(itemgetter(1), tensors))))
+        offsets = [0, *accumulate(sizes)]
+        self._layout: dict[str, tuple[OutTensor, int, int]] = dict(zip(map(itemgetter(0), tensors),
+                                                                       zip(tensors, offsets, sizes)))
+        offset = offsets[-1]
         raw = _header_json(self._layout, metadata)
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
         if align_like is not None and align_like % 8 == 0:

@@ -96,11 +96,10 @@ class OutputHasher:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        for name, sizes in self.sizes.items():
-            if name not in self._digests:
-                self._digests[name] = TensorHasher(sizes).digest()  # no blocks, or only empty ones
-                self.tensors[name] = self._digests[name].hex()
-        return {f: file_digest(self.headers[f], [self._digests[n] for n in names]).hex()
+        for name in [n for n in self.sizes if n not in self._digests]:  # no blocks, or only empty ones
+            self._digests[name] = TensorHasher(self.sizes[name]).digest()
+            self.tensors[name] = self._digests[name].hex()
+        return {f: file_digest(self.headers[f], list(map(self._digests.__getitem__, names))).hex()
                 for f, names in self.order.items()}
 
     def _run(self) -> None:
@@ -114,12 +113,14 @@ class OutputHasher:
 
     def _hash(self, name: str | None, data, digests) -> None:
         if name is None:  # a pack of whole single-block tensors: hash tree = blake3(block digest)
-            sizes, done, tensors = self.sizes, self._digests, self.tensors
-            for tensor, x in data:
-                if len(sizes[tensor]) != 1:
-                    raise ValueError(f"tensor {tensor!r} is not one block")
-                d = done[tensor] = tensor_digest([x if digests else blake3(x).digest()])
-                tensors[tensor] = d.hex()
+            names = [tensor for tensor, _ in data]
+            if set(map(len, map(self.sizes.__getitem__, names))) != {1}:
+                bad = next(t for t in names if len(self.sizes[t]) != 1)
+                raise ValueError(f"tensor {bad!r} is not one block")
+            blocks = [x for _, x in data] if digests else [blake3(x).digest() for _, x in data]
+            done = [blake3(b).digest() for b in blocks]  # tensor_digest([b]): one block's digest, hashed
+            self._digests.update(zip(names, done))
+            self.tensors.update(zip(names, map(bytes.hex, done)))
             return
         if data is None and digests is None:
             h = self._open.pop(name, None) or TensorHasher(self.sizes[name])

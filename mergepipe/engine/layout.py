@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import accumulate, repeat
 from math import prod
+from operator import itemgetter, mul, sub
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE, Checkpoint, OutTensor, TensorInfo
 
@@ -36,7 +38,10 @@ def base_alignment(base: Checkpoint, layout: dict[str, list[OutTensor]]) -> dict
     if len(layout) != len(base.files):
         return out
     for (fname, tensors), h in zip(layout.items(), base.files):
-        offset, same = 0, len(tensors) == len(h.tensors)
+        if _mirrors(tensors, h):
+            out[fname] = h.data_start
+            continue
+        offset, same = 0, len(tensors) == len(h.tensors)  # the definition, tensor by tensor
         for o, t in zip(tensors, h.tensors):
             same = same and (o.name, o.dtype, tuple(o.shape)) == (t.name, t.dtype, tuple(t.shape)) \
                 and t.begin - h.data_start == offset
@@ -46,6 +51,15 @@ def base_alignment(base: Checkpoint, layout: dict[str, list[OutTensor]]) -> dict
     return out
 
 
+def _mirrors(tensors: list[OutTensor], h) -> bool:
+    """base_alignment's test in whole-column steps (C speed at 100k tensors): True only where
+    the tensor-by-tensor test is; False may still be a mirror by it (shapes as lists)."""
+    if len(tensors) != len(h.tensors) or tensors != list(map(itemgetter(0, 1, 2), h.tensors)):
+        return False
+    sizes = map(mul, map(ITEMSIZE.__getitem__, map(itemgetter(1), tensors)), map(prod, map(itemgetter(2), tensors)))
+    return list(map(sub, map(itemgetter(4), h.tensors), repeat(h.data_start))) == [0, *accumulate(sizes)][:-1]
+
+
 def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
     """Output file name -> tensors, mirroring the base's sharding (and its shard names, where
     `usable_shard_names`) unless shard_bytes is set."""
@@ -53,15 +67,20 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
         d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
         return OutTensor(t.name, d, t.shape)
 
+    def outs(ts) -> list[OutTensor]:
+        if not dtype:  # each OutTensor(name, dtype, shape) of the TensorInfo, without a Python call each
+            return list(map(tuple.__new__, repeat(OutTensor), map(itemgetter(0, 1, 2), ts)))
+        return [out(t) for t in ts]
+
     tensors = list(base.tensors.values())
     if shard_bytes is None:
         if len(base.files) == 1:
-            return {"model.safetensors": [out(t) for t in tensors]}
+            return {"model.safetensors": outs(tensors)}
         names = [h.path.name for h in base.files]
         if not usable_shard_names(names):  # README.md, config.json, a/x + b/x, ...: names of our own
             n = len(names)
             names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        return {name: [out(t) for t in h.tensors] for name, h in zip(names, base.files)}
+        return {name: outs(h.tensors) for name, h in zip(names, base.files)}
     groups: list[list[OutTensor]] = [[]]
     size = 0
     for t in tensors:

@@ -392,7 +392,7 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
             buf[a:z] = _block_bytes(m, t, out_of[name][1], 0, 0, r1, result.base[a:z], got)
         out = memoryview(buf)
     writers[pack.out_file].write_rows(pack.names[0], 0, out)
-    m.hasher.add_whole([(n, out[a:z]) for n, a, z in pack.spans()])
+    m.hasher.add_whole(list(zip(pack.names, pack.views(out))))
     m.cuts.drop_all(pack.names)
 
 
@@ -452,7 +452,9 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
 def _read_sets(reads: dict[str, list[int]]) -> dict[str, list[int] | frozenset[int]]:
     """An expert's planned blocks per tensor for `in` tests: the plan's own short lists
     (one or a few blocks: a set per tensor was 10% of a 100k-tensor merge's memory), sets
-    for long ones."""
+    for long ones. Read only: where every list is short, the plan's own dict."""
+    if max(map(len, reads.values()), default=0) <= 8:
+        return reads
     return {t: bs if len(bs) <= 8 else frozenset(bs) for t, bs in reads.items()}
 
 

@@ -16,6 +16,8 @@ its manifest are byte-identical; only the number of calls changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from operator import contains, itemgetter, ne, sub
 from pathlib import Path
 
 from blake3 import blake3
@@ -43,7 +45,15 @@ class Pack:
 
     def spans(self):
         """(name, start, end) of each tensor within the pack's bytes (every buffer of it)."""
-        return [(t.name, t.begin - self.begin, t.end - self.begin) for t in self.tensors]
+        return list(zip(self.names, *self.offsets()))
+
+    def offsets(self) -> tuple[list[int], list[int]]:
+        """(starts, ends) of the tensors within the pack's bytes, as two columns."""
+        return _relative(self.tensors, self.begin)
+
+    def views(self, buf: memoryview) -> list[memoryview]:
+        """Each tensor's bytes in `buf`, a buffer of the pack's range (pack order)."""
+        return list(map(buf.__getitem__, map(slice, *self.offsets())))
 
 
 def packable(t: TensorInfo, n_blocks: int) -> bool:
@@ -81,6 +91,16 @@ class PackBuilder:
         return pack
 
 
+def _relative(tensors, origin: int) -> tuple[list[int], list[int]]:
+    """(begin - origin, end - origin) of each of these TensorInfos, as two columns."""
+    return (list(map(sub, map(itemgetter(4), tensors), repeat(origin))),
+            list(map(sub, map(itemgetter(5), tensors), repeat(origin))))
+
+
+def _other(a: Path, b: Path) -> bool:
+    return not _same(a, b)
+
+
 def _same(a: Path, b: Path) -> bool:
     """Path equality, by identity first: a checkpoint's tensors share their file's Path
     object, and Path.__eq__ (Python code) was a tenth of reading a 100k-tensor pack."""
@@ -93,7 +113,7 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
     """The base bytes of a MERGE pack and, per expert, the bytes of each tensor the plan
     reads of it (adjacent ones with one pread), every block checked against its index."""
     buf = memoryview(base_reader.read_range(pack.tensors[0], pack.begin, pack.end)).cast("B")
-    bad = _mismatch([buf[a:z] for _, a, z in pack.spans()], pack.names, base_index)
+    bad = _mismatch(pack.views(buf), pack.names, base_index)
     if bad is not None:
         t, entry = base.tensors[bad], base_index.tensors[bad]
         raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:{entry.ranges[0][1]} do not "
@@ -102,21 +122,25 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
     whole: dict[str, memoryview] = {}
     for expert, planned in reads.items():
         ckpt = experts[expert]
-        wanted = [ckpt.tensors[n] for n in pack.names if 0 in planned.get(n, ())]
-        if not wanted:
+        # the tensors whose block 0 the plan reads (column steps in C: `0 in planned[name]`)
+        names = list(compress(pack.names, map(contains, map(planned.get, pack.names, repeat(())), repeat(0))))
+        if not names:
             continue
+        wanted = list(map(ckpt.tensors.__getitem__, names))
+        begins, ends, files = (list(map(itemgetter(k), wanted)) for k in (4, 5, 3))
+        # runs adjacent in the expert's file, one pread each: cut where a tensor does not
+        # start at the previous one's end or lies in another file
+        cuts = set(compress(range(1, len(wanted)), map(ne, islice(begins, 1, None), ends)))
+        if len(set(map(id, files))) > 1:
+            cuts.update(compress(range(1, len(wanted)), map(_other, islice(files, 1, None), files)))
+        cuts = sorted(cuts)
         views = []
-        i = 0
-        while i < len(wanted):  # one pread per run adjacent in the expert's file
-            j = i
-            while j + 1 < len(wanted) and wanted[j + 1].begin == wanted[j].end and _same(wanted[j + 1].file, wanted[j].file):
-                j += 1
-            run = memoryview(readers[expert].read_range(wanted[i], wanted[i].begin, wanted[j].end)).cast("B")
-            views += [run[t.begin - wanted[i].begin:t.end - wanted[i].begin] for t in wanted[i:j + 1]]
-            if i == 0 and j == len(pack.names) - 1:
+        for i, j in zip([0, *cuts], [*cuts, len(wanted)]):
+            run = memoryview(readers[expert].read_range(wanted[i], begins[i], ends[j - 1])).cast("B")
+            starts, stops = _relative(wanted[i:j], begins[i])
+            views += map(run.__getitem__, map(slice, starts, stops))
+            if i == 0 and j == len(pack.names):
                 whole[expert] = run  # every tensor of the pack, in one buffer, in pack order
-            i = j + 1
-        names = [t.name for t in wanted]
         bad = _mismatch(views, names, expert_indexes[expert])
         if bad is not None:
             t, entry = ckpt.tensors[bad], expert_indexes[expert].tensors[bad]
