@@ -292,3 +292,31 @@ def test_gc_keep_names_the_calibration_of_an_output_however_it_is_given(keep, ti
     assert main(["gc", "--cache-dir", str(tmp_path / "cache"), "--keep", str(arg), "-q"]) == 0
     assert len(list((tmp_path / "cache" / "calibration").iterdir())) == 1
     assert len(list((tmp_path / "cache" / "weighted").iterdir())) == 3
+
+
+def test_a_corpus_sized_calibration_text_is_read_only_as_far_as_max_tokens_needs(tiny_family, tmp_path, monkeypatch):
+    """`plan.text` pointing at a whole corpus (an ordinary slip: the training set, not a sample):
+    the calibration pass read and tokenized all of it to keep `max_tokens` tokens (a 30 MB
+    text took 108 s and 13 GB for 64 tokens; a GB-sized one is killed for memory). Now only
+    a prefix that holds `max_tokens` tokens and a margin is tokenized, with the same tokens
+    (so the same importance), while the text's hash still covers every byte."""
+    import transformers
+    seen: list[int] = []
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        tok = original(*args, **kwargs)
+        call = type(tok).__call__
+        monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: (seen.append(len(text)),
+                                                                                  call(self, text, *a, **k))[1])
+        return tok
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    line = "the quick brown fox jumps over the lazy dog; 0123456789\n"
+    big = line * (5_000_000 // len(line))
+    plans = {}
+    for name, text in (("big", big), ("small", big[:5000])):
+        plans[name] = json.loads(_calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text).read_text())
+    assert max(seen) < 1_000_000, seen
+    assert plans["big"]["reads"] == plans["small"]["reads"]
+    from blake3 import blake3
+    assert plans["big"]["strategy"]["calibration"]["text"] == blake3(big.encode()).hexdigest()

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint
 from mergepipe.errors import ConfigError
@@ -65,6 +66,40 @@ def _hushed(quiet: bool):
         hf_logging.set_verbosity(level)
 
 
+def read_calibration_text(path: Path, *, keep_chars: int) -> tuple[str, str]:
+    """(the text's first `keep_chars` characters, blake3 of the whole text as read_text gives
+    it), streamed: a corpus-sized file by mistake costs a read, not its size in memory.
+    Same errors as read_text."""
+    h, kept, seen = blake3(), [], False
+    try:
+        with open(path, encoding="utf-8") as f:  # universal newlines, as Path.read_text
+            while chunk := f.read(1 << 20):
+                h.update(chunk.encode())
+                seen = seen or bool(chunk.strip())
+                if sum(map(len, kept)) < keep_chars:
+                    kept.append(chunk)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: calibration text not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read calibration text as UTF-8 ({e})") from None
+    if not seen:
+        raise ConfigError(f"{path}: calibration text is empty")
+    return "".join(kept)[:keep_chars], h.hexdigest()
+
+
+def first_tokens(tok, text: str, max_tokens: int) -> list[int]:
+    """The first `max_tokens` token ids of `text`, tokenizing a growing prefix (16 characters a
+    token to start) until it holds max_tokens + 64 tokens: tokenization is local, so these are
+    the whole text's first tokens, and a long text is never tokenized whole. verbose=False: the
+    text is longer than the model's context on purpose (cut into seq_len sequences)."""
+    n = max(4096, 16 * max_tokens)
+    while True:
+        ids = tok(text[:n], add_special_tokens=False, verbose=False)["input_ids"]
+        if n >= len(text) or len(ids) >= max_tokens + 64:
+            return ids[:max_tokens]
+        n *= 4
+
+
 def fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
            progress: bool = False, quiet: bool = False) -> tuple[Importance, dict[str, str]]:
     """(importance per base tensor, metadata) from one pass over `text`; `quiet`: nothing of
@@ -77,7 +112,6 @@ def _fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
             progress: bool) -> tuple[Importance, dict[str, str]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # our own progress line, not one bar per loaded file
     root = base.root
@@ -88,9 +122,7 @@ def _fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{root}: the calibrated strategy needs the base as a transformers causal LM "
                           f"with its tokenizer: {msg}") from None
-    # verbose=False: the whole text is longer than the model's context on purpose (it is cut
-    # into seq_len sequences below), which transformers would warn about
-    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"][:max_tokens]
+    ids = first_tokens(tok, text, max_tokens)
     seqs = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     seqs = [s for s in seqs if len(s) >= 2]
     if not seqs:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blake3 import blake3
-
 from mergepipe.calibrate import artifact
-from mergepipe.calibrate.fisher import read_text
+from mergepipe.calibrate.fisher import read_calibration_text
 from mergepipe.checkpoint.safetensors import Checkpoint
 from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.index import weighted
@@ -20,11 +18,11 @@ from mergepipe.index.store import Store
 RECIPE = "fisher-rank1"
 
 
-def _cache_write(path: Path, write) -> None:
-    """`write()`, an OSError (disk full, file-size limit, calibration/ or weighted/ not a
+def _cache_write(path: Path, write, *args) -> None:
+    """`write(path, *args)`, an OSError (disk full, file-size limit, calibration/ or weighted/ not a
     folder) one line naming the entry, as the index store's (index/store.py)."""
     try:
-        write()
+        write(path, *args)
     except OSError as e:
         raise OutputError(f"{path}: cannot write to the cache: {e.strerror or e}; free space or set cache_dir "
                           "elsewhere") from None
@@ -34,9 +32,9 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
                        experts: dict[str, tuple[Checkpoint, ModelIndex]], *, progress: bool = False,
                        quiet: bool = False) -> dict:
     """{artifact, text, energies: expert name -> tensor -> [energy per block]}."""
-    text = read_text(text_path)
-    text_hash = blake3(text.encode()).hexdigest()
     recipe = {"kind": RECIPE, "max_tokens": options["max_tokens"], "seq_len": options["seq_len"]}
+    # hashed whole, kept only as far as max_tokens can reach (a token of 256 characters is absurd)
+    text, text_hash = read_calibration_text(text_path, keep_chars=256 * recipe["max_tokens"] + 4096)
     # keyed by the base's content hash, which is the plain layout's in every layout
     # (index/store.py), so a layout with vocabulary blocks reuses the artifact
     path = artifact.artifact_path(store.root, base_index.content_hash, text_hash, recipe)
@@ -51,8 +49,7 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
                                    progress=progress, quiet=quiet)
         # the artifact's blake3 goes into the plan, so its bytes must be a function of its
         # inputs only: the pass's wall time (fisher's "seconds") is not written into it
-        _cache_write(path, lambda: artifact.save(path, importance,
-                                                 {**meta, **{k: v for k, v in extra.items() if k != "seconds"}}))
+        _cache_write(path, artifact.save, importance, {**meta, **{k: v for k, v in extra.items() if k != "seconds"}})
         importance = artifact.load(path, base, expect=meta)
     art_hash = artifact.artifact_hash(path)
     covered = weighted.covered_tensors(base, base_index, importance)
@@ -66,6 +63,6 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
             found = None  # damaged: rebuilt
         if found is None or set(found) != covered:  # (an entry missing tensors would rank them last)
             found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
-            _cache_write(cache, lambda: weighted.save(cache, found, art_hash))
+            _cache_write(cache, weighted.save, found, art_hash)
         energies[name] = found
     return {"artifact": art_hash, "text": text_hash, "energies": energies}
