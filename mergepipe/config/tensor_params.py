@@ -44,8 +44,8 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     config has no per-tensor setting (then plans are as before settings existed).
 
     Raises:
-        ConfigError: a weight no condition gives for some tensor, or a value that is out of
-            range for a tensor (naming the config key and the tensor).
+        ConfigError: a weight no condition gives for some tensor, a value that is out of range
+            for a tensor (naming the config key and the tensor), or a filter in no tensor name.
     """
     if not cfg.per_tensor:
         return None
@@ -54,6 +54,7 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     scalars = {k: v for k, v in cfg.parameters.items() if k not in cfg.param_settings}
     defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
     names = sorted(names)
+    _check_filters(cfg, names)
     position = layer_positions(names)
     groups: list[dict[str, Any]] = []
     index: dict[bytes, int] = {}
@@ -112,6 +113,21 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
             groups.append(group)
         tensors[name] = index[gkey]
     return {"groups": groups, "tensors": tensors}
+
+
+def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
+    """A condition whose filter is in no tensor name is a typo (`self_atn`): mergekit would let
+    it apply nowhere, silently merging with the fallback value everywhere; here it is an error."""
+    settings = {f"parameters.{k}": s for k, s in cfg.param_settings.items()}
+    for i, e in enumerate(cfg.experts):
+        for knob in ("weight", *KNOBS):
+            if isinstance(getattr(e, knob), Setting):
+                settings[f"experts[{i}].{knob}"] = getattr(e, knob)
+    for key, setting in settings.items():
+        for flt, _ in setting.conditions:
+            if flt not in (None, "*") and not any(flt in n for n in names):
+                raise ConfigError(f"{cfg.source}: {key}: filter {flt!r} is in no tensor name of the base, so "
+                                  "its condition would apply nowhere; check the spelling")
 
 
 def _knob(value: float, knob: str, where: str, magnitude: bool) -> float:

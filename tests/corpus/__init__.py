@@ -1364,3 +1364,20 @@ def c_model_folder_with_shards_and_a_stray_model_safetensors(ctx, work):
     bad = copy_expert(ctx, work, k=0)
     shutil.copyfile(ctx.experts[1] / "model.safetensors", bad / "model.safetensors")
     return run(work, ctx, bad, (str(bad / "model.safetensors"), INDEX_JSON), CHECKPOINT)
+
+
+def _filter_typo_case(where: str):
+    def build(ctx, work):
+        typo = [{"filter": "self_atn", "value": 0.2}, {"value": 1.0}]  # self_attn misspelled
+        if where == "parameters.lambda":
+            return run(work, ctx, None, ("params.yaml", where, "self_atn"), CONFIG, parameters={"lambda": typo})
+        experts = [{"name": "good", "path": str(ctx.experts[2]), "weight": typo}]
+        return run(work, ctx, None, ("params.yaml", "experts[0].weight", "self_atn"), CONFIG, experts=experts)
+    build.__doc__ = (f"{where}: a per-tensor condition whose filter is misspelled matched no tensor, so it "
+                     "silently applied nowhere and the merge used the fallback value everywhere.")
+    return build
+
+
+for _where in ("parameters.lambda", "experts.weight"):
+    CASES[f"setting_filter_matches_no_tensor_{_where.replace('.', '_')}"] = Case(
+        f"setting_filter_matches_no_tensor_{_where.replace('.', '_')}", _filter_typo_case(_where))
