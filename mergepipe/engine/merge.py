@@ -31,7 +31,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
-from mergepipe.engine.packs import Pack, PackBuilder, PackRead, block_digest, packable, read_pack
+from mergepipe.engine.packs import Pack, PackBuilder, PackRead, block_digest, packable, read_pack, slice_digests
 from mergepipe.engine.tensor_variants import TensorVariants
 from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
@@ -392,7 +392,7 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
             buf[a:z] = _block_bytes(m, t, out_of[name][1], 0, 0, r1, result.base[a:z], got)
         out = memoryview(buf)
     writers[pack.out_file].write_rows(pack.names[0], 0, out)
-    m.hasher.add_whole(list(zip(pack.names, pack.views(out))))
+    m.hasher.add_whole(list(zip(pack.names, slice_digests(out, *pack.offsets()))), digests=True)
     m.cuts.drop_all(pack.names)
 
 
@@ -464,7 +464,7 @@ def block_counts(index: ModelIndex, names) -> list[int]:
     cols = index.tensors
     if isinstance(cols, ModelColumns):
         s = cols.starts
-        return [s[i + 1] - s[i] for i in map(cols.index_of, names)]
+        return [s[i + 1] - s[i] for i in cols.rows_of(names)]
     return [len(cols[n].ranges) for n in names]
 
 

@@ -15,8 +15,9 @@ its manifest are byte-identical; only the number of calls changes.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import compress, islice, repeat
+from itertools import chain, compress, islice, repeat
 from operator import contains, itemgetter, ne, sub
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
     """The base bytes of a MERGE pack and, per expert, the bytes of each tensor the plan
     reads of it (adjacent ones with one pread), every block checked against its index."""
     buf = memoryview(base_reader.read_range(pack.tensors[0], pack.begin, pack.end)).cast("B")
-    bad = _mismatch(pack.views(buf), pack.names, base_index)
+    bad = _mismatch(slice_digests(buf, *pack.offsets()), pack.names, base_index)
     if bad is not None:
         t, entry = base.tensors[bad], base_index.tensors[bad]
         raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:{entry.ranges[0][1]} do not "
@@ -134,28 +135,58 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
         if len(set(map(id, files))) > 1:
             cuts.update(compress(range(1, len(wanted)), map(_other, islice(files, 1, None), files)))
         cuts = sorted(cuts)
-        views = []
+        runs, digests = [], []
         for i, j in zip([0, *cuts], [*cuts, len(wanted)]):
             run = memoryview(readers[expert].read_range(wanted[i], begins[i], ends[j - 1])).cast("B")
             starts, stops = _relative(wanted[i:j], begins[i])
-            views += map(run.__getitem__, map(slice, starts, stops))
+            digests += slice_digests(run, starts, stops)
+            runs.append((run, starts, stops))
             if i == 0 and j == len(pack.names):
                 whole[expert] = run  # every tensor of the pack, in one buffer, in pack order
-        bad = _mismatch(views, names, expert_indexes[expert])
+        bad = _mismatch(digests, names, expert_indexes[expert])
         if bad is not None:
             t, entry = ckpt.tensors[bad], expert_indexes[expert].tensors[bad]
             raise IntegrityError(f"{t.file}: tensor {t.name!r} rows {entry.ranges[0][0]}:"
                                  f"{entry.ranges[0][1]} do not match the index (corrupted or modified "
                                  "since indexing); re-index with `mergepipe index`")
-        got[expert] = dict(zip(names, views))
+        got[expert] = _Views(names, runs)
     return PackRead(buf, got, whole)
 
 
-def _mismatch(views: list[memoryview], names, index: ModelIndex) -> str | None:
-    """The first of these single-block tensors whose bytes do not hash to the index's
-    block digest, or None. Tensors adjacent in a decoded index are compared in one step
-    against one slice of its digest column."""
-    got = [blake3(v).digest() for v in views]
+def slice_digests(buf, starts: list[int], stops: list[int]) -> list[bytes]:
+    """blake3 digest of each buf[start:stop], hashed from slices of one bytes copy (a small
+    bytes object is cheaper to make and to hash than a memoryview: 100k tensors)."""
+    data = bytes(buf)
+    return [blake3(data[a:z]).digest() for a, z in zip(starts, stops)]
+
+
+class _Views(Mapping):
+    """tensor -> its bytes in the runs read (buffer, starts, stops), made on first lookup:
+    a pack merged by one elementwise kernel call never looks a tensor up."""
+
+    def __init__(self, names: list[str], runs: list[tuple]) -> None:
+        self._names, self._runs, self._views = names, runs, None
+
+    def _all(self) -> dict[str, memoryview]:
+        if self._views is None:
+            cut = chain.from_iterable(map(run.__getitem__, map(slice, a, z)) for run, a, z in self._runs)
+            self._views = dict(zip(self._names, cut))
+        return self._views
+
+    def __getitem__(self, name: str) -> memoryview:
+        return self._all()[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _mismatch(got: list[bytes], names, index: ModelIndex) -> str | None:
+    """The first of these single-block tensors whose block digests `got` are not the index's,
+    or None. Tensors adjacent in a decoded index are compared in one step against one slice
+    of its digest column."""
     want = _digest_run(index, names)
     if want is not None and b"".join(got) == want:
         return None
@@ -192,5 +223,5 @@ class PackRead:
     read for every tensor of the pack in one pread, that buffer (pack order)."""
 
     base: memoryview
-    got: dict[str, dict[str, memoryview]]  # expert -> tensor -> its bytes
+    got: dict[str, Mapping[str, memoryview]]  # expert -> tensor -> its bytes
     whole: dict[str, memoryview]

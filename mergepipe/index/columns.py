@@ -67,6 +67,13 @@ class _ByName(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self._pos
 
+    def rows_of(self, names) -> list[int]:
+        """The row of each of `names` (KeyError for one not here), in one C-speed pass."""
+        return list(map(self._pos.__getitem__, names))
+
+    def has_all(self, names) -> bool:
+        return all(map(self._pos.__contains__, names))
+
     def __iter__(self):
         return iter(self.names)
 

@@ -18,15 +18,9 @@ from mergepipe.index.columns import DeltaColumns, ModelColumns
 
 def _row_bytes(cols: ModelColumns, which) -> list[int]:
     """Bytes per row of tensors `which` (indexes into cols); one computation per shape and dtype."""
-    memo: dict[tuple, int] = {}
-    out = []
-    for i in which:
-        key = (cols.shapes[i], cols.dtypes[i])
-        rb = memo.get(key)
-        if rb is None:
-            rb = memo[key] = row_bytes(key[0], ITEMSIZE[key[1]])
-        out.append(rb)
-    return out
+    keys = list(zip(map(cols.shapes.__getitem__, which), map(cols.dtypes.__getitem__, which)))
+    memo = {key: row_bytes(key[0], ITEMSIZE[key[1]]) for key in set(keys)}
+    return list(map(memo.__getitem__, keys))
 
 
 def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int | None:
@@ -42,12 +36,12 @@ def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int 
     if not names:
         return 0
     try:
-        ti = list(map(cols.index_of, names))
+        ti = cols.rows_of(names)
         if delta is not None:
-            di = list(map(delta.tensors.index_of, names))
+            di = delta.tensors.rows_of(names)
     except KeyError:
         return None
-    if not (all(map(base.__contains__, names)) and set(map(cols.dtypes.__getitem__, ti)) <= FLOAT_DTYPES):
+    if not (base.has_all(names) and set(map(cols.dtypes.__getitem__, ti)) <= FLOAT_DTYPES):
         return None
     lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     blocks = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
