@@ -320,3 +320,30 @@ def test_a_corpus_sized_calibration_text_is_read_only_as_far_as_max_tokens_needs
     assert plans["big"]["reads"] == plans["small"]["reads"]
     from blake3 import blake3
     assert plans["big"]["strategy"]["calibration"]["text"] == blake3(big.encode()).hexdigest()
+
+
+_TEMPS = {  # folder -> (temp name a killed writer leaves, a user's hidden file that looks alike but is not ours)
+    "calibration": (f".{'a' * 40}.safetensors.{'0' * 32}.tmp", ".notes.safetensors.x.tmp"),
+    "weighted": (f".{'b' * 40}.json.k2j4_9xq.tmp", f".{'b' * 39}.json.k2j4_9xq.tmp"),
+    "models": (f".{'c' * 40}.idx.abcdefgh.tmp", ".c.idx.abcdefgh.tmp"),
+    "stat": (f".{'d' * 32}.json.abcdefgh.tmp", f".{'d' * 32}.json.tmp"),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(_TEMPS))
+def test_gc_removes_temp_files_a_killed_writer_left_once_they_are_old(folder, tmp_path):
+    """A process killed with -9 while writing a cache entry (an OOM kill in a calibration pass,
+    a cluster job's time limit) leaves `.<entry>.<random>.tmp`; nothing ever removed it. Now gc
+    removes ours once a day old (a live writer's temp is younger), never a fresh one or a
+    hidden file of the user's."""
+    cache = tmp_path / "cache"
+    (cache / folder).mkdir(parents=True)
+    ours, users = _TEMPS[folder]
+    old, fresh, mine = cache / folder / ours, cache / folder / ours.replace(".tmp", "1.tmp"), cache / folder / users
+    for p in (old, fresh, mine):
+        p.write_bytes(b"x")
+    day_ago = os.stat(old).st_mtime - 2 * 86400
+    for p in (old, mine):
+        os.utime(p, (day_ago, day_ago))
+    assert main(["gc", "--cache-dir", str(cache), "-q"]) == 0
+    assert not old.exists() and fresh.exists() and mine.exists()

@@ -10,6 +10,7 @@ What it may remove:
                         (rebuilt when a plan or merge needs them again); those a `--keep` output
                         or plan names (its artifact hash, joint key, sketch header hash) stay
   models/ deltas/ stat/ indexes, only with `indexes=True` (they are rebuilt by rereading the models)
+  .<entry>.<random>.tmp  in any of these, a day old: a writer killed before its rename left it
 An entry is removed only when its name is one mergepipe gives and its content starts as
 mergepipe writes it (a safetensors header of format mergepipe-importance-*, an energies JSON,
 the joint magic, a sketch trailer): a user's file there with a look-alike name is kept and reported.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +106,21 @@ _OURS = {
 _DERIVED = ("calibration", "weighted", "joint", "sketch")
 
 
+_TEMP = re.compile(r"\.(.+)\.[0-9a-z_]+\.tmp")  # atomic_write_bytes's and the artifact writer's temp names
+TEMP_AGE = 86400  # seconds: a live writer's temp is younger; a killed one's (kill -9, OOM) older
+
+
+def _stale_temp(sub: str, path: Path) -> bool:
+    """A temp file of one of our entries, a day old: its writer was killed before renaming it."""
+    m = _TEMP.fullmatch(path.name)
+    if not m or not _OURS[sub].fullmatch(m.group(1)) or path.is_symlink() or not path.is_file():
+        return False
+    try:
+        return time.time() - path.stat().st_mtime > TEMP_AGE
+    except OSError:
+        return False
+
+
 def _head(path: Path, n: int) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -151,11 +168,16 @@ def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = Fal
     keep = keep if isinstance(keep, Keep) else Keep(plans=set(keep))
     root = Path(cache_dir)
     victims: list[Path] = []
-    for sub in ["merges", "parts", *_DERIVED, *(["models", "deltas", "stat"] if indexes else [])]:
+    for sub in ["merges", "parts", *_DERIVED, "models", "deltas", "stat"]:
         folder = root / sub
         if not folder.is_dir() or folder.is_symlink():
             continue
         for p in sorted(folder.iterdir()):
+            if sub != "merges" and _stale_temp(sub, p):
+                victims.append(p)
+                continue
+            if sub in ("models", "deltas", "stat") and not indexes:
+                continue
             if not _OURS[sub].fullmatch(p.name) or p.is_symlink() or not (p.is_dir() if sub == "merges" else p.is_file()):
                 continue
             if sub == "merges" and p.name in keep.plans or sub in _DERIVED and _referenced(sub, p, keep):
