@@ -119,7 +119,9 @@ class _File:
             end = off + count * _ITEM[code]
             if off < _PREFIX.size + hlen or off % 8 or end > len(body):
                 raise BinFormatError(f"array {name!r}: out of range")
-            view = body[off:end]
+            # a copy of the array's bytes: views of `data` would keep the whole file alive,
+            # its JSON header (a row per tensor, megabytes at 100k) included
+            view = memoryview(bytes(body[off:end]))
             self.raw[name] = view
             if code != "B":
                 if _LITTLE:

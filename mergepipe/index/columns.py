@@ -13,6 +13,7 @@ checks use the columns; what looks entries up one by one does so once or a few t
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate, chain, repeat
 from json.encoder import encode_basestring_ascii as _esc
@@ -26,9 +27,11 @@ from mergepipe.index.records import TensorDelta, TensorEntry
 DIGEST = 32  # bytes of one block hash (blake3)
 
 
-def _starts(counts: list[int]) -> list[int]:
-    """Prefix sums: element i is where item i's run starts, the last one the total."""
-    return [0, *accumulate(counts)]
+def _starts(counts: list[int]) -> array:
+    """Prefix sums: element i is where item i's run starts, the last one the total. An
+    array of int64, not a list: 8 bytes an item instead of an int object each (100k
+    tensors, five such columns per delta index)."""
+    return array("q", [0, *accumulate(counts)])
 
 
 class BlockEq(Mapping):
@@ -67,6 +70,14 @@ class _ByName(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self._pos
 
+    def share_names(self, names: list[str]) -> None:
+        """Take these equal names (the checkpoint's, the expert index's) in place of the
+        decoded ones, which are then freed: one string per tensor name in memory, not one per copy."""
+        if names != self.names:
+            raise ValueError("not the same names")
+        self.names = names
+        self._pos = dict(zip(names, range(len(names))))
+
     def rows_of(self, names) -> list[int]:
         """The row of each of `names` (KeyError for one not here), in one C-speed pass."""
         return list(map(self._pos.__getitem__, names))
@@ -104,14 +115,6 @@ class ModelColumns(_ByName):
     def index_of(self, name: str) -> int:
         return self._pos[name]
 
-    def share_names(self, names: list[str]) -> None:
-        """Take these equal names (the checkpoint's) in place of the decoded ones, which are
-        then freed: one string per tensor name in memory, not one per copy."""
-        if names != self.names:
-            raise ValueError("not the same names")
-        self.names = names
-        self._pos = dict(zip(names, range(len(names))))
-
     def entry(self, i: int) -> TensorEntry:
         a, z = self.starts[i], self.starts[i + 1]
         flat = list(self.ranges[2 * a:2 * z])
@@ -127,7 +130,7 @@ class ModelColumns(_ByName):
         n = len(self.names)
         hexes = bytes(self.digests).hex()
         starts = self.starts
-        if starts == list(range(n + 1)):  # one block each (the many-tensors case)
+        if starts == array("q", range(n + 1)):  # one block each (the many-tensors case)
             hashes = ['"' + hexes[64 * k:64 * k + 64] + '"' for k in range(n)]
         else:
             hashes = ['"' + '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z)) + '"' if z > a else ""
@@ -260,7 +263,10 @@ def delta_describes(delta, base_index, expert_index) -> bool:
             (expert_index.content_hash, base_index.content_hash, expert_index.layout):
         return False
     if cols.names == exp.names:
-        return cols.bstarts == exp.starts
+        if cols.bstarts != exp.starts:
+            return False
+        cols.share_names(exp.names)
+        return True
     if set(cols.names) != set(exp.names) or len(cols.names) != len(exp.names):
         return False
     nb = cols.n_blocks()
