@@ -57,6 +57,12 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     resolved._root = root
     resolved._method_params = cfg._method_params
 
+    first: dict[str, int] = {}
+    for i, e in enumerate(resolved.experts):  # a copied entry whose path was not edited
+        j = first.setdefault(os.path.realpath(e.path), i)
+        if j != i:
+            raise ConfigError(f"{source}: experts[{i}].path: {written[f'experts[{i}].path']!r} is the same model "
+                              f"as experts[{j}]; list each model once (with the weight it should have)")
     inputs = [("base", resolved.base)] + [
         (f"experts[{i}].path", e.path) for i, e in enumerate(resolved.experts)]
     out = resolved.output.dir

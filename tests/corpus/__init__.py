@@ -1381,3 +1381,13 @@ def _filter_typo_case(where: str):
 for _where in ("parameters.lambda", "experts.weight"):
     CASES[f"setting_filter_matches_no_tensor_{_where.replace('.', '_')}"] = Case(
         f"setting_filter_matches_no_tensor_{_where.replace('.', '_')}", _filter_typo_case(_where))
+
+
+@case
+def c_params_same_expert_folder_twice(ctx, work):
+    """A half-edited params.yaml: an expert entry copied and renamed, its path left as the first's
+    (`{name: e1, path: models/e0}`): e0 was merged twice and e1 not at all, exit 0, verify OK
+    (mergekit would collapse the two into one). Now an error naming both entries."""
+    experts = [{"name": "good", "path": str(ctx.experts[2]), "weight": 0.5},
+               {"name": "copy", "path": str(ctx.experts[2]) + "/", "weight": 0.7}]
+    return run(work, ctx, None, ("params.yaml", "experts[1].path", "experts[0]"), CONFIG, experts=experts)
