@@ -1386,8 +1386,8 @@ for _where in ("parameters.lambda", "experts.weight"):
 @case
 def c_params_same_expert_folder_twice(ctx, work):
     """A half-edited params.yaml: an expert entry copied and renamed, its path left as the first's
-    (`{name: e1, path: models/e0}`): e0 was merged twice and e1 not at all, exit 0, verify OK
-    (mergekit would collapse the two into one). Now an error naming both entries."""
+    (`{name: e1, path: models/e0}`): e0 was merged twice and e1 not at all, exit 0, verify OK.
+    Now an error naming both entries."""
     experts = [{"name": "good", "path": str(ctx.experts[2]), "weight": 0.5},
                {"name": "copy", "path": str(ctx.experts[2]) + "/", "weight": 0.7}]
     return run(work, ctx, None, ("params.yaml", "experts[1].path", "experts[0]"), CONFIG, experts=experts)
