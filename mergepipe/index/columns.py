@@ -60,6 +60,11 @@ class BlockEq(Mapping):
         return len(self._keys)
 
 
+# (names, name -> row) of the last index whose names were shared: the indexes of one family's
+# models have the same tensors, so their row maps (100k entries each) are one dict
+_LAST_POS: list[tuple[list[str], dict[str, int]]] = []
+
+
 class _ByName(Mapping):
     """A columnar index's tensors by name: subclasses set `names` and `_pos` (name -> row)
     and make the record of row i with `entry(i)`."""
@@ -76,7 +81,12 @@ class _ByName(Mapping):
         if names != self.names:
             raise ValueError("not the same names")
         self.names = names
-        self._pos = dict(zip(names, range(len(names))))
+        last = _LAST_POS[0] if _LAST_POS else None
+        if last is not None and last[0] == names:  # the same tensors as the last index checked
+            self._pos = last[1]  # read only, so shared
+        else:
+            self._pos = dict(zip(names, range(len(names))))
+            _LAST_POS[:] = [(names, self._pos)]
 
     def rows_of(self, names) -> list[int]:
         """The row of each of `names` (KeyError for one not here), in one C-speed pass."""
