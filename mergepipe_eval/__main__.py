@@ -206,6 +206,17 @@ def cmd_smollm_strategy_screen(a) -> int:
     return 0
 
 
+def cmd_sketch_report(a) -> int:
+    """Splice the `sketch` strategy section into EVAL.md from the screens' JSON files."""
+    from mergepipe_eval import sketch_report as sr
+    smollm = [json.loads(Path(r).read_text()) for r in a.smollm]
+    per_seed = [json.loads(Path(r).read_text()) for r in a.minilm]
+    mean = json.loads(Path(a.minilm_seeds).read_text()) if a.minilm_seeds else None
+    notes = Path(a.notes).read_text() if a.notes else ""
+    sr.splice_section(Path(a.markdown), sr.render(smollm, per_seed, mean, notes))
+    return 0
+
+
 def cmd_smollm_strategy_report(a) -> int:
     """Splice the SmolLM2 strategy section (notes, plot, tables) into EVAL.md from the screen's JSON."""
     from mergepipe_eval import smollm_screen as ss
@@ -382,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--heldout-len", type=int, default=128)
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_smollm_strategy_screen)
+    s = sub.add_parser("sketch-report", help="EVAL.md section of strategy sketch (SmolLM2 and MiniLM screens)")
+    s.add_argument("--smollm", action="append", default=[], help="smollm-strategy-screen result JSON (repeat)")
+    s.add_argument("--minilm", action="append", default=[], help="strategy-screen result JSON per seed (repeat)")
+    s.add_argument("--minilm-seeds", help="strategy-seeds result JSON")
+    s.add_argument("--notes", help="hand-written analysis put before the tables")
+    s.add_argument("--markdown", required=True)
+    s.set_defaults(fn=cmd_sketch_report)
     s = sub.add_parser("smollm-strategy-report", help="EVAL.md section of the SmolLM2 strategy screen")
     s.add_argument("--result", required=True, action="append",
                    help="screen JSON (repeat: later files' rows replace earlier ones', others are added)")
