@@ -268,10 +268,14 @@ def test_header_columns_equal_the_entry_by_entry_parse(tmp_path, monkeypatch):
             st.parse_header(write(entries, n))
 
 
-def test_manifest_json_is_canonical_json():
-    """The manifest's pretty JSON (output/manifest_json.py) is util.fs.canonical_json's text."""
+def test_manifest_json_is_canonical_json(monkeypatch):
+    """The manifest's pretty JSON (output/manifest_json.py) is util.fs.canonical_json's text,
+    whatever its batches; canonical_blake3 (util/canonical.py) hashes the compact text."""
     import random
+    from blake3 import blake3
+    from mergepipe.output import manifest_json
     from mergepipe.output.manifest_json import pretty_json
+    from mergepipe.util.canonical import canonical_blake3
     from mergepipe.util.fs import canonical_json
 
     rng = random.Random(0)
@@ -296,9 +300,21 @@ def test_manifest_json_is_canonical_json():
             return [value(depth + 1) for _ in range(rng.randrange(4))]
         return {rng.choice(["a", "é", 'x"y', ""]) + str(i): value(depth + 1) for i in range(rng.randrange(4))}
 
-    for _ in range(2000):
+    for i in range(2000):
         doc = value()
+        if i == 1000:  # small batches: every join and flush boundary is crossed
+            monkeypatch.setattr(manifest_json, "CHUNK", 2)
+            monkeypatch.setattr(manifest_json, "FLUSH", 3)
         assert pretty_json(doc, indent=1) == canonical_json(doc, indent=1)
+        assert canonical_blake3(doc) == blake3(canonical_json(doc)).hexdigest()
+    for bad in ({1: 2}, [float("nan")], {"a": float("inf")}, {"a": {"b": {1: 2, "c": 3}}}):
+        try:
+            want = blake3(canonical_json(bad)).hexdigest()
+        except (TypeError, ValueError) as e:
+            with pytest.raises(type(e)):
+                canonical_blake3(bad)
+        else:
+            assert canonical_blake3(bad) == want
     for bad in ({1: 2}, [float("nan")], {"a": float("inf")}):
         try:
             want = canonical_json(bad, indent=1)

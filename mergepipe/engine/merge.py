@@ -187,11 +187,11 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     reads = {e["name"]: _read_sets(plan["reads"][e["name"]]) for e in plan_experts}
     base = inputs.base
     layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
-    out_of = {t.name: (fname, t) for fname, ts in layout.items() for t in ts}
     realized = Realized()
     align = base_alignment(base, layout)  # so that copied base runs can be reflinked
     writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
                for fname, ts in layout.items()}
+    out_of = _OutOf(layout, writers)
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
@@ -293,6 +293,20 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     realized.sketch_bytes_read = m.sketch_read[0]
     realized.seconds = time.monotonic() - t_start
     return realized
+
+
+class _OutOf:
+    """tensor -> (output file, OutTensor), without a tuple or dict entry per tensor: the
+    OutTensor from its file's writer; with several output files, a name -> file map."""
+
+    def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter]) -> None:
+        self._writers = writers
+        self._file = None if len(layout) != 1 else next(iter(layout))
+        self._file_of = {} if self._file is not None else {t.name: fname for fname, ts in layout.items() for t in ts}
+
+    def __getitem__(self, name: str) -> tuple[str, OutTensor]:
+        fname = self._file if self._file is not None else self._file_of[name]
+        return fname, self._writers[fname].tensor(name)
 
 
 def _merge_unit(m: _Merge, t: TensorInfo, out_t: OutTensor, unit: list[int], base_buf: memoryview,

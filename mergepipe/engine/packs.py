@@ -16,7 +16,7 @@ its manifest are byte-identical; only the number of calls changes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, islice, repeat
 from operator import contains, itemgetter, ne, sub
 from pathlib import Path
@@ -43,14 +43,20 @@ class Pack:
     end: int
     out_file: str  # the output weight file, where the range starts at the first tensor's offset
     tensors: tuple[TensorInfo, ...] = ()  # the base's tensors, one per name
+    _offsets: list = field(default_factory=list, compare=False, repr=False)  # offsets(), once made
 
     def spans(self):
         """(name, start, end) of each tensor within the pack's bytes (every buffer of it)."""
         return list(zip(self.names, *self.offsets()))
 
     def offsets(self) -> tuple[list[int], list[int]]:
-        """(starts, ends) of the tensors within the pack's bytes, as two columns."""
-        return _relative(self.tensors, self.begin)
+        """(starts, ends) of the tensors within the pack's bytes, as two columns; made once
+        (the base's check, the output's hashes and views use them), the tensors being
+        contiguous each start is the previous end (the same int objects)."""
+        if not self._offsets:
+            ends = list(map(sub, map(itemgetter(5), self.tensors), repeat(self.begin)))
+            self._offsets.append(([0, *ends[:-1]] if ends else [], ends))
+        return self._offsets[0]
 
     def views(self, buf: memoryview) -> list[memoryview]:
         """Each tensor's bytes in `buf`, a buffer of the pack's range (pack order)."""

@@ -24,7 +24,8 @@ from blake3 import blake3
 from mergepipe import __version__
 from mergepipe.errors import IntegrityError
 from mergepipe.output.manifest_json import pretty_json
-from mergepipe.util.fs import canonical_json, hash_file
+from mergepipe.util.canonical import canonical_blake3
+from mergepipe.util.fs import hash_file
 
 MANIFEST_SCHEMA = 2  # 2: weight files and tensors hashed as block trees (checkpoint/treehash.py)
 MANIFEST = "manifest.json"
@@ -70,7 +71,8 @@ def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
 
 
 def manifest_hash(man: dict) -> str:
-    return blake3(canonical_json({k: v for k, v in man.items() if k != "manifest_hash"})).hexdigest()
+    # blake3(canonical_json(...)), without the whole text in memory (util/canonical.py)
+    return canonical_blake3({k: v for k, v in man.items() if k != "manifest_hash"})
 
 
 def dumps(man: dict) -> bytes:

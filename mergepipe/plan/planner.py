@@ -23,8 +23,6 @@ import math
 from dataclasses import dataclass
 from operator import itemgetter
 
-from blake3 import blake3
-
 from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError, ConfigError
 from mergepipe.index.columns import delta_rows, model_rows
@@ -37,7 +35,7 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
 from mergepipe.plan.strategies.registry import per_byte
 from mergepipe.units import Budget, parse_budget
-from mergepipe.util.fs import canonical_json
+from mergepipe.util.canonical import canonical_blake3
 
 PLAN_SCHEMA = 1
 
@@ -53,7 +51,8 @@ class PlanInput:
 
 
 def hash_json(obj: object) -> str:
-    return blake3(canonical_json(obj)).hexdigest()
+    """blake3 of canonical_json(obj), hashed a piece at a time (util/canonical.py)."""
+    return canonical_blake3(obj)
 
 
 def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> dict[str, float]:
