@@ -347,3 +347,17 @@ def test_gc_removes_temp_files_a_killed_writer_left_once_they_are_old(folder, tm
         os.utime(p, (day_ago, day_ago))
     assert main(["gc", "--cache-dir", str(cache), "-q"]) == 0
     assert not old.exists() and fresh.exists() and mine.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_a_mapping", "sources_not_a_mapping"])
+def test_a_damaged_record_of_a_stacks_sources_is_a_one_line_error(damage, tiny_family, tmp_path, capsys):
+    """stack-sources.json half-written or edited: refused in one line (exit 6), never a traceback
+    and never taken as "fresh"."""
+    _, params = _stacked_project(tiny_family, tmp_path)
+    record = tmp_path / "p.stacked" / "stack-sources.json"
+    record.write_text({"truncated": '{"sources": ', "not_a_mapping": "[1, 2]",
+                       "sources_not_a_mapping": '{"sources": [1], "rerun": "x"}'}[damage])
+    capsys.readouterr()
+    assert main(["run", str(params), "-q"]) == 6
+    err = capsys.readouterr().err
+    assert "stack-sources.json" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
