@@ -109,13 +109,14 @@ class ModelColumns(_ByName):
     are starts[i]:starts[i + 1]; ranges: the flat (row start, row end) of every block
     (2 ints per block); digests: 32 bytes per block."""
 
-    __slots__ = ("names", "dtypes", "shapes", "starts", "ranges", "digests", "_pos")
+    __slots__ = ("names", "dtypes", "shapes", "starts", "ranges", "digests", "_pos", "row_bytes")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], counts: list[int],
                  ranges: Sequence[int], digests: bytes | memoryview) -> None:
         self.names, self.dtypes, self.shapes = names, dtypes, shapes
         self.starts = _starts(counts)
         self.ranges, self.digests = ranges, digests
+        self.row_bytes = None  # bytes per row of each tensor, once asked (index/read_bytes.py)
         self._pos = dict(zip(names, range(len(names))))
         if len(self._pos) != len(names):
             raise ValueError("duplicate tensor names")
@@ -247,6 +248,24 @@ def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int,
     return list(map(count_of.__getitem__, keys)), list(chain.from_iterable(map(flat_of.__getitem__, keys)))
 
 
+# (dtypes, shapes, layout, starts, flat ranges as int64 bytes) of the last index checked: the
+# models of one family have the same tensors, so the expected block rows are made once
+_LAST_EXPECTED: list[tuple] = []
+
+
+def _expected_columns(cols: ModelColumns, layout) -> tuple[array, bytes]:
+    """(starts, flat row ranges as int64 bytes) that `layout` gives cols' tensors."""
+    last = _LAST_EXPECTED[0] if _LAST_EXPECTED else None
+    if last is not None and last[2] == layout and last[0] == cols.dtypes and last[1] == cols.shapes \
+            and (layout.embedding_block_bytes is None or last[5] == cols.names):
+        return last[3], last[4]
+    counts, flat = expected_ranges(cols.names, cols.dtypes, cols.shapes, layout)
+    got = (_starts(counts), array("q", flat).tobytes())
+    vocab_names = cols.names if layout.embedding_block_bytes is not None else None  # kept only when they matter
+    _LAST_EXPECTED[:] = [(cols.dtypes, cols.shapes, layout, *got, vocab_names)]
+    return got
+
+
 def describes(index, ckpt, layout) -> bool:
     """store._model_matches for a decoded (columnar) index, in whole-column steps: the
     checkpoint's tensors, dtypes and shapes in its order, the layout's block rows, and a
@@ -256,8 +275,9 @@ def describes(index, ckpt, layout) -> bool:
     if index.layout != layout or cols.names != list(ckpt.tensors) \
             or cols.dtypes != list(map(attrgetter("dtype"), infos)) or cols.shapes != list(map(attrgetter("shape"), infos)):
         return False
-    counts, flat = expected_ranges(cols.names, cols.dtypes, cols.shapes, layout)
-    if cols.starts != _starts(counts) or list(cols.ranges) != flat or cols.content_hash() != index.content_hash:
+    starts, flat = _expected_columns(cols, layout)
+    ranges = cols.ranges.tobytes() if isinstance(cols.ranges, memoryview) else array("q", cols.ranges).tobytes()
+    if cols.starts != starts or ranges != flat or cols.content_hash() != index.content_hash:
         return False
     cols.share_names(list(ckpt.tensors))
     return True

@@ -16,11 +16,15 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.index.columns import DeltaColumns, ModelColumns
 
 
-def _row_bytes(cols: ModelColumns, which) -> list[int]:
-    """Bytes per row of tensors `which` (indexes into cols); one computation per shape and dtype."""
-    keys = list(zip(map(cols.shapes.__getitem__, which), map(cols.dtypes.__getitem__, which)))
-    memo = {key: row_bytes(key[0], ITEMSIZE[key[1]]) for key in set(keys)}
-    return list(map(memo.__getitem__, keys))
+def _row_bytes(cols: ModelColumns):
+    """Bytes per row of every tensor of cols (an int64 array; one computation per shape and
+    dtype), made once per index: the plan's checks ask twice per expert."""
+    import numpy as np
+    if cols.row_bytes is None:
+        keys = list(zip(cols.shapes, cols.dtypes))
+        memo = {key: row_bytes(key[0], ITEMSIZE[key[1]]) for key in set(keys)}
+        cols.row_bytes = np.fromiter(map(memo.__getitem__, keys), dtype=np.int64, count=len(keys))
+    return cols.row_bytes
 
 
 def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int | None:
@@ -62,7 +66,7 @@ def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int 
     g = first + blocks
     ranges = np.asarray(cols.ranges, dtype=np.int64)
     rows = ranges[2 * g + 1] - ranges[2 * g]
-    rb = np.asarray(_row_bytes(cols, ti), dtype=np.int64)
+    rb = _row_bytes(cols)[t]
     return int((rows * np.repeat(rb, lens)).sum())
 
 
@@ -76,7 +80,7 @@ def full_read_bytes(index, delta) -> int | None:
         return None
     n = len(cols.names)
     counts = np.diff(np.asarray(cols.starts, dtype=np.int64))
-    rb = np.asarray(_row_bytes(cols, range(n)), dtype=np.int64)
+    rb = _row_bytes(cols)
     is_float = np.fromiter(map(FLOAT_DTYPES.__contains__, cols.dtypes), dtype=bool, count=n)
     ranges = np.asarray(cols.ranges, dtype=np.int64)
     per_block = (ranges[1::2] - ranges[0::2]) * np.repeat(rb, counts)
