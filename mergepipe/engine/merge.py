@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import contains, or_
 from pathlib import Path
 
 from mergepipe.util.lazy import torch
@@ -206,13 +208,21 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     per_expert = list(reads.values())
     sketched = _sketched_by_tensor(plan)
     grouped = "tensor_parameters" in plan  # else every tensor has the top-level parameters
-    for (name, t), n_blocks in zip(base.tensors.items(), block_counts(inputs.base_index, base.tensors)):
+    # per tensor, whether some expert's plan reads its block 0 (or sketches it): a few C-speed
+    # passes over the names, not a generator per tensor
+    names = list(base.tensors)
+    first_planned = [False] * len(names)
+    for r in per_expert:
+        first_planned = list(map(or_, first_planned, map(contains, map(r.get, names, repeat(())), repeat(0))))
+    if sketched:
+        first_planned = list(map(or_, first_planned, map(sketched.__contains__, names)))
+    for (name, t), n_blocks, planned in zip(base.tensors.items(), block_counts(inputs.base_index, base.tensors),
+                                            first_planned):
         fname, out_t = out_of[name]
         copy_ok = out_t.dtype == t.dtype and not ((rewrites_at(name) if grouped else rewrites)
                                                   and t.dtype in FLOAT_DTYPES)
         # small tensors: one unit per run of them (engine/packs.py)
         if copy_ok and packable(t, n_blocks) and (not grouped or group_index(plan, name) is None):
-            planned = any(0 in r.get(name, ()) for r in per_expert) or name in sketched
             done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
             if done is not None:
                 work.append((done, PACK, ()))
