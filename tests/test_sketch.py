@@ -238,3 +238,26 @@ def test_gc_prunes_sketches_no_kept_plan_names_and_never_a_users_file(tmp_path, 
     assert set(left.values()) == want | {None} and left[lookalike] is None
     assert lookalike.read_bytes() == b"user data"
     assert main(["merge", str(kept), "-o", str(tmp_path / "out"), "--cache-dir", str(cache), "-q"]) == 0
+
+
+def test_bf16_task_arithmetic_reads_sketches_in_the_c_loop_with_the_torch_bytes(tmp_path, tiny_family, monkeypatch):
+    """bf16 task arithmetic merges sketched blocks in the compiled C loop
+    (mp_task_arithmetic_sketch_bf16), byte for byte as the torch path does."""
+    from mergepipe.methods import _compiled
+    plan, inputs, realized, out = _plan_and_merge(tmp_path, tiny_family, "c", budget="20%",
+                                                  plan={"strategy": "sketch"}, parameters={"lambda": 0.7})
+    calls = []
+    real = _compiled.CompiledCombine._with_sketches
+    monkeypatch.setattr(_compiled.CompiledCombine, "_with_sketches",
+                        lambda self, block: calls.append(block.tensor) or real(self, block))
+    again = tmp_path / "c" / "again"
+    again.mkdir()
+    assert run_merge(plan, inputs, again).sketch_bytes_read == plan["bytes"]["planned_sketch_bytes"]
+    torch_out = tmp_path / "c" / "torch"
+    torch_out.mkdir()
+    assert run_merge(plan, inputs, torch_out, compiled=False).sketch_bytes_read == realized.sketch_bytes_read
+    if getattr(_compiled.kernels(), "backend", None) == "c":
+        assert calls  # the C loop merged sketched blocks
+    a, b = load_model(again), load_model(torch_out)
+    assert all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()

@@ -346,9 +346,11 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
                                        and not (sketched and any(b in bs for bs in sketched.values()))):
         # nothing to merge here: the base rows, cast if the output dtype differs
         return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
-    if (m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales
-            and not sketched):
-        return m.kernel(_raw_block(m, t, b, raw, got))
+    if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
+        if not sketched:
+            return m.kernel(_raw_block(m, t, b, raw, got))
+        if getattr(m.kernel, "sketches", False):  # task arithmetic's C loop reads the codes itself
+            return m.kernel(_raw_block(m, t, b, raw, got, sketched))
     return _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
 
 
@@ -433,14 +435,20 @@ def _no_cut(expert: str, rank: int):
     raise MethodError(f"expert {expert!r}: a rank cut was asked of an elementwise kernel merging a pack")
 
 
-def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got) -> RawBlock:
+def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got,
+               sketched: dict[str, frozenset[int]] | None = None) -> RawBlock:
     n = len(raw) // t.itemsize
+    sketches = ()
+    if sketched:
+        sketches = tuple((e.name, *m.inputs.sketches[e.name].codes(t.name, b, n)) for e in m.experts
+                         if b in sketched.get(e.name, ()) and b not in got.get(e.name, {}))
+        m.sketch_read[0] += len(sketches) * sketch_cost(n)
 
     def cut(expert: str, rank: int):
         return m.cuts.get(expert, t.name).for_block(b, n)(rank)
 
     present = tuple((e.name, got[e.name][b]) for e in m.experts if b in got.get(e.name, {}))
-    return RawBlock(t.name, t.numel, raw, present, cut)
+    return RawBlock(t.name, t.numel, raw, present, cut, sketches)
 
 
 def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1: int,

@@ -229,6 +229,11 @@ class Sketch:
 
     def delta(self, tensor: str, block: int, n: int) -> np.ndarray:
         """The sketched delta (fp32, n elements) of one block, its codes checked."""
+        codes, alpha = self.codes(tensor, block, n)
+        return unpack(codes, n, alpha)
+
+    def codes(self, tensor: str, block: int, n: int) -> tuple[bytes, float]:
+        """(codes, alpha) of one block of n elements, the codes checked against their blake3."""
         off, nbytes, alpha, _, _, digest = self.tensors[tensor][block]
         if nbytes != code_bytes(n):
             raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: {nbytes} code bytes for "
@@ -239,7 +244,7 @@ class Sketch:
         if len(codes) != nbytes or blake3(codes).hexdigest() != digest:
             raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: the codes do not match their "
                                  "blake3 (damaged or edited); delete it")
-        return unpack(codes, n, alpha)
+        return codes, float(alpha)
 
     def close(self) -> None:
         if self._fd is not None:

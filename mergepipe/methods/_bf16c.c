@@ -94,6 +94,48 @@ CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const 
     }
 }
 
+/* Task arithmetic where some experts are ternary sketches (plan strategy `sketch`,
+ * index/sketch.py): expert k's delta is f32(E_k) - f32(B) when experts[k] is set, else
+ * alphas[k] * code_k (code 1 = +1, 2 = -1, else 0; element i of the block in bits 2*(i % 4)
+ * of byte i / 4 of codes[k]), the values the torch path gets from index/sketch.unpack.
+ * One expert per pass, left to right, the same operations as mp_task_arithmetic_bf16. */
+CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const *experts,
+                                           const uint8_t *const *codes, const float *alphas, int64_t p,
+                                           const float *weights, float divisor, int normalize, float lambda_,
+                                           int apply_lambda, uint16_t *out, int64_t n) {
+    float b[CHUNK], acc[CHUNK], d[CHUNK];
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t m = n - s < CHUNK ? n - s : CHUNK;
+        const uint16_t *bs = base + s;
+        for (int64_t j = 0; j < m; j++) b[j] = bf16_to_f32(bs[j]);
+        for (int64_t k = 0; k < p; k++) {
+            if (experts[k] != NULL) {
+                const uint16_t *ek = experts[k] + s;
+                for (int64_t j = 0; j < m; j++) d[j] = bf16_to_f32(ek[j]) - b[j];
+            } else {
+                const uint8_t *c = codes[k];
+                float a = alphas[k];
+                for (int64_t j = 0; j < m; j++) {
+                    int64_t i = s + j;
+                    unsigned v = (c[i >> 2] >> (2 * (i & 3))) & 3u;
+                    d[j] = (v == 1u ? 1.0f : v == 2u ? -1.0f : 0.0f) * a;
+                }
+            }
+            float w = weights[k];
+            if (k == 0)
+                for (int64_t j = 0; j < m; j++) acc[j] = d[j] * w;
+            else
+                for (int64_t j = 0; j < m; j++) acc[j] = acc[j] + d[j] * w;
+        }
+        if (normalize)
+            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] / divisor;
+        if (apply_lambda)
+            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] * lambda_;
+        uint16_t *o = out + s;
+        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
+    }
+}
+
 CLONES int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float value, int64_t eq_keep, int64_t n) {
     /* flat position just past the eq_keep-th element with |E - B| == value, or n */
     if (eq_keep <= 0) return 0;

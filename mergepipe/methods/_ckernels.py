@@ -41,6 +41,8 @@ def _open() -> SimpleNamespace | None:
     lib.mp_task_arithmetic_bf16.restype = None
     lib.mp_ties_bf16.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _INT, _F32, _INT, _P, _I64]
     lib.mp_ties_bf16.restype = _INT
+    lib.mp_task_arithmetic_sketch_bf16.argtypes = [_P, _P, _P, _P, _I64, _P, _F32, _INT, _F32, _INT, _P, _I64]
+    lib.mp_task_arithmetic_sketch_bf16.restype = None
     lib.mp_eq_limit.argtypes = [_P, _P, _F32, _I64, _I64]
     lib.mp_eq_limit.restype = _I64
 
@@ -60,11 +62,31 @@ def _open() -> SimpleNamespace | None:
                             int(bool(apply_lambda)), out.ctypes.data, n) != 0:
             raise MemoryError(f"ties kernel: no memory for {p} experts' chunk buffers")
 
+    def task_arithmetic_sketch_bf16(base, entries, weights, divisor, normalize, lambda_, apply_lambda, out):
+        """entries: per expert in canonical order, a uint16 block or (codes bytes, alpha)."""
+        n, p = _length(base, out, [e for e in entries if isinstance(e, np.ndarray)] or [base]), len(entries)
+        w = _array(weights, np.float32, p)
+        ptrs, cptrs, alphas, keep = (ctypes.c_void_p * p)(), (ctypes.c_void_p * p)(), np.zeros(p, np.float32), []
+        for i, e in enumerate(entries):
+            if isinstance(e, np.ndarray):
+                ptrs[i] = e.ctypes.data
+            else:
+                codes, alpha = e
+                if len(codes) != (n + 3) // 4:
+                    raise ValueError(f"bf16 sketch kernel: {len(codes)} code bytes for {n} elements")
+                buf = np.frombuffer(codes, np.uint8)
+                keep.append(buf)
+                cptrs[i], alphas[i] = buf.ctypes.data, alpha
+        lib.mp_task_arithmetic_sketch_bf16(base.ctypes.data, ptrs, cptrs, alphas.ctypes.data, p, w.ctypes.data,
+                                           float(divisor), int(bool(normalize)), float(lambda_),
+                                           int(bool(apply_lambda)), out.ctypes.data, n)
+
     def eq_limit(base, expert, value, eq_keep):
         n = _length(base, None, (expert,))
         return int(lib.mp_eq_limit(base.ctypes.data, _pointers((expert,), n)[0], float(value), int(eq_keep), n))
 
     return SimpleNamespace(task_arithmetic_bf16=task_arithmetic_bf16, ties_bf16=ties_bf16, eq_limit=eq_limit,
+                           task_arithmetic_sketch_bf16=task_arithmetic_sketch_bf16,
                            KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c")
 
 

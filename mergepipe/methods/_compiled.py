@@ -41,8 +41,12 @@ class CompiledCombine:
         if np.abs(divisor) < np.float32(1e-8):
             divisor = np.float32(1.0)
         self.divisor = divisor
+        # task arithmetic over sketched experts too, where the C library has that loop
+        self.sketches = not consensus and hasattr(self.k, "task_arithmetic_sketch_bf16")
 
     def __call__(self, block: RawBlock) -> memoryview:
+        if block.sketches:
+            return self._with_sketches(block)
         present = [name for name, _ in block.experts]
         base = _writable(np.frombuffer(block.base, dtype=np.uint16))
         n = base.shape[0]
@@ -79,6 +83,21 @@ class CompiledCombine:
                     limits[i] = self.k.eq_limit(base, stacked[i], values[i], cut.eq_keep)
         self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
                          self.apply_lambda, out)
+        return memoryview(out).cast("B")
+
+
+    def _with_sketches(self, block: RawBlock) -> memoryview:
+        """Task arithmetic whose experts are read blocks or sketches, in canonical order."""
+        if not self.sketches:
+            raise MethodError(f"tensor {block.tensor!r}: this kernel cannot merge sketched experts")
+        base = _writable(np.frombuffer(block.base, dtype=np.uint16))
+        given = {name: _writable(np.frombuffer(buf, dtype=np.uint16)) for name, buf in block.experts}
+        given.update({name: (codes, alpha) for name, codes, alpha in block.sketches})
+        order = [name for name in self.weight if name in given]  # the plan's (canonical) order
+        out = np.empty(base.shape[0], dtype=np.uint16)
+        self.k.task_arithmetic_sketch_bf16(base, [given[n] for n in order],
+                                           np.array([self.weight[n] for n in order], dtype=np.float32),
+                                           self.divisor, self.normalize, self.lambda_, self.apply_lambda, out)
         return memoryview(out).cast("B")
 
 

@@ -83,6 +83,8 @@ class RawBlock:
     base: memoryview  # the base rows, in the tensor's dtype
     experts: tuple[tuple[str, memoryview], ...]  # (name, rows) of the experts read, canonical order
     cut: Callable[[str, int], RankCut]  # (expert, rank) -> the whole tensor's cut seen from this block
+    # (name, codes, alpha) of the experts read as ternary sketches (plan strategy `sketch`)
+    sketches: tuple[tuple[str, bytes, float], ...] = ()
 
 
 def expert_knobs(params, expert: dict) -> dict[str, float]:
