@@ -323,3 +323,15 @@ def test_manifest_json_is_canonical_json(monkeypatch):
                 pretty_json(bad)
         else:
             assert pretty_json(bad) == want
+
+
+def test_plan_object_loads_what_json_loads():
+    """Plan files are loaded with plan/record.plan_object (shared one-block read lists,
+    interned keys): the same values as json.loads, a repeated key's last value included."""
+    from mergepipe.plan.record import plan_object
+    text = ('{"reads": {"e1": {"a": [0], "b": [0], "c": [1, 2], "d": [true], "e": [0.0], "f": [1]}}, '
+            '"x": {"k": 1, "k": [2]}, "experts": [{"name": "e1"}]}')
+    got = json.loads(text, object_pairs_hook=plan_object)
+    assert got == json.loads(text) and got["x"] == {"k": [2]}
+    reads = got["reads"]["e1"]
+    assert reads["a"] is reads["b"] and reads["d"] == [True] and reads["e"] == [0.0]

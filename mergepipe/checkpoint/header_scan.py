@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable
 
 _INT = r"(?:0|[1-9][0-9]{0,19})"  # longer numbers: json.loads decides (int() has a digit limit)
@@ -61,6 +62,7 @@ def scan(text: str, pairs_hook: Callable) -> Columns | None:
         return None
     names, dtypes, shapes, begins, ends, seps = (list(c) for c in zip(*rows))
     del rows
+    names = list(map(sys.intern, names))  # one string with the plan's tensor names (plan/record.plan_object)
     # matches come in order and never overlap, so they tile [start, end) iff their lengths add up
     covered = (_FIXED + 1) * len(names) + sum(map(len, names)) + sum(map(len, dtypes)) \
         + sum(map(len, shapes)) + sum(map(len, begins)) + sum(map(len, ends))

@@ -19,6 +19,7 @@ Every failure is a ConfigError naming the plan file and the key.
 from __future__ import annotations
 
 import math
+import sys
 from itertools import chain
 from typing import Annotated, Literal
 
@@ -153,6 +154,20 @@ class PlanRecord(BaseModel):
 
 def _loc(err: dict) -> str:
     return ".".join(str(p) for p in err["loc"]).replace("schema_", "schema") or "plan"
+
+
+def plan_object(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook for a plan file: the dict json would make (the last of a
+    repeated key wins), with its keys interned (tensor names: one string with the checkpoint's,
+    checkpoint/header_scan.py) and each one-block read list `[b]` one list shared by every
+    tensor that reads block b (read only: 200k lists at 100k tensors and two experts)."""
+    shared: dict[int, list] = {}
+    out = {}
+    for key, value in pairs:
+        if type(value) is list and len(value) == 1 and type(value[0]) is int:
+            value = shared.setdefault(value[0], value)
+        out[sys.intern(key)] = value
+    return out
 
 
 def validate_plan(plan: object, where: str) -> PlanRecord:
