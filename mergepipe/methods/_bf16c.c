@@ -99,11 +99,24 @@ CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const 
  * alphas[k] * code_k (code 1 = +1, 2 = -1, else 0; element i of the block in bits 2*(i % 4)
  * of byte i / 4 of codes[k]), the values the torch path gets from index/sketch.unpack.
  * One expert per pass, left to right, the same operations as mp_task_arithmetic_bf16. */
+static float SKETCH_LUT[256][4]; /* byte -> its four codes as +1.0 / -1.0 / 0.0 */
+static int sketch_lut_ready = 0;
+
+static void sketch_lut_init(void) {
+    for (int byte = 0; byte < 256; byte++)
+        for (int q = 0; q < 4; q++) {
+            unsigned v = ((unsigned)byte >> (2 * q)) & 3u;
+            SKETCH_LUT[byte][q] = v == 1u ? 1.0f : v == 2u ? -1.0f : 0.0f;
+        }
+    sketch_lut_ready = 1;
+}
+
 CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const *experts,
                                            const uint8_t *const *codes, const float *alphas, int64_t p,
                                            const float *weights, float divisor, int normalize, float lambda_,
                                            int apply_lambda, uint16_t *out, int64_t n) {
     float b[CHUNK], acc[CHUNK], d[CHUNK];
+    if (!sketch_lut_ready) sketch_lut_init();  /* same values if two threads race here */
     for (int64_t s = 0; s < n; s += CHUNK) {
         int64_t m = n - s < CHUNK ? n - s : CHUNK;
         const uint16_t *bs = base + s;
@@ -112,14 +125,18 @@ CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t 
             if (experts[k] != NULL) {
                 const uint16_t *ek = experts[k] + s;
                 for (int64_t j = 0; j < m; j++) d[j] = bf16_to_f32(ek[j]) - b[j];
-            } else {
-                const uint8_t *c = codes[k];
+            } else {  /* s is a multiple of CHUNK, so of 4: this chunk's codes start on a byte */
+                const uint8_t *c = codes[k] + (s >> 2);
                 float a = alphas[k];
-                for (int64_t j = 0; j < m; j++) {
-                    int64_t i = s + j;
-                    unsigned v = (c[i >> 2] >> (2 * (i & 3))) & 3u;
-                    d[j] = (v == 1u ? 1.0f : v == 2u ? -1.0f : 0.0f) * a;
+                int64_t q = m >> 2;
+                for (int64_t t = 0; t < q; t++) {
+                    const float *l = SKETCH_LUT[c[t]];
+                    d[4 * t] = l[0] * a;
+                    d[4 * t + 1] = l[1] * a;
+                    d[4 * t + 2] = l[2] * a;
+                    d[4 * t + 3] = l[3] * a;
                 }
+                for (int64_t j = 4 * q; j < m; j++) d[j] = SKETCH_LUT[c[j >> 2]][j & 3] * a;
             }
             float w = weights[k];
             if (k == 0)
