@@ -213,7 +213,11 @@ def cmd_sketch_report(a) -> int:
     per_seed = [json.loads(Path(r).read_text()) for r in a.minilm]
     mean = json.loads(Path(a.minilm_seeds).read_text()) if a.minilm_seeds else None
     notes = Path(a.notes).read_text() if a.notes else ""
-    sr.splice_section(Path(a.markdown), sr.render(smollm, per_seed, mean, notes))
+    name = None
+    if a.plot:
+        sr.plot(smollm, mean, Path(a.plot))
+        name = os.path.relpath(a.plot, Path(a.markdown).parent)
+    sr.splice_section(Path(a.markdown), sr.render(smollm, per_seed, mean, notes, name))
     return 0
 
 
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--smollm", action="append", default=[], help="smollm-strategy-screen result JSON (repeat)")
     s.add_argument("--minilm", action="append", default=[], help="strategy-screen result JSON per seed (repeat)")
     s.add_argument("--minilm-seeds", help="strategy-seeds result JSON")
+    s.add_argument("--plot", help="write the accuracy-vs-budget plot here and show it")
     s.add_argument("--notes", help="hand-written analysis put before the tables")
     s.add_argument("--markdown", required=True)
     s.set_defaults(fn=cmd_sketch_report)

@@ -43,8 +43,44 @@ def smollm_table(results: list[dict]) -> list[str]:
     return lines
 
 
-def render(smollm: list[dict], minilm_seeds: list[dict], minilm_mean: dict | None, notes: str) -> str:
+def plot(smollm: list[dict], minilm_mean: dict | None, path: Path) -> None:
+    """Test accuracy minus the full read's, against the budget: SmolLM2 per method, MiniLM's
+    mean over seeds per method; energy and sketch, with the paired 95% intervals."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = []
+    for res in smollm:
+        rows = [r for r in res["test"]["rows"] if r["strategy"] in ("energy", "sketch") and "d_accuracy" in r]
+        series.append((f"SmolLM2 {rows[0]['method']} (seed 0)", rows, "d_accuracy"))
+    if minilm_mean is not None:
+        for m in sorted({r["method"] for r in minilm_mean["rows"]}):
+            rows = [r for r in minilm_mean["rows"] if r["method"] == m]
+            series.append((f"MiniLM {m} (mean of 2 seeds)", rows, "d_accuracy_vs_full"))
+    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.6), squeeze=False)
+    for ax, (title, rows, key) in zip(axes[0], series):
+        for strat in ("energy", "sketch"):
+            rs = sorted((r for r in rows if r["strategy"] == strat and key in r),
+                        key=lambda r: float(r["budget"].rstrip("%")))
+            xs = [float(r["budget"].rstrip("%")) for r in rs]
+            ys = [100 * r[key]["mean"] for r in rs]
+            err = [[100 * (r[key]["mean"] - r[key]["lo"]) for r in rs], [100 * (r[key]["hi"] - r[key]["mean"]) for r in rs]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=strat)
+        ax.axhline(0, color="gray", ls=":")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("budget (% of the full read)")
+        ax.set_ylabel("test accuracy − full read (points)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def render(smollm: list[dict], minilm_seeds: list[dict], minilm_mean: dict | None, notes: str,
+           plot_name: str | None = None) -> str:
     out = [BEGIN, "", "# Delta sketches (issue 12): strategy `sketch` against `energy`", "", notes.strip(), "",
+           *([f"![sketch vs energy]({plot_name})", ""] if plot_name else []),
            "## SmolLM2-135M (`sft30` experts, fine-tuning seed 0)", "", *smollm_table(smollm), ""]
     for i, res in enumerate(minilm_seeds):
         out += [f"## MiniLM `probe`, fine-tuning seed {i}", "", minilm.to_markdown(res).strip(), ""]

@@ -261,3 +261,22 @@ def test_bf16_task_arithmetic_reads_sketches_in_the_c_loop_with_the_torch_bytes(
     a, b = load_model(again), load_model(torch_out)
     assert all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_sketch_report_renders_the_committed_results(tmp_path):
+    """EVAL.md's sketch section is generated from the committed screen results (no typed numbers)."""
+    from pathlib import Path
+    from mergepipe_eval import sketch_report as sr
+    res = Path(__file__).resolve().parent.parent / "workflows" / "real" / "results"
+    smollm = [json.loads((res / f"strategies_smollm_sketch{s}.json").read_text()) for s in ("", "_ties")]
+    per_seed = [json.loads((res / f"strategies_minilm_sketch_s{i}.json").read_text()) for i in (0, 1)]
+    mean = json.loads((res / "strategies_minilm_sketch_seeds.json").read_text())
+    md = tmp_path / "EVAL.md"
+    md.write_text("# before\n")
+    for _ in range(2):  # a second splice replaces the section
+        sr.splice_section(md, sr.render(smollm, per_seed, mean, "notes", "sketch.png"))
+    text = md.read_text()
+    assert text.startswith("# before\n") and text.count(sr.BEGIN) == 1 and text.count(sr.END) == 1
+    assert "| ta_l1.0 | 25% | sketch |" in text and "![sketch vs energy](sketch.png)" in text
+    sr.plot(smollm, mean, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
