@@ -67,15 +67,17 @@ def sketch_cost(n: int) -> int:
 
 
 def exact_abs_sum(d: np.ndarray) -> float:
-    """sum |d| of fp32 values, exactly rounded and independent of summation order."""
-    a = np.abs(d[d != 0]).astype(np.float64)
-    if a.size == 0:
-        return 0.0
-    mant, exp = np.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1) with <= 24 significant bits
-    lo = int(exp.min())
-    # per exponent: a sum of integers < 2^24 over <= 2^29 elements per call stays exact below 2^53
-    sums = np.bincount(exp - lo, weights=np.ldexp(mant, 24))
-    return math.fsum(math.ldexp(float(s), lo + i - 24) for i, s in enumerate(sums) if s)
+    """sum |d| of finite fp32 values, exactly rounded and independent of summation order.
+
+    Each |d_i| = mantissa_i * 2^(e_i - 150) with an integer mantissa < 2^24 (the implicit
+    bit added for normals; subnormals scale as e = 1): the mantissas are summed per biased
+    exponent, integers below 2^53 for blocks of < 2^29 elements, so exact in any order; then
+    an exactly rounded fsum over the (at most 255) exponents."""
+    bits = np.ascontiguousarray(d, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
+    exp = bits >> np.uint32(23)
+    mant = (bits & np.uint32(0x7FFFFF)) | ((exp > 0).astype(np.uint32) << np.uint32(23))
+    sums = np.bincount(exp, weights=mant, minlength=1)
+    return math.fsum(math.ldexp(float(v), max(e, 1) - 150) for e, v in enumerate(sums) if v)
 
 
 def pack_codes(d: np.ndarray) -> bytes:
