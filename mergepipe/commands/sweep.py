@@ -124,10 +124,13 @@ class SweepRow:
     deviation_weights: float  # ||M_B - M_full|| / ||M_full||
     plan_hash: str
     output: str
+    sketch_bytes_read: int = 0  # strategy sketch: sketches read in place of expert blocks
 
     @property
     def read_fraction(self) -> float:
-        return self.expert_bytes_read / self.total_expert_bytes if self.total_expert_bytes else 0.0
+        """Expert I/O (full reads and sketches) over the experts' bytes."""
+        read = self.expert_bytes_read + self.sketch_bytes_read
+        return read / self.total_expert_bytes if self.total_expert_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +253,8 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
                              b["planned_expert_bytes"], b["expert_bytes_read"], b["base_bytes_read"],
                              b["bytes_written"], round(plan_s, 3), round(merge_s, 3), restored,
                              man["bound"]["kind"], man["bound"]["relative"], dev["relative_update"],
-                             dev["relative_weights"], man["plan_hash"], str(target)))
+                             dev["relative_weights"], man["plan_hash"], str(target),
+                             b.get("sketch_bytes_read", 0)))
     return SweepResult(rows, cfg.method, index_bytes, round(index_seconds, 3), str(reference))
 
 
@@ -276,12 +280,15 @@ def _cell(key: str, row: SweepRow) -> str:
 
 
 def to_markdown(result: SweepResult) -> str:
-    heads = [h if k != "bound_relative" else f"{result.rows[0].bound_kind} bound (rel.)" for k, h in COLUMNS]
+    columns = COLUMNS
+    if any(r.sketch_bytes_read for r in result.rows):  # a sketch plan: its sketch reads too
+        columns = [*COLUMNS[:2], ("sketch_bytes_read", "sketch MiB read"), *COLUMNS[2:]]
+    heads = [h if k != "bound_relative" else f"{result.rows[0].bound_kind} bound (rel.)" for k, h in columns]
     lines = [f"Budget sweep, method `{result.method}`; inputs indexed once in {result.index_seconds:.1f} s "
              f"({result.index_bytes_read / 2**20:,.1f} MiB index reads; 0 when cached).", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for row in result.rows:
-        lines.append("| " + " | ".join(_cell(k, row) for k, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(k, row) for k, _ in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
