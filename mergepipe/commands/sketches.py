@@ -39,7 +39,10 @@ def plan_sketches(plan: dict, store: Store, base: Checkpoint, base_index: ModelI
     rec = (plan.get("strategy") or {}).get("sketch")
     if rec is None:
         return {}
-    out = sketch_inputs(store, base, base_index, experts)
+    # only the experts the plan sketches: a full-budget sketch plan (nothing sketched)
+    # replays without scanning anything
+    used = {n: e for n, e in experts.items() if any(rec["blocks"].get(n, {}).values())}
+    out = sketch_inputs(store, base, base_index, used)
     for name, opened in out.items():
         if opened.digest != rec["artifacts"][name]:
             raise IntegrityError(f"{where}: expert {name!r}: its sketch {opened.path} is not the one the plan was "
