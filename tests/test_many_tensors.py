@@ -268,7 +268,7 @@ def test_header_columns_equal_the_entry_by_entry_parse(tmp_path, monkeypatch):
             st.parse_header(write(entries, n))
 
 
-def test_manifest_json_is_canonical_json(monkeypatch):
+def test_manifest_json_is_canonical_json(monkeypatch, tmp_path):
     """The manifest's pretty JSON (output/manifest_json.py) is util.fs.canonical_json's text,
     whatever its batches; canonical_blake3 (util/canonical.py) hashes the compact text."""
     import random
@@ -315,6 +315,10 @@ def test_manifest_json_is_canonical_json(monkeypatch):
                 canonical_blake3(bad)
         else:
             assert canonical_blake3(bad) == want
+    for doc in (value(), {"a": {"b": [1, 2]}, "c": [{1: 2}]}, {"t": {f"n{i}": "ab" for i in range(99)}}):
+        path = tmp_path / "m.json"  # written a batch at a time, json.dumps' text where it decides
+        manifest_json.write_pretty_json(path, doc)
+        assert path.read_bytes() == canonical_json(doc, indent=1)
     for bad in ({1: 2}, [float("nan")], {"a": float("inf")}):
         try:
             want = canonical_json(bad, indent=1)

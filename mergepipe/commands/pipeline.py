@@ -21,8 +21,8 @@ from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
-from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, dumps, load_manifest,
-                                      verify_outputs)
+from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, load_manifest,
+                                      verify_outputs, write_manifest)
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
@@ -217,7 +217,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             (tmp / "README.md").write_text(_model_card(plan))
             aux["README.md"] = hash_file(tmp / "README.md")
             man = build_manifest(plan, realized, aux)
-            (tmp / MANIFEST).write_bytes(dumps(man))
+            write_manifest(tmp / MANIFEST, man)  # dumps(man), a batch at a time
             run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
             if realized.joint_statistics:  # a joint method's statistics artifact (engine/stats.py)

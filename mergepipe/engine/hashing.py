@@ -11,7 +11,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, TensorInfo
 from mergepipe.checkpoint.blocks import BlockLayout
-from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order, tensor_digest
+from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order
 from mergepipe.errors import IntegrityError
 
 
@@ -99,8 +99,10 @@ class OutputHasher:
         for name in [n for n in self.sizes if n not in self._digests]:  # no blocks, or only empty ones
             self._digests[name] = TensorHasher(self.sizes[name]).digest()
             self.tensors[name] = self._digests[name].hex()
-        return {f: file_digest(self.headers[f], list(map(self._digests.__getitem__, names))).hex()
-                for f, names in self.order.items()}
+        files = {f: file_digest(self.headers[f], list(map(self._digests.__getitem__, names))).hex()
+                 for f, names in self.order.items()}
+        self._digests, self.sizes, self.order = {}, {}, {}  # 100k entries each, not needed after this
+        return files
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -279,7 +279,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     hasher.end_tensor(name)
                     m.cuts.drop(name)
         file_hashes = hasher.finish()
-        realized.tensors.update(hasher.tensors)
+        realized.tensors = hasher.tensors  # the hasher is done with it: no second 100k-entry dict
         for w in writers.values():
             w.close()
     except BaseException:

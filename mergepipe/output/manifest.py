@@ -23,7 +23,7 @@ from blake3 import blake3
 
 from mergepipe import __version__
 from mergepipe.errors import IntegrityError
-from mergepipe.output.manifest_json import pretty_json
+from mergepipe.output.manifest_json import pretty_json, write_pretty_json
 from mergepipe.util.canonical import canonical_blake3
 from mergepipe.util.fs import hash_file
 
@@ -79,6 +79,11 @@ def dumps(man: dict) -> bytes:
     """canonical_json(man, indent=1), the same bytes (output/manifest_json.py: faster for
     a manifest of many tensors)."""
     return pretty_json(man, indent=1)
+
+
+def write_manifest(path: Path, man: dict) -> None:
+    """dumps(man) written to `path` a batch at a time (output/manifest_json.py)."""
+    write_pretty_json(path, man, indent=1)
 
 
 def load_manifest(out_dir: str | Path) -> dict:

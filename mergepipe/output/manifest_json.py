@@ -43,21 +43,42 @@ def pretty_json(obj, *, indent: int = 1) -> bytes:
         return (json.dumps(obj, sort_keys=True, indent=indent, allow_nan=False) + "\n").encode()
 
 
-class _Out:
-    """Text pieces in order, encoded to bytes a batch at a time."""
+def write_pretty_json(path, obj, *, indent: int = 1) -> None:
+    """pretty_json(obj, indent=indent) written to the file `path`, a batch at a time: the whole
+    text is never in memory (a manifest of 100k tensors is 18 MB, twice that joined)."""
+    with open(path, "wb") as f:
+        try:
+            with paused_gc():
+                out = _Out(f.write)
+                _value(out, obj, 0, indent)
+                out.add("\n")
+                out.result()
+                return
+        except _Unusual:
+            pass
+        f.seek(0)
+        f.truncate()
+        f.write((json.dumps(obj, sort_keys=True, indent=indent, allow_nan=False) + "\n").encode())
 
-    def __init__(self) -> None:
+
+class _Out:
+    """Text pieces in order, encoded to bytes a batch at a time, kept or given to `sink`."""
+
+    def __init__(self, sink=None) -> None:
         self.parts: list[str] = []
         self.chunks: list[bytes] = []
+        self.sink = sink if sink is not None else self.chunks.append
 
     def add(self, text: str) -> None:
         self.parts.append(text)
         if len(self.parts) >= FLUSH:
-            self.chunks.append("".join(self.parts).encode())
+            self.sink("".join(self.parts).encode())
             self.parts = []
 
     def result(self) -> bytes:
-        self.chunks.append("".join(self.parts).encode())
+        """The bytes (kept), or b"" once the last batch went to the sink."""
+        self.sink("".join(self.parts).encode())
+        self.parts = []
         return b"".join(self.chunks)
 
 
