@@ -279,6 +279,6 @@ def test_sketch_report_renders_the_committed_results(tmp_path):
         sr.splice_section(md, sr.render(smollm, per_seed, mean, "notes", "sketch.png"))
     text = md.read_text()
     assert text.startswith("# before\n") and text.count(sr.BEGIN) == 1 and text.count(sr.END) == 1
-    assert "| ta_l1.0 | 25% | sketch |" in text and "![sketch vs energy](sketch.png)" in text
+    assert "| 0 | ta_l1.0 | 25% | sketch |" in text and "![sketch vs energy](sketch.png)" in text
     sr.plot(smollm, mean, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
