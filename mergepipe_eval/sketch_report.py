@@ -42,9 +42,10 @@ def smollm_table(results: list[dict]) -> list[str]:
         for r in res["test"]["rows"]:
             if r["strategy"] == "sketch - energy":
                 lines.append(f"| {_seed(res)} | {r['method']} | {r['budget']} | {_ci(r['d_accuracy'], 100, 1)} |")
-    experts = next((res["test"]["experts"] for res in results if res["test"].get("experts")), {})
-    if experts:
-        lines += ["", "Each expert alone on the same test examples: " + ", ".join(
+    with_experts = next((res for res in results if res["test"].get("experts")), None)
+    if with_experts is not None:
+        experts = with_experts["test"]["experts"]
+        lines += ["", f"Each expert alone (seed {_seed(with_experts)}) on the same test examples: " + ", ".join(
             f"{k} {100 * v['accuracy']:.1f}" for k, v in sorted(experts.items())) + "."]
     return lines
 
