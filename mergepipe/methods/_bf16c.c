@@ -49,6 +49,16 @@ static inline uint16_t f32_to_bf16(float x) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Task arithmetic's end of a chunk: mixed /= divisor, *= lambda, out = bf16(B + mixed). */
+static inline void finish_chunk(const float *b, float *acc, int64_t m, float divisor, int normalize, float lambda_,
+                                int apply_lambda, uint16_t *o) {
+    if (normalize)
+        for (int64_t j = 0; j < m; j++) acc[j] = acc[j] / divisor;
+    if (apply_lambda)
+        for (int64_t j = 0; j < m; j++) acc[j] = acc[j] * lambda_;
+    for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
+}
+
 CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const *experts, int64_t p,
                              const float *weights, float divisor, int normalize, float lambda_,
                              int apply_lambda, uint16_t *out, int64_t n) {
@@ -85,12 +95,7 @@ CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const 
                 }
             }
         }
-        if (normalize)
-            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] / divisor;
-        if (apply_lambda)
-            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] * lambda_;
-        uint16_t *o = out + s;
-        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
+        finish_chunk(b, acc, m, divisor, normalize, lambda_, apply_lambda, out + s);
     }
 }
 
@@ -144,12 +149,7 @@ CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t 
             else
                 for (int64_t j = 0; j < m; j++) acc[j] = acc[j] + d[j] * w;
         }
-        if (normalize)
-            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] / divisor;
-        if (apply_lambda)
-            for (int64_t j = 0; j < m; j++) acc[j] = acc[j] * lambda_;
-        uint16_t *o = out + s;
-        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
+        finish_chunk(b, acc, m, divisor, normalize, lambda_, apply_lambda, out + s);
     }
 }
 

@@ -98,7 +98,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {method!r} does not merge "
                           "weighted deltas, use strategy energy or balanced")
     if strat.sketched:
-        sketch_reads.check_method(method, m, strat.name)
+        sketch_reads.check_method(method, strat.name)
         if sketches is None:
             raise ConfigError(f"plan: strategy {strat.name!r} needs the experts' sketches (mergepipe run makes them)")
     if budget_bytes is None:

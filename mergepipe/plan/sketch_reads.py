@@ -39,7 +39,7 @@ SKETCHABLE = frozenset({"linear", "task_arithmetic", "ties", "dare_linear", "dar
                         "breadcrumbs_ties"})
 
 
-def check_method(method: str, m, strategy: str) -> None:
+def check_method(method: str, strategy: str) -> None:
     if method not in SKETCHABLE:
         raise ConfigError(f"plan: strategy {strategy!r} feeds sketched deltas to the method; method {method!r} "
                           f"does not merge per-element deltas (use one of {', '.join(sorted(SKETCHABLE))}, or "
