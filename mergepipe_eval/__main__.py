@@ -202,7 +202,23 @@ def cmd_smollm_strategy_screen(a) -> int:
                   test_budgets=a.test_budgets.split(",") if a.test_budgets else None,
                   test_methods=a.test_methods.split(",") if a.test_methods else None,
                   test_experts=not a.no_test_experts,
-                  test_strategies=a.test_strategies.split(",") if a.test_strategies else None, n_boot=a.boot)
+                  test_strategies=a.test_strategies.split(",") if a.test_strategies else None, n_boot=a.boot,
+                  tasks=a.tasks.split(","),
+                  test_energy_budgets=a.test_energy_budgets.split(",") if a.test_energy_budgets else None)
+    return 0
+
+
+def cmd_smollm_strategy_seeds(a) -> int:
+    """SmolLM2 screens averaged over fine-tuning seeds (smollm_seeds.py), from the score caches."""
+    from mergepipe_eval import smollm_screen as ss, smollm_seeds
+    by_family: dict[str, list[dict]] = {}
+    for r in a.result:  # several files of one family (invocations of one seed) are merged
+        res = json.loads(Path(r).read_text())
+        by_family.setdefault(Path(res["family"]).resolve().as_posix(), []).append(res)
+    per_seed = [ss.merge_results(v) if len(v) > 1 else v[0] for v in by_family.values()]
+    res = smollm_seeds.across_seeds(per_seed, methods=a.methods.split(","), strategies=a.strategies.split(","),
+                                    budgets=a.budgets.split(","), n_boot=a.boot)
+    _write_json(Path(a.out), res)
     return 0
 
 
@@ -389,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-test-experts", action="store_true", help="skip the experts' own test accuracy")
     s.add_argument("--test-strategies", default="", help="strategies of the test stage besides energy "
                    "(empty: the screen's best)")
+    s.add_argument("--test-energy-budgets", help="test energy only at these budgets (default: every test budget)")
+    s.add_argument("--tasks", default="noun_cat,pos,topic", help="comma-separated task names (experts/<task>; default smollm_screen.TASKS)")
     s.add_argument("--dev-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--seen", type=int, required=True, help="train examples each expert saw (steps x batch)")
@@ -397,6 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--heldout-len", type=int, default=128)
     s.add_argument("--boot", type=int, default=2000)
     s.set_defaults(fn=cmd_smollm_strategy_screen)
+    s = sub.add_parser("smollm-strategy-seeds", help="SmolLM2 strategy screens averaged over fine-tuning seeds")
+    s.add_argument("--result", action="append", required=True,
+                   help="smollm-strategy-screen JSON (repeat; one family per seed, several files per family merged)")
+    s.add_argument("--methods", default="ta_l1.0,ties")
+    s.add_argument("--strategies", default="energy,sketch")
+    s.add_argument("--budgets", default="10%,25%,50%")
+    s.add_argument("--boot", type=int, default=2000)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_smollm_strategy_seeds)
     s = sub.add_parser("sketch-report", help="EVAL.md section of strategy sketch (SmolLM2 and MiniLM screens)")
     s.add_argument("--smollm", action="append", default=[], help="smollm-strategy-screen result JSON (repeat)")
     s.add_argument("--minilm", action="append", default=[], help="strategy-screen result JSON per seed (repeat)")

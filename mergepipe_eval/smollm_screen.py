@@ -44,7 +44,7 @@ METHODS = {
     "ta_l1.0": {"method": "task_arithmetic", "parameters": {"lambda": 1.0}},
     "ties": {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}},
 }
-TASKS = ("noun_cat", "pos", "topic")
+TASKS = ("noun_cat", "pos", "topic")  # the default task set (`--tasks` chooses others, e.g. + verb_cat)
 
 
 EMB_BLOCKS = "64KiB"  # the *_emb64k variants: vocabulary tensors in 64 KiB blocks (embedding_block_bytes)
@@ -160,6 +160,7 @@ class Screen:
         self.heldout = torch.tensor(ids[:heldout_seqs * heldout_len]).view(heldout_seqs, heldout_len)
         self.heldout_sha = hashlib.sha256(text.encode()).hexdigest()
         self._models: dict[str, object] = {}
+        self.log: list[dict] | None = None  # run_screen points it at the result's timings
         self._ref_logp: dict[str, torch.Tensor] = {}
 
     def n(self) -> dict:
@@ -197,8 +198,8 @@ class Screen:
         if d.get("key") != key:
             d = {"key": key}
         ref_key = _key(ref_dir) if ref_dir is not None else None
-        need_dev = "dev" not in d
-        need_test = test and "test" not in d
+        need_dev = _sizes(d.get("dev")) != _sizes(self.dev)  # missing, or scored on other examples
+        need_test = test and _sizes(d.get("test")) != _sizes(self.test)
         need_kl = ref_dir is not None and (d.get("kl") or {}).get("ref") != ref_key + ":" + self.heldout_sha
         if not (need_dev or need_test or need_kl):
             return d
@@ -216,6 +217,9 @@ class Screen:
                 d["kl"] = {"ref": ref_key + ":" + self.heldout_sha, "per_sequence": kl.tolist()}
             del model
             d["seconds"] = round(time.monotonic() - t0, 1)
+        if self.log is not None:
+            self.log.append({"score": model_dir.name, "seconds": d["seconds"],
+                             "what": [k for k, v in (("dev", need_dev), ("test", need_test), ("kl", need_kl)) if v]})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(d))
         print(f"scored {model_dir.name} in {d['seconds']} s", file=sys.stderr, flush=True)
@@ -229,6 +233,13 @@ class Screen:
         return self._ref_logp[ref_key]
 
 
+def _sizes(split: dict | None) -> dict[str, int] | None:
+    """Examples per task of a split, from a score file's entry ({"y": ...}) or Screen's ((prompts, y))."""
+    if split is None:
+        return None
+    return {t: len(v["y"] if isinstance(v, dict) else v[1]) for t, v in split.items()}
+
+
 def _key(model_dir: Path) -> str:
     manifest = model_dir / "manifest.json"
     if manifest.exists():
@@ -237,11 +248,17 @@ def _key(model_dir: Path) -> str:
     return f"{model_dir.as_posix()}:{st.st_size}:{st.st_mtime_ns}"
 
 
+def split_tasks(scores: dict, split: str) -> list[str]:
+    """The tasks a score file holds for a split, in a fixed order (TASKS' first, then by name)."""
+    have = set(scores[split])
+    return [t for t in TASKS if t in have] + sorted(have - set(TASKS))
+
+
 def per_example(scores: dict, split: str, ref: dict | None = None) -> dict[str, list[float]]:
     """Pooled per-example label log-likelihood (softmax over the labels), correctness, and
     KL(ref || scores) of the label distributions (when ref is given)."""
     ll, acc, kl = [], [], []
-    for t in TASKS:
+    for t in split_tasks(scores, split):
         s = scores[split][t]
         for i, (y, lp) in enumerate(zip(s["y"], s["label_logprobs"])):
             z = _logsumexp(lp)
@@ -261,7 +278,7 @@ def per_example(scores: dict, split: str, ref: dict | None = None) -> dict[str, 
 
 def per_task_acc(scores: dict, split: str) -> dict[str, float]:
     out = {}
-    for t in TASKS:
+    for t in split_tasks(scores, split):
         s = scores[split][t]
         hits = [1.0 if max(range(len(lp)), key=lambda j: lp[j]) == y else 0.0
                 for y, lp in zip(s["y"], s["label_logprobs"])]
@@ -294,15 +311,16 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                methods: list[str], strategies: list[str], budgets: list[str], dev_per_class: dict[str, int],
                test_per_class: dict[str, int], seen: int, train_seed: int, heldout_seqs: int = 12,
                heldout_len: int = 128, test_budgets: list[str] | None = None, test_methods: list[str] | None = None,
-               test_experts: bool = True, test_strategies: list[str] | None = None, n_boot: int = 2000) -> dict:
+               test_experts: bool = True, test_strategies: list[str] | None = None, n_boot: int = 2000,
+               tasks: tuple[str, ...] | list[str] = TASKS, test_energy_budgets: list[str] | None = None) -> dict:
     """Per method, in order: the full read, the screen over budgets x strategies, then (for
     test_methods) test accuracy of the full read, energy and the screen's best strategy at
     test_budgets (or energy and `test_strategies`); the experts alone last. The JSON is
     rewritten after every model."""
-    experts = {t: family / "experts" / t / "model" for t in TASKS}
+    experts = {t: family / "experts" / t / "model" for t in tasks}
     work = family / "strategies"
     specs = strategy_specs(calib)
-    screen = Screen(base, {t: tasks_root / t for t in TASKS}, heldout, dev_per_class=dev_per_class,
+    screen = Screen(base, {t: tasks_root / t for t in tasks}, heldout, dev_per_class=dev_per_class,
                     test_per_class=test_per_class, seen=seen, train_seed=train_seed,
                     heldout_seqs=heldout_seqs, heldout_len=heldout_len)
     texts = json.loads((calib.parent / "texts.json").read_text()) if (calib.parent / "texts.json").exists() else {}
@@ -310,11 +328,12 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
               "methods": {m: METHODS[m] for m in methods},
               "strategies": {s: {k: (Path(v).name if k == "text" else v) for k, v in specs[s].items()}
                              for s in strategies},
-              "texts": texts, "seeds": 1, "rows": [], "between": [],
+              "texts": texts, "seeds": 1, "train_seed": train_seed, "tasks": list(tasks), "rows": [], "between": [],
               "test": {"rule": "per method: best = the non-energy strategy with the highest mean dev "
                                "label-log-likelihood difference to the full read over the test budgets",
                        "best": {}, "rows": [], "experts": {}},
               "timings": []}
+    screen.log = result["timings"]
     test_methods = methods if test_methods is None else test_methods
     if test_budgets and test_experts and all((work / "scores" / f"expert_{t}.json").exists() for t in experts):
         _test_experts(screen, result, work, experts, out)  # cached: report them first
@@ -373,7 +392,7 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
             _write(out, result)
         if test_budgets and m in test_methods:
             run_test(screen, result, work, full_dir, m, budgets=test_budgets, n_boot=n_boot, out=out,
-                     chosen=test_strategies)
+                     chosen=test_strategies, energy_budgets=test_energy_budgets)
     if test_budgets and test_experts:
         _test_experts(screen, result, work, experts, out)
     _write(out, result)
@@ -403,9 +422,11 @@ def best_strategy(result: dict, budgets: list[str], method: str | None = None) -
 
 
 def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *, budgets: list[str],
-             n_boot: int, out: Path, chosen: list[str] | None = None) -> None:
+             n_boot: int, out: Path, chosen: list[str] | None = None,
+             energy_budgets: list[str] | None = None) -> None:
     """Test accuracy of method m's full read, energy and the screen's best strategy (or the
-    `chosen` ones, each also against energy) at `budgets`."""
+    `chosen` ones, each also against energy) at `budgets`; energy only at `energy_budgets`
+    when given (the others then have no `- energy` row there)."""
     test = result["test"]
     best = best_strategy(result, budgets, m)
     test["best"][m] = best
@@ -420,7 +441,8 @@ def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *
     _write(out, result)
     for budget in budgets:
         exs = {}
-        for s in strategies:
+        with_energy = energy_budgets is None or budget in energy_budgets
+        for s in strategies if with_energy else others:
             name = _model_name(m, s, budget)
             sc = screen.score(work / "models" / name, work / "scores" / f"{name}.json", ref_dir=full_dir,
                               test=True)
@@ -430,7 +452,7 @@ def run_test(screen: Screen, result: dict, work: Path, full_dir: Path, m: str, *
                                  "d_accuracy": paired(ex["acc"], full_ex["acc"], n_boot=n_boot),
                                  "mcnemar_vs_full": mcnemar(ex["acc"], full_ex["acc"])})
             _write(out, result)
-        for s in others:
+        for s in others if with_energy else []:
             a, b = exs[s]["acc"], exs["energy"]["acc"]
             test["rows"].append({"method": m, "strategy": f"{s} - energy", "budget": budget,
                                  "d_accuracy": paired(a, b, n_boot=n_boot), "mcnemar": mcnemar(a, b)})
@@ -467,6 +489,7 @@ def merge_results(results: list[dict]) -> dict:
         return list(out.values())
 
     merged = {k: first[k] for k in ("family", "n", "bootstrap", "texts", "seeds")}
+    merged.update({k: first[k] for k in ("train_seed", "tasks") if k in first})
     merged["methods"] = {m: spec for r in results for m, spec in r["methods"].items()}
     merged["strategies"] = {s: spec for r in results for s, spec in r["strategies"].items()}
     merged["rows"] = keyed([r["rows"] for r in results], lambda x: (x["method"], x["strategy"], x["budget"]))
@@ -500,6 +523,7 @@ def _kl(d: dict) -> str:
 
 def to_markdown(result: dict) -> str:
     n = result["n"]
+    tasks = list(n["test"])
     ndev, ntest = sum(n["dev"].values()), sum(n["test"].values())
     h = n["heldout"]
     lines = [f"Screen: {ndev} dev examples ({', '.join(f'{t} {k}' for t, k in n['dev'].items())}; train "
@@ -534,18 +558,18 @@ def to_markdown(result: dict) -> str:
                      + "; ".join(f"{', '.join(v)} ({k})" for k, v in t["chosen"].items()) if t.get("chosen") else "")
                   + ". Δ against the full read (or "
                   "energy), paired bootstrap 95% interval; McNemar exact p from the discordant pairs.", "",
-                  "| method | strategy | budget | accuracy | noun_cat | pos | topic | Δ acc (points) | McNemar "
-                  "(only this / only other, p) |", "|---|---|---|---:|---:|---:|---:|---|---|"]
+                  f"| method | strategy | budget | accuracy | {' | '.join(tasks)} | Δ acc (points) | McNemar "
+                  "(only this / only other, p) |", f"|---|---|---|---:|{'---:|' * len(tasks)}---|---|"]
         for r in t["rows"]:
             pt = r.get("per_task")
-            cells = " | ".join(f"{100 * pt[k]:.1f}" for k in TASKS) if pt else "– | – | –"
+            cells = " | ".join(f"{100 * pt[k]:.1f}" for k in tasks) if pt else " | ".join("–" for _ in tasks)
             acc = f"{100 * r['accuracy']:.1f}" if "accuracy" in r else "–"
             d = _ci(r["d_accuracy"], 100, 1) if "d_accuracy" in r else "–"
             mc = r.get("mcnemar_vs_full") or r.get("mcnemar")
             mcs = f"{mc['a_only']} / {mc['b_only']}, p={mc['p']:.2g}" if mc else "–"
             lines.append(f"| {r['method']} | {r['strategy']} | {r['budget']} | {acc} | {cells} | {d} | {mcs} |")
         for name, e in t["experts"].items():
-            cells = " | ".join(f"{100 * e['per_task'][k]:.1f}" for k in TASKS)
+            cells = " | ".join(f"{100 * e['per_task'][k]:.1f}" for k in tasks)
             lines.append(f"| expert {name} alone | – | – | {100 * e['accuracy']:.1f} | {cells} | – | – |")
     return "\n".join(lines) + "\n"
 
