@@ -225,15 +225,22 @@ def cmd_smollm_strategy_seeds(a) -> int:
 def cmd_sketch_report(a) -> int:
     """Splice the `sketch` strategy section into EVAL.md from the screens' JSON files."""
     from mergepipe_eval import sketch_report as sr
+    from mergepipe_eval import smollm_screen as ss
     smollm = [json.loads(Path(r).read_text()) for r in a.smollm]
     per_seed = [json.loads(Path(r).read_text()) for r in a.minilm]
     mean = json.loads(Path(a.minilm_seeds).read_text()) if a.minilm_seeds else None
+    by_family: dict[str, list[dict]] = {}
+    for r in a.protocol:  # several files of one seed's family are merged (later rows replace)
+        res = json.loads(Path(r).read_text())
+        by_family.setdefault(Path(res["family"]).as_posix(), []).append(res)
+    protocol = [ss.merge_results(v) if len(v) > 1 else v[0] for v in by_family.values()]
+    protocol_mean = json.loads(Path(a.protocol_seeds).read_text()) if a.protocol_seeds else None
     notes = Path(a.notes).read_text() if a.notes else ""
     name = None
     if a.plot:
-        sr.plot(smollm, mean, Path(a.plot))
+        sr.plot(smollm, mean, Path(a.plot), protocol_mean)
         name = os.path.relpath(a.plot, Path(a.markdown).parent)
-    sr.splice_section(Path(a.markdown), sr.render(smollm, per_seed, mean, notes, name))
+    sr.splice_section(Path(a.markdown), sr.render(smollm, per_seed, mean, notes, name, protocol, protocol_mean))
     return 0
 
 
@@ -425,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_smollm_strategy_seeds)
     s = sub.add_parser("sketch-report", help="EVAL.md section of strategy sketch (SmolLM2 and MiniLM screens)")
-    s.add_argument("--smollm", action="append", default=[], help="smollm-strategy-screen result JSON (repeat)")
+    s.add_argument("--protocol", action="append", default=[],
+                   help="issue 12 protocol: smollm-strategy-screen JSON per seed (repeat)")
+    s.add_argument("--protocol-seeds", help="smollm-strategy-seeds JSON (the protocol's mean over seeds)")
+    s.add_argument("--smollm", action="append", default=[],
+                   help="earlier smollm-strategy-screen result JSON (repeat)")
     s.add_argument("--minilm", action="append", default=[], help="strategy-screen result JSON per seed (repeat)")
     s.add_argument("--minilm-seeds", help="strategy-seeds result JSON")
     s.add_argument("--plot", help="write the accuracy-vs-budget plot here and show it")

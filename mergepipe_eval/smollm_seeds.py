@@ -86,8 +86,20 @@ def across_seeds(results: list[dict], *, methods: list[str], strategies: list[st
     experts = _experts(results)
     out = {"families": [f.as_posix() for f in fams], "seeds": seeds, "n": results[0]["n"],
            "tasks": results[0].get("tasks"), "resamples": n_boot, "rows": rows, "between": between,
-           "experts": experts}
+           "experts": experts, "training": training(fams, seeds),
+           "timings": {str(seed): r.get("timings", []) for seed, r in zip(seeds, results)}}
     out["targets"] = targets(out)
+    return out
+
+
+def training(families: list[Path], seeds: list[int]) -> dict:
+    """Each expert's train.json (smollm.train_expert): seconds and first/final loss, per seed."""
+    out = {}
+    for fam, seed in zip(families, seeds):
+        for path in sorted((fam / "experts").glob("*/train.json")):
+            info = json.loads(path.read_text())
+            out.setdefault(str(seed), {})[path.parent.name] = {
+                k: info.get(k) for k in ("train_seconds", "first_loss", "final_loss", "steps", "examples_seen")}
     return out
 
 

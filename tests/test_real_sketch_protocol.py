@@ -1,0 +1,75 @@
+"""EVAL.md's tables for issue 12's SmolLM2 protocol (sketch_protocol.py), from synthetic screen
+results: per-seed tables with every task's column, the mean over seeds, targets with their
+margins, generated findings and timings; the section splices into the sketch section."""
+from __future__ import annotations
+
+import json
+
+from mergepipe_eval import sketch_protocol as sp
+from mergepipe_eval import sketch_report as sr
+from mergepipe_eval import smollm_seeds as sd
+
+TASKS = ["noun_cat", "pos", "topic", "verb_cat"]
+
+
+def _ci(mean):
+    return {"mean": mean, "lo": mean - 0.02, "hi": mean + 0.02, "n": 8}
+
+
+def _seed_result(seed):
+    n = {"dev": {t: 2 for t in TASKS}, "test": {t: 2 for t in TASKS},
+         "heldout": {"sequences": 2, "tokens_per_sequence": 4}}
+    per_task = {t: 0.5 for t in TASKS}
+    rows = [{"method": "ta_l1.0", "strategy": "-", "budget": "full", "dev_accuracy": 0.6, "dev_label_ll": -0.5}]
+    test = [{"method": "ta_l1.0", "strategy": "-", "budget": "full", "accuracy": 0.75, "per_task": per_task, "n": 8}]
+    for s, b, d in (("energy", "25%", -0.25), ("sketch", "25%", 0.0), ("sketch", "10%", -0.125)):
+        rows.append({"method": "ta_l1.0", "strategy": s, "budget": b, "dev_accuracy": 0.5,
+                     "d_dev_label_ll": _ci(-0.1), "heldout_kl": _ci(0.3 if s == "energy" else 0.03)})
+        test.append({"method": "ta_l1.0", "strategy": s, "budget": b, "accuracy": 0.75 + d, "per_task": per_task,
+                     "n": 8, "d_accuracy": _ci(d), "mcnemar_vs_full": {"a_only": 1, "b_only": 2, "p": 1.0}})
+    test.append({"method": "ta_l1.0", "strategy": "sketch - energy", "budget": "25%", "d_accuracy": _ci(0.25),
+                 "mcnemar": {"a_only": 2, "b_only": 0, "p": 0.5}})
+    return {"family": f"fam/s{seed}", "train_seed": seed, "tasks": TASKS, "n": n,
+            "bootstrap": {"resamples": 10, "seed": 0}, "texts": {}, "seeds": 1, "methods": {"ta_l1.0": {}},
+            "strategies": {"energy": {}, "sketch": {}}, "rows": rows, "between": [],
+            "test": {"rule": "r", "best": {}, "rows": test,
+                     "experts": {t: {"accuracy": 0.55, "per_task": per_task, "n": 8} for t in TASKS} if seed == 0
+                     else {}},
+            "timings": [{"merge": "ta_l1.0_sketch_25", "seconds": 12.0},
+                        {"score": "ta_l1.0_sketch_25", "seconds": 100.0, "what": ["dev", "test", "kl"]}]}
+
+
+def _mean(per_seed):
+    acc = {"ta_l1.0_full": [1, 1, 1, 0], "ta_l1.0_energy_25": [1, 0, 0, 0], "ta_l1.0_sketch_25": [1, 1, 1, 0],
+           "ta_l1.0_sketch_10": [1, 1, 0, 1]}
+
+    def load(fam, name):
+        if name not in acc:
+            return None
+        return {"dev": {"t": {"y": [0], "label_logprobs": [[-0.1, -5.0]]}},
+                "test": {"t": {"y": [0] * 4, "label_logprobs": [[0.0, -1.0] if a else [-1.0, 0.0]
+                                                               for a in acc[name]]}},
+                "kl": {"per_sequence": [0.1, 0.2]}}
+    return sd.across_seeds(per_seed, methods=["ta_l1.0"], strategies=["energy", "sketch"],
+                           budgets=["25%", "10%", "50%"], n_boot=20, load=load)
+
+
+def test_protocol_section_renders_and_splices(tmp_path):
+    per_seed = [_seed_result(0), _seed_result(1)]
+    mean = json.loads(json.dumps(_mean(per_seed)))  # as read back from the committed JSON
+    text = "\n".join(sp.section(per_seed, mean))
+    assert "| noun_cat | pos | topic | verb_cat |" in text  # every task's column
+    assert "| ta_l1.0 | 25% | energy | Δ ≥ -2 points vs full | -50.0 | -48.0 | **missed** | no |" in text
+    assert "| ta_l1.0 | 25% | sketch | Δ ≥ -2 points vs full | +0.0 | +2.0 | met | yes |" in text
+    assert "≥ best single expert (noun_cat, 55.0; seed 0)" in text
+    assert "Targets, `energy` (mean over seeds): 0 of 1 met; missed: ta_l1.0 25% by 48.0 points" in text
+    assert "sketch − energy, ta_l1.0 at 25%: +50.0" in text
+    assert "sketch merges 12-12 s (n=1)" in text and "### Seed 1" in text
+    md = tmp_path / "EVAL.md"
+    md.write_text("# before\n")
+    for _ in range(2):
+        sr.splice_section(md, sr.render([], [], None, "notes", "p.png", per_seed, mean))
+    out = md.read_text()
+    assert out.count(sr.BEGIN) == 1 and "issue 12 protocol: 4 tasks" in out
+    sr.plot([], None, tmp_path / "p.png", mean)
+    assert (tmp_path / "p.png").stat().st_size > 1000
