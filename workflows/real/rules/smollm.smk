@@ -42,7 +42,8 @@ def sm_all_scores():
 
 
 SM_CONSTRAINTS = dict(
-    stask="|".join(SM_TASKS),
+    # the sketch protocol's tasks train with the same rule (verb_cat besides the 3 above)
+    stask="|".join(dict.fromkeys(SM_TASKS + list(SM.get("sketch_protocol", {}).get("tasks", [])))),
     srecipe="|".join(SM_RECIPES),
     sseed=r"\d+",
     smerge="|".join(re.escape(m) for m in SM_MERGES),
