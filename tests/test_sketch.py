@@ -54,6 +54,29 @@ def test_codes_round_trip_and_the_scale_is_the_l2_best():
             assert sketch.residual_sq(l2, alpha, s1, nnz) == pytest.approx(want, rel=1e-5, abs=1e-9)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_the_c_scan_gives_the_numpy_sketch_of_bf16_blocks():
+    """index/sketch.py sketches bf16 blocks in C (methods/_bf16c.c mp_sketch_bf16): the same
+    codes, alpha, S1 and nnz as block_sketch over the fp32 delta, specials included."""
+    from mergepipe.methods import _ckernels
+    if _ckernels.load() is None:
+        pytest.skip("the C library is not built here")
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 3, 4, 5, 7, 1000, 12345, 1 << 17):
+        b = rng.standard_normal(n).astype(np.float32) * np.exp(rng.uniform(-30, 30, n)).astype(np.float32)
+        e = b + (rng.standard_normal(n) * 1e-3 * (rng.random(n) < 0.6)).astype(np.float32)
+        bb, eb = _bf16(b), _bf16(e)
+        if n > 10:  # +Inf, NaN, subnormal deltas, -0 - +0, -Inf, a subnormal crossing zero
+            eb[0], eb[1], bb[2], eb[2], eb[3], bb[3], eb[4], bb[5], eb[5] = (
+                0x7F80, 0x7FC0, 0x0001, 0x0003, 0x8000, 0, 0xFF80, 0x8001, 0x0001)
+        d = (eb.astype(np.uint32) << 16).view(np.float32) - (bb.astype(np.uint32) << 16).view(np.float32)
+        assert sketch._sketch_rows(bb.tobytes(), eb.tobytes(), "BF16", n) == sketch.block_sketch(d), n
+
+
 def _plan_and_merge(tmp_path, family, name, **over):
     (tmp_path / name).mkdir(parents=True)
     cfg = load_config(write_config(tmp_path / name, family, cache_dir=str(tmp_path / "cache"), **over))
@@ -263,6 +286,25 @@ def test_bf16_task_arithmetic_reads_sketches_in_the_c_loop_with_the_torch_bytes(
     a, b = load_model(again), load_model(torch_out)
     assert all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_sketch_files_are_the_same_from_the_c_scan_on_two_threads_and_numpy_on_one(tmp_path, tiny_family,
+                                                                                   monkeypatch):
+    """A sketch file's bytes depend on the inputs only: the C scan on two threads writes the
+    numpy scan's file on one thread (blocks are written in the index's order)."""
+    from mergepipe.methods import _ckernels
+    plan, inputs, _, _ = _plan_and_merge(tmp_path, tiny_family, "s", budget="20%", plan={"strategy": "sketch"})
+    files = {name: sk.path.read_bytes() for name, sk in inputs.sketches.items()}
+    for sk in inputs.sketches.values():
+        sk.close()
+        sk.path.unlink()
+    monkeypatch.setattr(sketch, "SCAN_THREADS", 1)
+    monkeypatch.setattr(sketch, "IN_FLIGHT", 2)
+    monkeypatch.setattr(_ckernels, "load", lambda: None)
+    cfg = load_config(tmp_path / "s" / "params.yaml")
+    again, inputs2 = plan_config(cfg, Store(cfg.cache_dir))
+    assert again["plan_hash"] == plan["plan_hash"]
+    assert {name: sk.path.read_bytes() for name, sk in inputs2.sketches.items()} == files
 
 
 def test_sketch_report_renders_the_committed_results(tmp_path):

@@ -93,7 +93,7 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     sketches = None
     if (norm.get("plan") or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
         sketches = sketch_inputs(store, base, base_index,
-                                 {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts})
+                                 {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, progress=not quiet)
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,

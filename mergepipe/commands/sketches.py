@@ -9,11 +9,14 @@ from mergepipe.errors import IntegrityError
 from mergepipe.index import sketch
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.store import Store
+from mergepipe.util.progress import Progress
 
 
 def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
-                  experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]]) -> dict[str, sketch.Sketch]:
-    """expert name -> its opened sketch, built where missing or damaged."""
+                  experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]],
+                  progress: bool = False) -> dict[str, sketch.Sketch]:
+    """expert name -> its opened sketch, built where missing or damaged (a progress line on a
+    terminal while it scans)."""
     out = {}
     for name, (ckpt, index, delta) in sorted(experts.items()):
         path = sketch.cache_path(store.root, index.content_hash, base_index.content_hash, base_index.layout.key)
@@ -25,7 +28,8 @@ def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
             except IntegrityError:
                 opened = None  # the store is untrusted: rebuilt
         if opened is None:
-            sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads)
+            prog = Progress(2 * base.total_bytes, f"sketching {name}", progress)
+            sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads, progress=prog)
             opened = sketch.Sketch(path, expert=index.content_hash, base=base_index.content_hash,
                                    base_index=base_index)
         out[name] = opened

@@ -39,7 +39,7 @@ from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.columns import ModelColumns
-from mergepipe.index.sketch import sketch_cost
+from mergepipe.index.sketch import sketch_cost, unpack
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -155,10 +155,14 @@ class _Merge:
     rewrites: bool = False
     # per-tensor parameters (plan `tensor_parameters`): the state for each tensor's group
     variants: TensorVariants | None = None
-    # tensor -> expert -> blocks read as sketches (plan `strategy.sketch`); such a tensor
-    # takes the torch path; sketch_read[0] counts their bytes (shared by variants' copies)
+    # tensor -> expert -> blocks read as sketches (plan `strategy.sketch`): bf16 task arithmetic
+    # merges them in C, other methods on the torch path; sketch_read[0] counts their bytes
+    # (shared by variants' copies)
     sketched: dict[str, dict[str, frozenset[int]]] = field(default_factory=dict)
     sketch_read: list[int] = field(default_factory=lambda: [0])
+    # (expert, tensor, block) -> (codes, alpha) read and checked by a reader thread with the
+    # unit (shared by variants' copies); taken by the block that uses it
+    sketch_codes: dict[tuple[str, str, int], tuple[bytes, float]] = field(default_factory=dict)
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -249,7 +253,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
             if kind == PACK:
                 return _load_pack(name, reader, writers, base_fds)
             if kind == MERGE:
-                return reader.load(name, blocks)
+                return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
             t = base.tensors[name]
             ranges = inputs.base_index.tensors[name].ranges
             r0, r1 = ranges[blocks[0]][0], ranges[blocks[-1]][1]
@@ -265,7 +269,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     continue
                 entry = inputs.base_index.tensors[name]
                 if kind == MERGE:
-                    base_buf, got = result
+                    base_buf, got, codes = result
+                    m.sketch_codes.update(codes)
                     fname, out_t = out_of[name]
                     _merge_unit(m, base.tensors[name], out_t, blocks, base_buf, got, writers[fname])
                     prog.step(len(base_buf))
@@ -440,7 +445,7 @@ def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got,
     n = len(raw) // t.itemsize
     sketches = ()
     if sketched:
-        sketches = tuple((e.name, *m.inputs.sketches[e.name].codes(t.name, b, n)) for e in m.experts
+        sketches = tuple((e.name, *_codes(m, e.name, t.name, b, n)) for e in m.experts
                          if b in sketched.get(e.name, ()) and b not in got.get(e.name, {}))
         m.sketch_read[0] += len(sketches) * sketch_cost(n)
 
@@ -464,7 +469,8 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
             delta = as_tensor(buf, t.dtype, shape).float() - base_block
         elif b in m.sketched.get(t.name, {}).get(e.name, ()):  # alpha * code (index/sketch.py)
             n = base_block.numel()
-            delta = torch.from_numpy(m.inputs.sketches[e.name].delta(t.name, b, n)).reshape(shape)
+            codes, alpha = _codes(m, e.name, t.name, b, n)
+            delta = torch.from_numpy(unpack(codes, n, alpha)).reshape(shape)
             m.sketch_read[0] += sketch_cost(n)
             sketched = True
         cut = m.cuts.get(e.name, t.name).for_block(b, base_block.numel()) if m.method.magnitude else None
@@ -498,6 +504,24 @@ def block_counts(index: ModelIndex, names) -> list[int]:
         s = cols.starts
         return [s[i + 1] - s[i] for i in cols.rows_of(names)]
     return [len(cols[n].ranges) for n in names]
+
+
+def _read_sketches(m: _Merge, name: str, unit: list[int]) -> dict[tuple[str, str, int], tuple[bytes, float]]:
+    """The codes of the unit's sketched blocks, read and checked on a reader thread (a plan
+    never both sketches a block and reads it in full: plan/record.py)."""
+    sketched = m.sketched.get(name)
+    if not sketched:
+        return {}
+    t, ranges = m.inputs.base.tensors[name], m.inputs.base_index.tensors[name].ranges
+    per_row = t.numel // t.shape[0] if t.shape else 1
+    return {(e, name, b): m.inputs.sketches[e].codes(name, b, (ranges[b][1] - ranges[b][0]) * per_row)
+            for e, bs in sketched.items() for b in unit if b in bs}
+
+
+def _codes(m: _Merge, expert: str, tensor: str, b: int, n: int) -> tuple[bytes, float]:
+    """A sketched block's (codes, alpha): as its unit's reader thread read them, else read now."""
+    got = m.sketch_codes.pop((expert, tensor, b), None)
+    return got if got is not None else m.inputs.sketches[expert].codes(tensor, b, n)
 
 
 def _sketched_by_tensor(plan: dict) -> dict[str, dict[str, frozenset[int]]]:

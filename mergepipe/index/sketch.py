@@ -31,6 +31,8 @@ import math
 import os
 import struct
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +42,16 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, Checkpoin
 from mergepipe.errors import IntegrityError
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
+from mergepipe.methods import _ckernels
 from mergepipe.util.fs import canonical_json
+from mergepipe.util.progress import Progress
 
 SKETCH_FORMAT = 1
 MAGIC = b"MPSKETCH"
 SCALE_BYTES = 4  # alpha, fp32: counted with the codes as what a sketched block costs
 MAX_HEADER = 1 << 31
+SCAN_THREADS = 2  # preads and the C scan release the GIL; the file's bytes do not depend on it
+IN_FLIGHT = 8     # blocks being sketched at once (bounded memory: ~2 MiB of reads each)
 
 # byte -> its four codes as int8 (+1, -1, 0) in one uint32 (little-endian: element 0 first):
 # one 4-byte gather per code byte unpacks a block in a few passes
@@ -73,11 +79,26 @@ def exact_abs_sum(d: np.ndarray) -> float:
     bit added for normals; subnormals scale as e = 1): the mantissas are summed per biased
     exponent, integers below 2^53 for blocks of < 2^29 elements, so exact in any order; then
     an exactly rounded fsum over the (at most 255) exponents."""
+    return _fsum_exponents(_mantissa_sums(d))
+
+
+def _mantissa_sums(d: np.ndarray) -> np.ndarray:
+    """Per biased exponent, the sum of the integer mantissas of |d| (exact: float64 integers)."""
     bits = np.ascontiguousarray(d, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
     exp = bits >> np.uint32(23)
     mant = (bits & np.uint32(0x7FFFFF)) | ((exp > 0).astype(np.uint32) << np.uint32(23))
-    sums = np.bincount(exp, weights=mant, minlength=1)
-    return math.fsum(math.ldexp(float(v), max(e, 1) - 150) for e, v in enumerate(sums) if v)
+    return np.bincount(exp, weights=mant, minlength=1)
+
+
+def _fsum_exponents(sums: np.ndarray) -> float:
+    """The exactly rounded sum of sums[e] * 2^(max(e, 1) - 150); each integer is split in two
+    32-bit halves so every term is exact as a float."""
+    terms = []
+    for e, v in enumerate(sums.tolist()):
+        v = int(v)
+        if v:
+            terms += [math.ldexp(v >> 32, max(e, 1) - 118), math.ldexp(v & 0xFFFFFFFF, max(e, 1) - 150)]
+    return math.fsum(terms)
 
 
 def pack_codes(d: np.ndarray) -> bytes:
@@ -102,10 +123,14 @@ def block_sketch(d: np.ndarray) -> tuple[bytes, float, float, int]:
     """(codes, alpha, s1, nnz) of one block's fp32 delta; NaN/Inf elements (a plan with
     `nonfinite: allow`) are sketched as 0."""
     d = np.where(np.isfinite(d), d, np.float32(0))
-    nnz = int(np.count_nonzero(d))
-    s1 = exact_abs_sum(d)
+    return _finish(pack_codes(d), _mantissa_sums(d), int(np.count_nonzero(d)))
+
+
+def _finish(codes: bytes, sums: np.ndarray, nnz: int) -> tuple[bytes, float, float, int]:
+    """(codes, alpha, s1, nnz) from the per-exponent mantissa sums (exact_abs_sum's)."""
+    s1 = _fsum_exponents(sums)
     alpha = float(np.float32(s1 / nnz)) if nnz else 0.0
-    return pack_codes(d), alpha, s1, nnz
+    return codes, alpha, s1, nnz
 
 
 def residual_sq(l2: float, alpha: float, s1: float, nnz: int) -> float:
@@ -119,8 +144,10 @@ def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | s
 
 
 def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
-          delta: DeltaIndex, *, counter=None) -> None:
-    """Scan base and expert once and write the sketch file atomically (temp file, fsync, rename)."""
+          delta: DeltaIndex, *, counter=None, progress: Progress | None = None) -> None:
+    """Scan base and expert once and write the sketch file atomically (temp file, fsync, rename).
+    Blocks are sketched on a few threads (preads and the C scan release the GIL) and written
+    in the base index's order, so the file is the same whatever the thread count."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
@@ -128,26 +155,30 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
         offset = 0
         with os.fdopen(fd, "wb") as f, \
                 CheckpointReader(base, counter=counter, random_access=False) as br, \
-                CheckpointReader(expert, counter=counter, random_access=False) as er:
+                CheckpointReader(expert, counter=counter, random_access=False) as er, \
+                ThreadPoolExecutor(max_workers=SCAN_THREADS) as pool:
+
+            def one(name: str, t, r0: int, r1: int):
+                n = (r1 - r0) * (t.numel // t.shape[0] if t.shape else 1)
+                got = _sketch_rows(br.read_rows(name, r0, r1), er.read_rows(name, r0, r1), t.dtype, n)
+                if progress:
+                    progress.step(2 * n * t.itemsize)
+                return got
+
+            jobs = []  # (tensor, None for an identical block, or the future of its sketch)
             for name, entry in base_index.tensors.items():
                 t = base.tensors[name]
                 if t.dtype not in FLOAT_DTYPES or t.numel == 0:
                     continue
                 same = delta.tensors[name].identical
-                per_row = t.numel // t.shape[0] if t.shape else 1
-                rows = []
+                tensors[name] = []
                 for b, (r0, r1) in enumerate(entry.ranges):
-                    if same[b]:
-                        rows.append(None)
-                        continue
-                    n = (r1 - r0) * per_row
-                    w0 = _decode(br.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
-                    wk = _decode(er.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
-                    codes, alpha, s1, nnz = block_sketch(wk - w0)
-                    f.write(codes)
-                    rows.append([offset, len(codes), alpha, s1, nnz, blake3(codes).hexdigest()])
-                    offset += len(codes)
-                tensors[name] = rows
+                    jobs.append((name, None if same[b] else pool.submit(one, name, t, r0, r1)))
+                    if len(jobs) >= IN_FLIGHT:  # bounded memory: write the oldest first
+                        offset = _write_done(f, jobs, tensors, offset, IN_FLIGHT // 2)
+            _write_done(f, jobs, tensors, offset, 0)
+            if progress:
+                progress.step(progress.total - progress.done)  # identical blocks were not read: end the line
             header = canonical_json({"format": SKETCH_FORMAT, "expert": expert_index.content_hash,
                                      "base": base_index.content_hash, "layout": base_index.layout.key,
                                      "tensors": tensors})
@@ -162,6 +193,32 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
         except FileNotFoundError:
             pass
         raise
+
+
+def _write_done(f, jobs: list, tensors: dict[str, list], offset: int, keep: int) -> int:
+    """Write the oldest sketches until `keep` jobs are left; returns the next code offset."""
+    while len(jobs) > keep:
+        name, fut = jobs.pop(0)
+        if fut is None:
+            tensors[name].append(None)
+            continue
+        codes, alpha, s1, nnz = fut.result()
+        f.write(codes)
+        tensors[name].append([offset, len(codes), alpha, s1, nnz, blake3(codes).hexdigest()])
+        offset += len(codes)
+    return offset
+
+
+def _sketch_rows(base_raw, expert_raw, dtype: str, n: int) -> tuple[bytes, float, float, int]:
+    """block_sketch of one block from its raw bytes: bf16 by the C scan where it is built
+    (the same values), other dtypes through numpy."""
+    kernels = _ckernels.load() if dtype == "BF16" else None
+    if kernels is None:
+        w0 = _decode(base_raw, dtype, np.empty(n, np.float32))
+        wk = _decode(expert_raw, dtype, np.empty(n, np.float32))
+        return block_sketch(wk - w0)
+    codes, sums, nnz = kernels.sketch_bf16(np.frombuffer(base_raw, np.uint16), np.frombuffer(expert_raw, np.uint16))
+    return _finish(codes.tobytes(), sums, nnz)
 
 
 def _trailer(f, size: int) -> tuple[int, int] | None:
@@ -219,6 +276,7 @@ class Sketch:
                 if r is not None and not _valid_row(r, self.payload):
                     raise IntegrityError(f"{path}: tensor {name!r} has a malformed block record; delete it")
         self._fd: int | None = None
+        self._open_lock = threading.Lock()
 
     def has(self, tensor: str, block: int) -> bool:
         rows = self.tensors.get(tensor)
@@ -240,9 +298,11 @@ class Sketch:
         if nbytes != code_bytes(n):
             raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: {nbytes} code bytes for "
                                  f"{n} elements; delete it")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        codes = os.pread(self._fd, nbytes, off)  # the codes start the file
+        with self._open_lock:  # reader threads share one descriptor (pread has no file position)
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            fd = self._fd
+        codes = os.pread(fd, nbytes, off)  # the codes start the file
         if len(codes) != nbytes or blake3(codes).hexdigest() != digest:
             raise IntegrityError(f"{self.path}: tensor {tensor!r} block {block}: the codes do not match their "
                                  "blake3 (damaged or edited); delete it")

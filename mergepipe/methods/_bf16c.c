@@ -134,12 +134,14 @@ CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t 
                 const uint8_t *c = codes[k] + (s >> 2);
                 float a = alphas[k];
                 int64_t q = m >> 2;
+                /* code -> (bit 0) - (bit 1) as a float: the LUT's +1/-1/0 in arithmetic the
+                 * compiler vectorizes (0.29 against 0.44 ns per element for the table) */
                 for (int64_t t = 0; t < q; t++) {
-                    const float *l = SKETCH_LUT[c[t]];
-                    d[4 * t] = l[0] * a;
-                    d[4 * t + 1] = l[1] * a;
-                    d[4 * t + 2] = l[2] * a;
-                    d[4 * t + 3] = l[3] * a;
+                    unsigned v = c[t];
+                    for (int r = 0; r < 4; r++) {
+                        unsigned u = (v >> (2 * r)) & 3u;
+                        d[4 * t + r] = (float)((int)(u & 1u) - (int)(u >> 1)) * a;
+                    }
                 }
                 for (int64_t j = 4 * q; j < m; j++) d[j] = SKETCH_LUT[c[j >> 2]][j & 3] * a;
             }
@@ -224,6 +226,37 @@ CLONES int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, in
     }
     free(terms);
     return 0;
+}
+
+/* The sketch scan of one bf16 block (index/sketch.py's block_sketch, in C: the same values):
+ * d = f32(E) - f32(B), non-finite d taken as 0; codes[i / 4] bits 2*(i % 4) = 1 where d > 0,
+ * 2 where d < 0; sums[e] += the integer mantissa of |d| (implicit bit added for normals) for
+ * its biased exponent e, exact in uint64 for any block below 2^40 elements; returns the
+ * number of nonzero d. Python turns sums into S1 with one exactly rounded fsum. */
+CLONES int64_t mp_sketch_bf16(const uint16_t *base, const uint16_t *expert, int64_t n, uint8_t *codes,
+                              uint64_t *sums) {
+    /* four sum tables, one per element of a code byte: consecutive elements mostly share an
+     * exponent, and one table would chain every add through the same memory slot */
+    uint64_t part[4][256];
+    int64_t nnz = 0;
+    memset(part, 0, sizeof part);
+    for (int64_t i = 0; i < n; i += 4) {
+        unsigned byte = 0;
+        int64_t m = n - i < 4 ? n - i : 4;
+        for (int64_t q = 0; q < m; q++) {
+            float d = bf16_to_f32(expert[i + q]) - bf16_to_f32(base[i + q]);
+            uint32_t raw;
+            memcpy(&raw, &d, sizeof raw);
+            uint32_t bits = raw & 0x7FFFFFFFu, e = bits >> 23;
+            uint32_t live = (bits != 0) & (e != 0xFFu); /* NaN/Inf sketched as 0; +-0 is 0 */
+            byte |= (live << (raw >> 31)) << (2 * q);  /* 1 where d > 0, 2 where d < 0 */
+            part[q][e] += live ? (bits & 0x7FFFFFu) | (e ? 0x800000u : 0u) : 0u;
+            nnz += live;
+        }
+        codes[i >> 2] = (uint8_t)byte;
+    }
+    for (int e = 0; e < 256; e++) sums[e] = part[0][e] + part[1][e] + part[2][e] + part[3][e];
+    return nnz;
 }
 
 /* An importable (empty) module, so the build and the loader can find this library. */

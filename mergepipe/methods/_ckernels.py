@@ -45,6 +45,8 @@ def _open() -> SimpleNamespace | None:
     lib.mp_task_arithmetic_sketch_bf16.restype = None
     lib.mp_eq_limit.argtypes = [_P, _P, _F32, _I64, _I64]
     lib.mp_eq_limit.restype = _I64
+    lib.mp_sketch_bf16.argtypes = [_P, _P, _I64, _P, _P]
+    lib.mp_sketch_bf16.restype = _I64
 
     def task_arithmetic_bf16(base, experts, weights, divisor, normalize, lambda_, apply_lambda, out):
         n = _length(base, out, experts)
@@ -85,8 +87,15 @@ def _open() -> SimpleNamespace | None:
         n = _length(base, None, (expert,))
         return int(lib.mp_eq_limit(base.ctypes.data, _pointers((expert,), n)[0], float(value), int(eq_keep), n))
 
+    def sketch_bf16(base, expert):
+        """(codes, per-exponent mantissa sums, nnz) of one bf16 block's delta (index/sketch.py)."""
+        n = _length(base, None, (expert,))
+        codes, sums = np.empty((n + 3) // 4, np.uint8), np.empty(256, np.uint64)
+        nnz = lib.mp_sketch_bf16(base.ctypes.data, expert.ctypes.data, n, codes.ctypes.data, sums.ctypes.data)
+        return codes, sums, int(nnz)
+
     return SimpleNamespace(task_arithmetic_bf16=task_arithmetic_bf16, ties_bf16=ties_bf16, eq_limit=eq_limit,
-                           task_arithmetic_sketch_bf16=task_arithmetic_sketch_bf16,
+                           task_arithmetic_sketch_bf16=task_arithmetic_sketch_bf16, sketch_bf16=sketch_bf16,
                            KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c")
 
 
