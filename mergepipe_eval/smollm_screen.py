@@ -99,6 +99,14 @@ def merge(config: Path, budget: str, out: Path, log: list[dict]) -> None:
     log.append({"merge": out.name, "seconds": round(time.monotonic() - t0, 1)})
 
 
+def mergepipe_source() -> dict:
+    """Which mergepipe the merges run (the subprocess's import; PYTHONPATH can pin an exported
+    commit while the checkout is being edited) and MERGEPIPE_EVAL_MERGEPIPE_COMMIT if set."""
+    proc = subprocess.run([sys.executable, "-c", "import mergepipe; print(mergepipe.__file__)"],
+                          capture_output=True, text=True)
+    return {"module": proc.stdout.strip(), "commit": os.environ.get("MERGEPIPE_EVAL_MERGEPIPE_COMMIT")}
+
+
 def unseen_train_indices(n: int, seen: int, seed: int) -> set[int]:
     """Train-split indices an expert never saw: smollm.train_expert draws
     torch.randperm(n, Generator().manual_seed(seed)) and trains on its first `seen`."""
@@ -334,6 +342,7 @@ def run_screen(family: Path, base: Path, tasks_root: Path, calib: Path, heldout:
                        "best": {}, "rows": [], "experts": {}},
               "timings": []}
     screen.log = result["timings"]
+    result["mergepipe"] = mergepipe_source()
     test_methods = methods if test_methods is None else test_methods
     if test_budgets and test_experts and all((work / "scores" / f"expert_{t}.json").exists() for t in experts):
         _test_experts(screen, result, work, experts, out)  # cached: report them first
@@ -489,7 +498,7 @@ def merge_results(results: list[dict]) -> dict:
         return list(out.values())
 
     merged = {k: first[k] for k in ("family", "n", "bootstrap", "texts", "seeds")}
-    merged.update({k: first[k] for k in ("train_seed", "tasks") if k in first})
+    merged.update({k: first[k] for k in ("train_seed", "tasks", "mergepipe") if k in first})
     merged["methods"] = {m: spec for r in results for m, spec in r["methods"].items()}
     merged["strategies"] = {s: spec for r in results for s, spec in r["strategies"].items()}
     merged["rows"] = keyed([r["rows"] for r in results], lambda x: (x["method"], x["strategy"], x["budget"]))
