@@ -265,12 +265,17 @@ def test_gc_prunes_sketches_no_kept_plan_names_and_never_a_users_file(tmp_path, 
     assert main(["merge", str(kept), "-o", str(tmp_path / "out"), "--cache-dir", str(cache), "-q"]) == 0
 
 
-def test_bf16_task_arithmetic_reads_sketches_in_the_c_loop_with_the_torch_bytes(tmp_path, tiny_family, monkeypatch):
-    """bf16 task arithmetic merges sketched blocks in the compiled C loop
-    (mp_task_arithmetic_sketch_bf16), byte for byte as the torch path does."""
+@pytest.mark.parametrize("method,parameters", [("task_arithmetic", {"lambda": 0.7}),
+                                               ("ties", {"lambda": 0.9, "density": 0.4}),
+                                               ("ties", {"lambda": 1.0, "density": 1.0, "normalize": False})])
+def test_bf16_merges_read_sketches_in_the_c_loop_with_the_torch_bytes(tmp_path, tiny_family, monkeypatch,
+                                                                      method, parameters):
+    """bf16 task arithmetic and TIES merge sketched blocks in the compiled C loops
+    (mp_task_arithmetic_sketch_bf16, mp_ties_bf16 with codes), byte for byte as the torch path does."""
     from mergepipe.methods import _compiled
-    plan, inputs, realized, out = _plan_and_merge(tmp_path, tiny_family, "c", budget="20%",
-                                                  plan={"strategy": "sketch"}, parameters={"lambda": 0.7})
+    plan, inputs, realized, out = _plan_and_merge(tmp_path, tiny_family, "c", budget="20%", method=method,
+                                                  plan={"strategy": "sketch"}, parameters=parameters)
+    assert plan["bytes"]["planned_sketch_bytes"] > 0 and plan["bytes"]["planned_expert_bytes"] > 0
     calls = []
     real = _compiled.CompiledCombine._with_sketches
     monkeypatch.setattr(_compiled.CompiledCombine, "_with_sketches",

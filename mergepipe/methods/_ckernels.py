@@ -39,7 +39,7 @@ def _open() -> SimpleNamespace | None:
     lib = ctypes.CDLL(spec.origin)
     lib.mp_task_arithmetic_bf16.argtypes = [_P, _P, _I64, _P, _F32, _INT, _F32, _INT, _P, _I64]
     lib.mp_task_arithmetic_bf16.restype = None
-    lib.mp_ties_bf16.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _INT, _F32, _INT, _P, _I64]
+    lib.mp_ties_bf16.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _F32, _INT, _P, _I64]
     lib.mp_ties_bf16.restype = _INT
     lib.mp_task_arithmetic_sketch_bf16.argtypes = [_P, _P, _P, _P, _I64, _P, _F32, _INT, _F32, _INT, _P, _I64]
     lib.mp_task_arithmetic_sketch_bf16.restype = None
@@ -56,29 +56,31 @@ def _open() -> SimpleNamespace | None:
                                     int(bool(apply_lambda)), out.ctypes.data, n)
 
     def ties_bf16(base, experts, weights, modes, values, limits, normalize, lambda_, apply_lambda, out):
-        n, p = _length(base, out, experts), len(experts)
+        n = _length(base, out, experts)
+        _ties(base, _pointers(experts, n), None, None, weights, modes, values, limits, normalize, lambda_,
+              apply_lambda, out, n)
+
+    def ties_sketch_bf16(base, entries, weights, modes, values, limits, normalize, lambda_, apply_lambda, out):
+        """entries: per expert in canonical order, a uint16 block or (codes bytes, alpha): a
+        sketch, merged untrimmed (its mode is ignored)."""
+        n = _length(base, out, [e for e in entries if isinstance(e, np.ndarray)] or [base])
+        ptrs, cptrs, alphas, keep = _sketch_entries(entries, n)
+        _ties(base, ptrs, cptrs, alphas, weights, modes, values, limits, normalize, lambda_, apply_lambda, out, n)
+
+    def _ties(base, ptrs, cptrs, alphas, weights, modes, values, limits, normalize, lambda_, apply_lambda, out, n):
+        p = len(ptrs)
         w, md = _array(weights, np.float32, p), _array(modes, np.int64, p)
         v, lim = _array(values, np.float32, p), _array(limits, np.int64, p)
-        if lib.mp_ties_bf16(base.ctypes.data, _pointers(experts, n), p, w.ctypes.data, md.ctypes.data,
-                            v.ctypes.data, lim.ctypes.data, int(bool(normalize)), float(lambda_),
-                            int(bool(apply_lambda)), out.ctypes.data, n) != 0:
+        if lib.mp_ties_bf16(base.ctypes.data, ptrs, cptrs, None if alphas is None else alphas.ctypes.data, p,
+                            w.ctypes.data, md.ctypes.data, v.ctypes.data, lim.ctypes.data, int(bool(normalize)),
+                            float(lambda_), int(bool(apply_lambda)), out.ctypes.data, n) != 0:
             raise MemoryError(f"ties kernel: no memory for {p} experts' chunk buffers")
 
     def task_arithmetic_sketch_bf16(base, entries, weights, divisor, normalize, lambda_, apply_lambda, out):
         """entries: per expert in canonical order, a uint16 block or (codes bytes, alpha)."""
         n, p = _length(base, out, [e for e in entries if isinstance(e, np.ndarray)] or [base]), len(entries)
         w = _array(weights, np.float32, p)
-        ptrs, cptrs, alphas, keep = (ctypes.c_void_p * p)(), (ctypes.c_void_p * p)(), np.zeros(p, np.float32), []
-        for i, e in enumerate(entries):
-            if isinstance(e, np.ndarray):
-                ptrs[i] = e.ctypes.data
-            else:
-                codes, alpha = e
-                if len(codes) != (n + 3) // 4:
-                    raise ValueError(f"bf16 sketch kernel: {len(codes)} code bytes for {n} elements")
-                buf = np.frombuffer(codes, np.uint8)
-                keep.append(buf)
-                cptrs[i], alphas[i] = buf.ctypes.data, alpha
+        ptrs, cptrs, alphas, keep = _sketch_entries(entries, n)
         lib.mp_task_arithmetic_sketch_bf16(base.ctypes.data, ptrs, cptrs, alphas.ctypes.data, p, w.ctypes.data,
                                            float(divisor), int(bool(normalize)), float(lambda_),
                                            int(bool(apply_lambda)), out.ctypes.data, n)
@@ -96,6 +98,7 @@ def _open() -> SimpleNamespace | None:
 
     return SimpleNamespace(task_arithmetic_bf16=task_arithmetic_bf16, ties_bf16=ties_bf16, eq_limit=eq_limit,
                            task_arithmetic_sketch_bf16=task_arithmetic_sketch_bf16, sketch_bf16=sketch_bf16,
+                           ties_sketch_bf16=ties_sketch_bf16,
                            KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c")
 
 
@@ -116,6 +119,24 @@ def _array(values, dtype, p: int) -> np.ndarray:
     if a.shape != (p,):
         raise ValueError(f"bf16 kernel: need {p} per-expert values, got shape {a.shape}")
     return a
+
+
+def _sketch_entries(entries, n: int):
+    """Pointer arrays for a mix of read blocks and sketches: (block pointers, NULL for a
+    sketch; code pointers; fp32 scales; the arrays to keep alive during the call)."""
+    p = len(entries)
+    ptrs, cptrs, alphas, keep = (ctypes.c_void_p * p)(), (ctypes.c_void_p * p)(), np.zeros(p, np.float32), []
+    for i, e in enumerate(entries):
+        if isinstance(e, np.ndarray):
+            ptrs[i] = e.ctypes.data
+        else:
+            codes, alpha = e
+            if len(codes) != (n + 3) // 4:
+                raise ValueError(f"bf16 sketch kernel: {len(codes)} code bytes for {n} elements")
+            buf = np.frombuffer(codes, np.uint8)
+            keep.append(buf)
+            cptrs[i], alphas[i] = buf.ctypes.data, alpha
+    return ptrs, cptrs, alphas, keep
 
 
 def _pointers(experts, n: int):

@@ -41,8 +41,8 @@ class CompiledCombine:
         if np.abs(divisor) < np.float32(1e-8):
             divisor = np.float32(1.0)
         self.divisor = divisor
-        # task arithmetic over sketched experts too, where the C library has that loop
-        self.sketches = not consensus and hasattr(self.k, "task_arithmetic_sketch_bf16")
+        # sketched experts too, where the C library has the loops (numba has none)
+        self.sketches = hasattr(self.k, "ties_sketch_bf16" if consensus else "task_arithmetic_sketch_bf16")
 
     def __call__(self, block: RawBlock) -> memoryview:
         if block.sketches:
@@ -57,13 +57,21 @@ class CompiledCombine:
             self.k.task_arithmetic_bf16(base, stacked, weights, self.divisor, self.normalize, self.lambda_,
                                         self.apply_lambda, out)
             return memoryview(out).cast("B")
-        modes = np.empty(len(present), dtype=np.int64)
-        values = np.zeros(len(present), dtype=np.float32)
-        limits = np.zeros(len(present), dtype=np.int64)
-        numel = block.tensor_numel
-        for i, name in enumerate(present):
+        modes, values, limits = self._trims(block, base, list(zip(present, stacked)))
+        self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
+                         self.apply_lambda, out)
+        return memoryview(out).cast("B")
+
+    def _trims(self, block: RawBlock, base: np.ndarray, entries: list) -> tuple[np.ndarray, ...]:
+        """TIES's per-expert trim (mode, threshold, limit) for (name, read block or sketch)
+        entries in canonical order; a sketch is kept as it is (its zeros are its trim)."""
+        modes = np.empty(len(entries), dtype=np.int64)
+        values = np.zeros(len(entries), dtype=np.float32)
+        limits = np.zeros(len(entries), dtype=np.int64)
+        numel, n = block.tensor_numel, base.shape[0]
+        for i, (name, entry) in enumerate(entries):
             rank = magnitude_rank(self.density[name], numel)
-            if rank is None or rank >= numel:
+            if not isinstance(entry, np.ndarray) or rank is None or rank >= numel:
                 modes[i] = self.k.KEEP_ALL
             elif rank <= 0:
                 modes[i] = self.k.DROP_ALL
@@ -80,14 +88,11 @@ class CompiledCombine:
                 elif cut.eq_all:
                     limits[i] = n
                 else:
-                    limits[i] = self.k.eq_limit(base, stacked[i], values[i], cut.eq_keep)
-        self.k.ties_bf16(base, stacked, weights, modes, values, limits, self.normalize, self.lambda_,
-                         self.apply_lambda, out)
-        return memoryview(out).cast("B")
-
+                    limits[i] = self.k.eq_limit(base, entry, values[i], cut.eq_keep)
+        return modes, values, limits
 
     def _with_sketches(self, block: RawBlock) -> memoryview:
-        """Task arithmetic whose experts are read blocks or sketches, in canonical order."""
+        """Task arithmetic or TIES whose experts are read blocks or sketches, in canonical order."""
         if not self.sketches:
             raise MethodError(f"tensor {block.tensor!r}: this kernel cannot merge sketched experts")
         base = _writable(np.frombuffer(block.base, dtype=np.uint16))
@@ -95,9 +100,15 @@ class CompiledCombine:
         given.update({name: (codes, alpha) for name, codes, alpha in block.sketches})
         order = [name for name in self.weight if name in given]  # the plan's (canonical) order
         out = np.empty(base.shape[0], dtype=np.uint16)
-        self.k.task_arithmetic_sketch_bf16(base, [given[n] for n in order],
-                                           np.array([self.weight[n] for n in order], dtype=np.float32),
-                                           self.divisor, self.normalize, self.lambda_, self.apply_lambda, out)
+        entries = [given[n] for n in order]
+        weights = np.array([self.weight[n] for n in order], dtype=np.float32)
+        if not self.ties:
+            self.k.task_arithmetic_sketch_bf16(base, entries, weights, self.divisor, self.normalize, self.lambda_,
+                                               self.apply_lambda, out)
+        else:
+            modes, values, limits = self._trims(block, base, list(zip(order, entries)))
+            self.k.ties_sketch_bf16(base, entries, weights, modes, values, limits, self.normalize, self.lambda_,
+                                    self.apply_lambda, out)
         return memoryview(out).cast("B")
 
 
