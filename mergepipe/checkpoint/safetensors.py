@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from mergepipe.checkpoint import header_scan
 from mergepipe.checkpoint.blocks import row_bytes
+from mergepipe.checkpoint.tensor_table import TensorTable, concat
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.util.gcpause import paused_gc
 
@@ -94,8 +95,13 @@ class FileHeader:
     header_bytes: bytes  # the raw 8 + N bytes, hashed into the file fingerprint
     data_start: int
     size: int
-    tensors: tuple[TensorInfo, ...]  # in data-offset order
+    table: TensorTable  # this file's tensors, in data-offset order
     metadata: dict[str, str]
+
+    @property
+    def tensors(self) -> tuple[TensorInfo, ...]:
+        """The TensorInfo of each tensor, in data-offset order (made on each call)."""
+        return tuple(self.table.values())
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -181,14 +187,9 @@ _LAST: list[FileHeader] = []
 
 
 def _same_header(last: FileHeader, path: Path) -> FileHeader:
-    """`last`'s entries, for a file of the same size whose header has the same bytes."""
-    if not last.tensors:
-        return replace(last, path=path, metadata=dict(last.metadata))
-    names, dtypes, shapes, _, begins, ends = zip(*last.tensors)
-    with paused_gc():
-        rows = zip(names, dtypes, shapes, repeat(path), begins, ends)
-        tensors = tuple(map(tuple.__new__, repeat(TensorInfo), rows))  # TensorInfo(*row), as _entries_of_columns
-    return FileHeader(path, last.header_bytes, last.data_start, last.size, tensors, dict(last.metadata))
+    """`last`'s entries, for a file of the same size whose header has the same bytes: its
+    table's columns, shared (read only), with this path."""
+    return replace(last, path=path, table=last.table.with_file(path), metadata=dict(last.metadata))
 
 
 def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHeader:
@@ -204,10 +205,9 @@ def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHe
         cols = header_scan.scan(text, _reject_duplicates)  # the usual spelling, read as columns
         metadata = {} if cols is None or cols[0] is None else cols[0]
         if cols is not None and _good_metadata(metadata):
-            tensors = _entries_of_columns(path, *cols[1:], data_start, data_len)
-            if tensors is not None:
-                return FileHeader(path, head, data_start, size, tuple(tensors),
-                                  dict(metadata))
+            table = _entries_of_columns(path, *cols[1:], data_start, data_len)
+            if table is not None:
+                return FileHeader(path, head, data_start, size, table, dict(metadata))
     try:
         with paused_gc():  # 100k small dicts, no cycles (util/gcpause.py)
             header = json.loads(text, object_pairs_hook=_reject_duplicates)
@@ -220,9 +220,9 @@ def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHe
     if not _good_metadata(metadata):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
     with paused_gc():
-        tensors = _entries_fast(path, header, data_start, data_len)
-        if tensors is not None:  # well formed, sorted and tiling the data: checked column by column
-            return FileHeader(path, head, data_start, size, tuple(tensors), dict(metadata))
+        table = _entries_fast(path, header, data_start, data_len)
+        if table is not None:  # well formed, sorted and tiling the data: checked column by column
+            return FileHeader(path, head, data_start, size, table, dict(metadata))
         tensors = [_parse_entry(path, name, entry, data_start, data_len) for name, entry in header.items()]
     tensors.sort(key=lambda t: (t.begin, t.end))
     # Like safetensors itself: tensors tile the data region exactly, no gaps or overlaps,
@@ -235,8 +235,9 @@ def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHe
         pos = t.end
     if pos != size:
         raise CheckpointError(f"{path}: {size - pos} bytes after the last tensor are not described by the header")
-    return FileHeader(path, head,
-                      data_start, size, tuple(tensors), dict(metadata))
+    table = TensorTable([t.name for t in tensors], [t.dtype for t in tensors], [t.shape for t in tensors],
+                        [t.begin for t in tensors], [t.end for t in tensors], [(path, 0)])
+    return FileHeader(path, head, data_start, size, table, dict(metadata))
 
 
 def _good_metadata(metadata: object) -> bool:
@@ -247,8 +248,8 @@ def _good_metadata(metadata: object) -> bool:
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
-def _entries_fast(path: Path, header: dict, data_start: int, data_len: int) -> list[TensorInfo] | None:
-    """Every entry's TensorInfo in data order, when every entry passes `_parse_entry`'s checks
+def _entries_fast(path: Path, header: dict, data_start: int, data_len: int) -> TensorTable | None:
+    """Every entry in data order, as a table, when every entry passes `_parse_entry`'s checks
     and the tensors tile the data region exactly; else None (the entry-by-entry path then
     names what is wrong). Whole-column steps at C speed: a header of 100k tensors is
     validated in a few dozen passes instead of 100k Python calls."""
@@ -266,7 +267,7 @@ def _entries_fast(path: Path, header: dict, data_start: int, data_len: int) -> l
 
 
 def _entries_of_columns(path: Path, names: list, dtypes: list, shapes: list, begins: list, ends: list,
-                        data_start: int, data_len: int) -> list[TensorInfo] | None:
+                        data_start: int, data_len: int) -> TensorTable | None:
     """`_entries_fast` on the entries' fields as columns (from a parsed header, or from
     checkpoint/header_scan.py: shapes are lists or tuples)."""
     if not names:
@@ -294,9 +295,12 @@ def _entries_of_columns(path: Path, names: list, dtypes: list, shapes: list, beg
         begins, ends = [begins[i] for i in order], [ends[i] for i in order]
     if begins[0] != 0 or ends[-1] != data_len or begins[1:] != ends[:-1]:  # gaps or overlaps
         return None
-    rows = zip(names, dtypes, map(tuple, shapes), repeat(path), map(add, begins, repeat(data_start)),
-               map(add, ends, repeat(data_start)))
-    return list(map(tuple.__new__, repeat(TensorInfo), rows))  # TensorInfo(*row), without a Python call each
+    if set(map(type, shapes)) != {tuple}:  # json.loads' lists: one tuple per distinct shape
+        shape_of = {s: s for s in map(tuple, shapes)}
+        shapes = list(map(shape_of.__getitem__, map(tuple, shapes)))
+    begins = list(map(add, begins, repeat(data_start)))
+    ends = [*begins[1:], ends[-1] + data_start]  # tiling: each end is the next begin (the same int)
+    return TensorTable(names, dtypes, shapes, begins, ends, [(path, 0)])
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
@@ -341,7 +345,7 @@ class Checkpoint:
 
     root: Path
     files: tuple[FileHeader, ...]  # in weight_map / name order
-    tensors: dict[str, TensorInfo] = field(repr=False)  # in file order, then offset order
+    tensors: TensorTable = field(repr=False)  # name -> TensorInfo, in file order, then offset order
 
     @property
     def names(self) -> list[str]:
@@ -349,7 +353,7 @@ class Checkpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return self.tensors.total_bytes()
 
 
 def _inside(root: Path, rel: str) -> Path:
@@ -412,12 +416,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _build(root: Path, files: list[Path], weight_map: dict | None) -> Checkpoint:
     headers = [parse_header(f) for f in files]
-    tensors: dict[str, TensorInfo] = {}
-    for h in headers:
-        for t in h.tensors:
-            if t.name in tensors:
-                raise CheckpointError(f"{t.file}: tensor {t.name!r} also stored in {tensors[t.name].file}")
-            tensors[t.name] = t
+    with paused_gc():
+        tensors = concat([h.table for h in headers])
+    if not tensors.unique():
+        first: dict[str, int] = {}
+        for i, name in enumerate(tensors.names):
+            if name in first:
+                raise CheckpointError(f"{tensors.file_at(i)}: tensor {name!r} also stored in "
+                                      f"{tensors.file_at(first[name])}")
+            first[name] = i
     if weight_map is not None:
         index_path = root / INDEX_JSON
         resolved: dict[tuple[bool, object], Path] = {}
@@ -428,14 +435,16 @@ def _build(root: Path, files: list[Path], weight_map: dict | None) -> Checkpoint
                 resolved[key] = ((root / p) if in_root else Path(p)).resolve()
             return resolved[key]
 
+        row = tensors.row_map
         for name, fname in weight_map.items():
-            t = tensors.get(name)
-            if t is None:
+            i = row.get(name)
+            if i is None:
                 raise CheckpointError(f"{index_path}: tensor {name!r} listed in weight_map but not in {fname}")
-            if real(t.file, in_root=False) != real(fname, in_root=True):
-                raise CheckpointError(f"{index_path}: tensor {name!r} mapped to {fname} but stored in {t.file.name}")
-        extra = [n for n in tensors if n not in weight_map]
-        if extra:
+            file = tensors.file_at(i)
+            if real(file, in_root=False) != real(fname, in_root=True):
+                raise CheckpointError(f"{index_path}: tensor {name!r} mapped to {fname} but stored in {file.name}")
+        if len(weight_map) != len(tensors):
+            extra = [n for n in tensors if n not in weight_map]
             raise CheckpointError(f"{index_path}: tensor {extra[0]!r} in {tensors[extra[0]].file.name} is missing from weight_map")
     return Checkpoint(root, tuple(headers), tensors)
 

@@ -29,6 +29,7 @@ from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
 from mergepipe.checkpoint.blocks import BlockLayout
+from mergepipe.checkpoint.tensor_table import subset
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
 from mergepipe.util.fs import atomic_write_bytes, hash_file
@@ -130,7 +131,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
             SafetensorsWriter(Path(tmp) / "model.safetensors", [], metadata={"format": "pt"}).close()
         else:
             base = inputs.base
-            sub = Checkpoint(base.root, base.files, {name: base.tensors[name] for name in names})
+            sub = Checkpoint(base.root, base.files, subset(base.tensors, names))
             sub_plan = {**plan, "output": {**plan["output"], "shard_bytes": ONE_FILE}}
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
                                 cache_dir=inputs.cache_dir, sketches=inputs.sketches)

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from itertools import repeat
-from operator import contains, or_
+from itertools import accumulate, repeat
+from operator import contains, itemgetter, or_
 from pathlib import Path
 
 from mergepipe.util.lazy import torch
@@ -33,7 +33,8 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
-from mergepipe.engine.packs import Pack, PackBuilder, PackRead, block_digest, packable, read_pack, slice_digests
+from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digest, pack_runs, packable, read_pack,
+                                   slice_digests)
 from mergepipe.engine.tensor_variants import TensorVariants
 from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
@@ -207,37 +208,10 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         realized.joint_bytes_read = joint.bytes_read
     rewrites = method.rewrites_base is not None and method.rewrites_base(params)
     rewrites_at = _group_rewrites(plan, method, rewrites)
-    work: list[tuple] = []  # (tensor, MERGE | COPY, blocks) or (Pack, PACK, ())
-    packs = PackBuilder()
     per_expert = list(reads.values())
     sketched = _sketched_by_tensor(plan)
-    grouped = "tensor_parameters" in plan  # else every tensor has the top-level parameters
-    # per tensor, whether some expert's plan reads its block 0 (or sketches it): a few C-speed
-    # passes over the names, not a generator per tensor
-    names = list(base.tensors)
-    first_planned = [False] * len(names)
-    for r in per_expert:
-        first_planned = list(map(or_, first_planned, map(contains, map(r.get, names, repeat(())), repeat(0))))
-    if sketched:
-        first_planned = list(map(or_, first_planned, map(sketched.__contains__, names)))
-    for (name, t), n_blocks, planned in zip(base.tensors.items(), block_counts(inputs.base_index, base.tensors),
-                                            first_planned):
-        fname, out_t = out_of[name]
-        copy_ok = out_t.dtype == t.dtype and not ((rewrites_at(name) if grouped else rewrites)
-                                                  and t.dtype in FLOAT_DTYPES)
-        # small tensors: one unit per run of them (engine/packs.py)
-        if copy_ok and packable(t, n_blocks) and (not grouped or group_index(plan, name) is None):
-            done = packs.add(t, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
-            if done is not None:
-                work.append((done, PACK, ()))
-            continue
-        if (done := packs.flush()) is not None:
-            work.append((done, PACK, ()))
-        planned = set().union(*(r.get(name, ()) for r in per_expert), *sketched.get(name, {}).values())
-        ranges = inputs.base_index.tensors[name].ranges
-        work += [(name, kind, blocks) for kind, blocks in segments(t, ranges, planned, copy_ok=copy_ok)]
-    if (done := packs.flush()) is not None:
-        work.append((done, PACK, ()))
+    work = _work_list(plan, base, inputs.base_index, layout, writers, out_of, per_expert, sketched,
+                      rewrites, rewrites_at)
     hasher: OutputHasher | None = None
     base_fds: dict[Path, int] = {}
     try:
@@ -308,6 +282,77 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     realized.sketch_bytes_read = m.sketch_read[0]
     realized.seconds = time.monotonic() - t_start
     return realized
+
+
+def _work_list(plan: dict, base: Checkpoint, base_index: ModelIndex, layout: dict[str, list[OutTensor]],
+               writers: dict[str, SafetensorsWriter], out_of: _OutOf, per_expert: list[dict], sketched: dict,
+               rewrites: bool, rewrites_at) -> list[tuple]:
+    """(tensor, MERGE | COPY, blocks) or (Pack, PACK, ()) for every tensor, in base order:
+    small single-block tensors in packs (engine/packs.py), the others in segments."""
+    table = base.tensors
+    names = table.names
+    grouped = "tensor_parameters" in plan  # else every tensor has the top-level parameters
+    # per tensor, whether some expert's plan reads its block 0 (or sketches it): a few C-speed
+    # passes over the names, not a generator per tensor
+    first_planned = [False] * len(names)
+    for r in per_expert:
+        first_planned = list(map(or_, first_planned, map(contains, map(r.get, names, repeat(())), repeat(0))))
+    if sketched:
+        first_planned = list(map(or_, first_planned, map(sketched.__contains__, names)))
+    counts = block_counts(base_index, names)
+    work: list[tuple] = []
+
+    def copy_ok(i: int) -> bool:  # the output keeps tensor i's dtype and the method its unread blocks
+        name, dtype = names[i], table.dtypes[i]
+        return out_of[name][1].dtype == dtype and not ((rewrites_at(name) if grouped else rewrites)
+                                                       and dtype in FLOAT_DTYPES)
+
+    def add_tensor(i: int) -> None:
+        name = names[i]
+        planned = set().union(*(r.get(name, ()) for r in per_expert), *sketched.get(name, {}).values())
+        ranges = base_index.tensors[name].ranges
+        work.extend((name, kind, blocks) for kind, blocks in segments(table.info(i), ranges, planned,
+                                                                         copy_ok=copy_ok(i)))
+
+    kinds = _pack_kinds(plan, table, layout, grouped, rewrites, first_planned)
+    if kinds is not None:  # a run of packs at a time (packs.pack_runs)
+        starts = list(accumulate(map(len, layout.values()), initial=0))
+        for what, x in pack_runs(table, counts, kinds, list(zip(layout, starts))):
+            if what == "pack":
+                work.append((x, PACK, ()))
+            else:
+                add_tensor(x)
+        return work
+    packs = PackBuilder(table)
+    for i, (name, n_blocks, planned) in enumerate(zip(names, counts, first_planned)):
+        # small tensors: one unit per run of them (engine/packs.py)
+        if packable(table.ends[i] - table.begins[i], n_blocks) and copy_ok(i) \
+                and (not grouped or group_index(plan, name) is None):
+            fname = out_of[name][0]
+            done = packs.add(i, MERGE if planned else COPY, fname, writers[fname].offset_of(name, 0))
+            if done is not None:
+                work.append((done, PACK, ()))
+            continue
+        if (done := packs.flush()) is not None:
+            work.append((done, PACK, ()))
+        add_tensor(i)
+    if (done := packs.flush()) is not None:
+        work.append((done, PACK, ()))
+    return work
+
+
+def _pack_kinds(plan: dict, table, layout: dict[str, list[OutTensor]], grouped: bool, rewrites: bool,
+                first_planned: list[bool]) -> list[str | None] | None:
+    """Per tensor, MERGE or COPY where it may join a pack as far as its dtype goes (None: its
+    output dtype differs, or the method rewrites its float blocks); None when the tensors
+    must be taken one by one (per-tensor parameters, or an output laid out in another order)."""
+    if grouped or [n for ts in layout.values() for n in map(itemgetter(0), ts)] != table.names:
+        return None
+    out_dtypes = [t[1] for ts in layout.values() for t in ts] if plan["output"].get("dtype") else table.dtypes
+    keep = {d: not (rewrites and d in FLOAT_DTYPES) for d in set(table.dtypes)}
+    ok = list(map(keep.__getitem__, table.dtypes)) if out_dtypes is table.dtypes else \
+        [keep[d] and d == o for d, o in zip(table.dtypes, out_dtypes)]
+    return [(MERGE if p else COPY) if k else None for k, p in zip(ok, first_planned)]
 
 
 class _OutOf:
@@ -411,7 +456,7 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
         # one kernel call for the pack: its tensors are adjacent in every buffer, and an
         # elementwise kernel's output element depends only on the same element of its inputs
         present = tuple((e.name, result.whole[e.name]) for e in m.experts if e.name in result.whole)
-        first = tensors[pack.names[0]]
+        first = pack.first
         out = m.kernel(RawBlock(first.name, first.numel, result.base, present, _no_cut))
     else:
         buf = bytearray(len(result.base))
@@ -433,7 +478,8 @@ def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
     every tensor of the pack (one buffer) or for none."""
     if m.kernel is None or not getattr(m.kernel, "elementwise", False) or result.got.keys() != result.whole.keys():
         return False
-    return all(t.dtype == "BF16" and t.name not in m.scales and t.name not in m.sketched for t in pack.tensors)
+    return set(pack.dtypes()) == {"BF16"} and not any(map(m.scales.__contains__, pack.names)) \
+        and not any(map(m.sketched.__contains__, pack.names))
 
 
 def _no_cut(expert: str, rank: int):

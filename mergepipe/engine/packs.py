@@ -15,15 +15,17 @@ its manifest are byte-identical; only the number of calls changes.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import chain, compress, islice, repeat
-from operator import contains, itemgetter, ne, sub
+from itertools import chain, compress, groupby, islice, repeat
+from operator import contains, eq, ge, lt, mul, ne, sub
 from pathlib import Path
 
 from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, TensorInfo
+from mergepipe.checkpoint.tensor_table import TensorTable
 from mergepipe.errors import IntegrityError
 from mergepipe.index.columns import DIGEST, ModelColumns
 from mergepipe.index.records import ModelIndex
@@ -37,13 +39,22 @@ class Pack:
     """Consecutive single-block tensors, contiguous in the base file and in one output file."""
 
     kind: str  # engine.merge MERGE or COPY
-    names: tuple[str, ...]
+    names: list[str]
     file: Path  # the base file
     begin: int  # absolute byte range in the base file
     end: int
     out_file: str  # the output weight file, where the range starts at the first tensor's offset
-    tensors: tuple[TensorInfo, ...] = ()  # the base's tensors, one per name
+    table: TensorTable  # the base's tensors (checkpoint/tensor_table.py): rows r0:r1 are the pack's
+    r0: int
+    r1: int
     _offsets: list = field(default_factory=list, compare=False, repr=False)  # offsets(), once made
+
+    @property
+    def first(self) -> TensorInfo:
+        return self.table.info(self.r0)
+
+    def dtypes(self) -> list[str]:
+        return self.table.dtypes[self.r0:self.r1]
 
     def spans(self):
         """(name, start, end) of each tensor within the pack's bytes (every buffer of it)."""
@@ -54,7 +65,7 @@ class Pack:
         (the base's check, the output's hashes and views use them), the tensors being
         contiguous each start is the previous end (the same int objects)."""
         if not self._offsets:
-            ends = list(map(sub, map(itemgetter(5), self.tensors), repeat(self.begin)))
+            ends = list(map(sub, self.table.ends[self.r0:self.r1], repeat(self.begin)))
             self._offsets.append(([0, *ends[:-1]] if ends else [], ends))
         return self._offsets[0]
 
@@ -63,45 +74,83 @@ class Pack:
         return list(map(buf.__getitem__, map(slice, *self.offsets())))
 
 
-def packable(t: TensorInfo, n_blocks: int) -> bool:
-    """Whether a tensor of `n_blocks` blocks may join a pack: one non-empty block, small."""
-    return n_blocks == 1 and 0 < t.end - t.begin <= SMALL_TENSOR_BYTES
+def packable(size: int, n_blocks: int) -> bool:
+    """Whether a tensor of `size` bytes and `n_blocks` blocks may join a pack: one non-empty
+    block, small."""
+    return n_blocks == 1 and 0 < size <= SMALL_TENSOR_BYTES
 
 
 class PackBuilder:
-    """Groups a stream of packable tensors into Packs; `add` returns a finished pack when
-    the new tensor cannot extend the open one (other kind, file, gap, or full)."""
+    """Groups a stream of packable tensors (rows of the base's table) into Packs; `add`
+    returns a finished pack when the new tensor cannot extend the open one (other kind,
+    file, gap, or full)."""
 
-    def __init__(self) -> None:
-        self._open: list[TensorInfo] = []
+    def __init__(self, table: TensorTable) -> None:
+        self.table = table
+        self._r0 = self._r1 = 0
         self._kind = self._file = self._out_file = None
         self._begin = self._end = self._out_end = 0
 
-    def add(self, t: TensorInfo, kind: str, out_file: str, out_offset: int) -> Pack | None:
-        extends = (self._open and kind == self._kind and _same(t.file, self._file) and t.begin == self._end
-                   and out_file == self._out_file and out_offset == self._out_end
-                   and t.end - self._begin <= PACK_BYTES)
+    def add(self, i: int, kind: str, out_file: str, out_offset: int) -> Pack | None:
+        table = self.table
+        file, begin, end = table.file_at(i), table.begins[i], table.ends[i]
+        extends = (self._r1 > self._r0 and i == self._r1 and kind == self._kind and _same(file, self._file)
+                   and begin == self._end and out_file == self._out_file and out_offset == self._out_end
+                   and end - self._begin <= PACK_BYTES)
         done = None if extends else self.flush()
         if not extends:
-            self._kind, self._file, self._out_file, self._begin = kind, t.file, out_file, t.begin
-        self._open.append(t)
-        self._end, self._out_end = t.end, out_offset + t.end - t.begin
+            self._kind, self._file, self._out_file, self._begin, self._r0 = kind, file, out_file, begin, i
+        self._r1 = i + 1
+        self._end, self._out_end = end, out_offset + end - begin
         return done
 
     def flush(self) -> Pack | None:
         """The open pack, if any (and none open after)."""
-        if not self._open:
+        if self._r1 <= self._r0:
             return None
-        pack = Pack(self._kind, tuple(t.name for t in self._open), self._file, self._begin, self._end, self._out_file,
-                    tuple(self._open))
-        self._open = []
+        t = self.table
+        pack = Pack(self._kind, t.names[self._r0:self._r1], self._file, self._begin, self._end, self._out_file,
+                    t, self._r0, self._r1)
+        self._r0 = self._r1
         return pack
 
 
-def _relative(tensors, origin: int) -> tuple[list[int], list[int]]:
-    """(begin - origin, end - origin) of each of these TensorInfos, as two columns."""
-    return (list(map(sub, map(itemgetter(4), tensors), repeat(origin))),
-            list(map(sub, map(itemgetter(5), tensors), repeat(origin))))
+def pack_runs(table: TensorTable, counts: list[int], kinds: list[str | None], out_files: list[tuple[str, int]]):
+    """The work list's items for rows of `table`, in row order: ("pack", Pack) for runs of
+    packable rows (`kinds[i]`: MERGE or COPY, None where row i is not to be packed) and
+    ("row", i) for every other row. The same packs PackBuilder makes from the rows one by
+    one, found a run at a time: rows of one kind in one base file and one output file are
+    contiguous in both (the output lays the base's tensors out in its order, `out_files`:
+    (file, first row) of each output file), so a pack ends only at a change of kind or file
+    or where PACK_BYTES is reached."""
+    sizes = list(map(sub, table.ends, table.begins))
+    small = map(mul, map(eq, counts, repeat(1)), map(mul, map(lt, repeat(0), sizes),
+                                                   map(ge, repeat(SMALL_TENSOR_BYTES), sizes)))
+    keys = [k if ok else None for k, ok in zip(kinds, small)]
+    cuts = sorted({*(r for _, r in table.runs), *(r for _, r in out_files), len(keys)})
+    begins, ends = table.begins, table.ends
+    out_at = [f for f, _ in out_files]
+    out_starts = [r for _, r in out_files]
+    i = 0
+    for kind, run in groupby(keys):
+        j = i + len(list(run))
+        if kind is None:
+            yield from zip(repeat("row"), range(i, j))
+            i = j
+            continue
+        while i < j:
+            stop = min(j, cuts[bisect_right(cuts, i)])  # this file's rows (base and output)
+            # greedy as PackBuilder: the pack's tensors end within PACK_BYTES of its begin
+            k = max(i + 1, min(stop, bisect_right(ends, begins[i] + PACK_BYTES, i, stop)))
+            out_file = out_at[bisect_right(out_starts, i) - 1]
+            yield "pack", Pack(kind, table.names[i:k], table.file_at(i), begins[i], ends[k - 1], out_file,
+                               table, i, k)
+            i = k
+
+
+def _relative(begins: list[int], ends: list[int], origin: int) -> tuple[list[int], list[int]]:
+    """(begin - origin, end - origin) of each tensor, as two columns."""
+    return list(map(sub, begins, repeat(origin))), list(map(sub, ends, repeat(origin)))
 
 
 def _other(a: Path, b: Path) -> bool:
@@ -119,7 +168,7 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
               readers: dict[str, CheckpointReader], reads: dict[str, dict[str, object]]) -> PackRead:
     """The base bytes of a MERGE pack and, per expert, the bytes of each tensor the plan
     reads of it (adjacent ones with one pread), every block checked against its index."""
-    buf = memoryview(base_reader.read_range(pack.tensors[0], pack.begin, pack.end)).cast("B")
+    buf = memoryview(base_reader.read_range(pack.first, pack.begin, pack.end)).cast("B")
     bad = _mismatch(slice_digests(buf, *pack.offsets()), pack.names, base_index)
     if bad is not None:
         t, entry = base.tensors[bad], base_index.tensors[bad]
@@ -133,18 +182,31 @@ def read_pack(pack: Pack, base: Checkpoint, base_index: ModelIndex, base_reader:
         names = list(compress(pack.names, map(contains, map(planned.get, pack.names, repeat(())), repeat(0))))
         if not names:
             continue
-        wanted = list(map(ckpt.tensors.__getitem__, names))
-        begins, ends, files = (list(map(itemgetter(k), wanted)) for k in (4, 5, 3))
-        # runs adjacent in the expert's file, one pread each: cut where a tensor does not
-        # start at the previous one's end or lies in another file
-        cuts = set(compress(range(1, len(wanted)), map(ne, islice(begins, 1, None), ends)))
-        if len(set(map(id, files))) > 1:
-            cuts.update(compress(range(1, len(wanted)), map(_other, islice(files, 1, None), files)))
-        cuts = sorted(cuts)
+        table = ckpt.tensors
+        # the base's header (checkpoint/safetensors.py _same_header) and every tensor read:
+        # the pack's rows, at the base's offsets
+        same = table.names is pack.table.names and table.begins is pack.table.begins \
+            and table.ends is pack.table.ends and len(names) == len(pack.names)
+        if same:  # one run, contiguous in one file as the pack is in the base's
+            rows, cuts = range(pack.r0, pack.r1), []
+            begins, ends = table.begins[pack.r0:pack.r1], table.ends[pack.r0:pack.r1]
+        else:
+            rows = list(map(table.row, names))
+            begins, ends = list(map(table.begins.__getitem__, rows)), list(map(table.ends.__getitem__, rows))
+            files = list(map(table.file_at, rows)) if len(table.runs) > 1 else [table.runs[0][0]] * len(rows)
+            # runs adjacent in the expert's file, one pread each: cut where a tensor does not
+            # start at the previous one's end or lies in another file
+            cuts = set(compress(range(1, len(rows)), map(ne, islice(begins, 1, None), ends)))
+            if len(set(map(id, files))) > 1:
+                cuts.update(compress(range(1, len(rows)), map(_other, islice(files, 1, None), files)))
+            cuts = sorted(cuts)
         runs, digests = [], []
-        for i, j in zip([0, *cuts], [*cuts, len(wanted)]):
-            run = memoryview(readers[expert].read_range(wanted[i], begins[i], ends[j - 1])).cast("B")
-            starts, stops = _relative(wanted[i:j], begins[i])
+        for i, j in zip([0, *cuts], [*cuts, len(rows)]):
+            run = memoryview(readers[expert].read_range(table.info(rows[i]), begins[i], ends[j - 1])).cast("B")
+            if same and i == 0 and j == len(rows):
+                starts, stops = pack.offsets()  # the base's columns: made once per pack
+            else:
+                starts, stops = _relative(begins[i:j], ends[i:j], begins[i])
             digests += slice_digests(run, starts, stops)
             runs.append((run, starts, stops))
             if i == 0 and j == len(pack.names):

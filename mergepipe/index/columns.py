@@ -17,7 +17,6 @@ from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate, chain, repeat
 from json.encoder import encode_basestring_ascii as _esc
-from operator import attrgetter
 
 from blake3 import blake3
 
@@ -75,18 +74,21 @@ class _ByName(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self._pos
 
-    def share_names(self, names: list[str]) -> None:
+    def share_names(self, names: list[str], pos: dict[str, int] | None = None) -> None:
         """Take these equal names (the checkpoint's, the expert index's) in place of the
-        decoded ones, which are then freed: one string per tensor name in memory, not one per copy."""
+        decoded ones, which are then freed: one string per tensor name in memory, not one per copy.
+        `pos`: their name -> row dict (the checkpoint's, checkpoint/tensor_table.py), shared."""
         if names != self.names:
             raise ValueError("not the same names")
         self.names = names
         last = _LAST_POS[0] if _LAST_POS else None
-        if last is not None and last[0] == names:  # the same tensors as the last index checked
-            self._pos = last[1]  # read only, so shared
+        if pos is not None:
+            self._pos = pos  # read only, so shared
+        elif last is not None and last[0] == names:  # the same tensors as the last index checked
+            self._pos = last[1]
         else:
             self._pos = dict(zip(names, range(len(names))))
-            _LAST_POS[:] = [(names, self._pos)]
+        _LAST_POS[:] = [(names, self._pos)]
 
     def rows_of(self, names) -> list[int]:
         """The row of each of `names` (KeyError for one not here), in one C-speed pass."""
@@ -271,15 +273,15 @@ def describes(index, ckpt, layout) -> bool:
     checkpoint's tensors, dtypes and shapes in its order, the layout's block rows, and a
     content hash that the block hashes give."""
     cols: ModelColumns = index.tensors
-    infos = list(ckpt.tensors.values())
-    if index.layout != layout or cols.names != list(ckpt.tensors) \
-            or cols.dtypes != list(map(attrgetter("dtype"), infos)) or cols.shapes != list(map(attrgetter("shape"), infos)):
+    table = ckpt.tensors  # checkpoint/tensor_table.py: columns too
+    if index.layout != layout or cols.names != table.names or cols.dtypes != table.dtypes \
+            or cols.shapes != table.shapes:
         return False
     starts, flat = _expected_columns(cols, layout)
     ranges = cols.ranges.tobytes() if isinstance(cols.ranges, memoryview) else array("q", cols.ranges).tobytes()
     if cols.starts != starts or ranges != flat or cols.content_hash() != index.content_hash:
         return False
-    cols.share_names(list(ckpt.tensors))
+    cols.share_names(table.names, table.row_map)  # one name -> row dict for checkpoint and index
     return True
 
 

@@ -110,6 +110,16 @@ def _joined(out: _Out, items: list, piece) -> None:
         out.add(("," if i else "") + ",".join(map(piece, items[i:i + CHUNK])))
 
 
+def _joined_pairs(out: _Out, keys: list[str], texts, fmt: str) -> None:
+    """`fmt.format(escaped key, value text)` of each key, comma-separated, CHUNK at a time;
+    `texts(keys)` gives a chunk's value texts. Maps over C methods: no Python call per
+    item (a manifest has 100k tensor hashes and 100k reads per expert)."""
+    piece = fmt.format
+    for i in range(0, len(keys), CHUNK):
+        chunk = keys[i:i + CHUNK]
+        out.add(("," if i else "") + ",".join(map(piece, map(_esc, chunk), texts(chunk))))
+
+
 def _dict(out: _Out, d: dict, level: int, indent: int) -> None:
     if not d:
         out.add("{}")
@@ -117,19 +127,22 @@ def _dict(out: _Out, d: dict, level: int, indent: int) -> None:
     if set(map(type, d)) != {str}:
         raise _Unusual
     pad = "\n" + " " * (indent * (level + 1))
-    items = sorted(d.items())  # as json's sort_keys (keys are distinct: only they are compared)
+    keys = sorted(d)  # as json's sort_keys (keys are distinct: only they are compared)
     kinds = set(map(type, d.values()))
     out.add("{")
     if kinds == {str}:
-        _joined(out, items, lambda kv: f"{pad}{_esc(kv[0])}: {_esc(kv[1])}")
+        _joined_pairs(out, keys, lambda ks: map(_esc, map(d.__getitem__, ks)), pad + "{}: {}")
     elif kinds == {list} and set(map(type, chain.from_iterable(d.values()))) <= {int}:  # e.g. plan.reads
+        # each distinct list's text once: a loaded plan shares its one-block lists (plan/record.plan_object)
         inner, close = pad + " " * indent, pad + "]"
-        _joined(out, items, lambda kv: f"{pad}{_esc(kv[0])}: " + (
-            "[" + ",".join([inner + int.__repr__(x) for x in kv[1]]) + close if kv[1] else "[]"))
+        text = {i: "[" + ",".join([inner + int.__repr__(x) for x in v]) + close if v else "[]"
+                for i, v in dict(zip(map(id, d.values()), d.values())).items()}
+        _joined_pairs(out, keys, lambda ks: map(text.__getitem__, map(id, map(d.__getitem__, ks))),
+                      pad + "{}: {}")
     else:
-        for i, (k, v) in enumerate(items):
+        for i, k in enumerate(keys):
             out.add(f"{',' if i else ''}{pad}{_esc(k)}: ")
-            _value(out, v, level + 1, indent)
+            _value(out, d[k], level + 1, indent)
     out.add("\n" + " " * (indent * level) + "}")
 
 
