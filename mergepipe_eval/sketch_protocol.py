@@ -128,7 +128,7 @@ def findings(mean: dict, per_seed: list[dict]) -> list[str]:
             parts.append(f"`{r['strategy']}` at {r['budget']} {_pts(r['d_accuracy'])}"
                          + (f" ({', '.join(per)})" if per else ""))
         full = next((r for r in mean["rows"] if r["method"] == m and r["budget"] == "full"), None)
-        if full:
+        if full and "accuracy" in full:
             out.append(f"- **{m}**, test accuracy against its full read ({100 * full['accuracy']:.1f}, mean over "
                        f"seeds), points, mean over seeds [paired 95% interval]: " + "; ".join(parts) + ".")
     for b in mean["between"]:
@@ -186,12 +186,15 @@ def plot_axes(mean: dict) -> list[tuple[str, list[dict], str]]:
     out = []
     for m in sorted({r["method"] for r in mean["rows"]}):
         rows = [r for r in mean["rows"] if r["method"] == m and "d_accuracy" in r]
-        out.append((f"SmolLM2 {m}, 4 tasks (mean of {len(mean['seeds'])} seeds)", rows, "d_accuracy"))
+        out.append((f"SmolLM2 {m}, {len(mean['n']['test'])} tasks (mean of {len(mean['seeds'])} "
+                    f"seed{'s' if len(mean['seeds']) > 1 else ''})", rows, "d_accuracy"))
     return out
 
 
 def section(per_seed: list[dict], mean: dict | None) -> list[str]:
-    out = ["## SmolLM2-135M, issue 12 protocol: 4 tasks, 2 fine-tuning seeds", ""]
+    tasks = list(per_seed[0]["n"]["test"])
+    out = [f"## SmolLM2-135M, issue 12 protocol: {len(tasks)} tasks, {len(per_seed)} fine-tuning "
+           f"seed{'s' if len(per_seed) > 1 else ''}", ""]
     if mean is not None:
         out += ["### Findings (generated from the results JSON)", "", *findings(mean, per_seed), "",
                 "### Targets (issue 12, SmolLM2, mean over seeds, against the same method's full read)", "",

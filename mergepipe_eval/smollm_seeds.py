@@ -52,13 +52,16 @@ def across_seeds(results: list[dict], *, methods: list[str], strategies: list[st
     rows, between = [], []
     for m in methods:
         fulls = [load(f, f"{m}_full") for f in fams]
-        if any(f is None or "test" not in f for f in fulls):
+        if any(f is None for f in fulls):
             continue
-        full_test = [per_example(f, "test") for f in fulls]
-        full_acc = _avg([e["acc"] for e in full_test])
-        rows.append({"method": m, "strategy": "-", "budget": "full", "seeds": len(fams), "n": len(full_acc),
-                     "accuracy": _mean(full_acc),
-                     "accuracy_per_seed": [_mean(e["acc"]) for e in full_test]})
+        full_row = {"method": m, "strategy": "-", "budget": "full", "seeds": len(fams)}
+        full_acc = None
+        if all("test" in f for f in fulls):  # else the screen (dev, KL) only
+            full_test = [per_example(f, "test") for f in fulls]
+            full_acc = _avg([e["acc"] for e in full_test])
+            full_row.update(n=len(full_acc), accuracy=_mean(full_acc),
+                            accuracy_per_seed=[_mean(e["acc"]) for e in full_test])
+        rows.append(full_row)
         for budget in budgets:
             acc = {}
             for s in strategies:
@@ -72,7 +75,7 @@ def across_seeds(results: list[dict], *, methods: list[str], strategies: list[st
                 row["d_dev_label_ll_pooled"] = paired(d_ll, n_boot=n_boot)
                 if all("kl" in sc for sc in scs):
                     row["heldout_kl"] = paired(_avg([sc["kl"]["per_sequence"] for sc in scs]), n_boot=n_boot)
-                if all("test" in sc for sc in scs):
+                if full_acc is not None and all("test" in sc for sc in scs):
                     ex = [per_example(sc, "test") for sc in scs]
                     acc[s] = _avg([e["acc"] for e in ex])
                     row.update(n=len(acc[s]), accuracy=_mean(acc[s]),
