@@ -187,10 +187,13 @@ class Screen:
         from mergepipe_eval.smollm import _next_token_logprobs
         out = {}
         for task, (prompts, y) in split.items():
-            rows = []
+            rows: list = [None] * len(y)
+            order = by_length(prompts)  # batches of similar length: less padding, same results
             for i in range(0, len(y), self.batch_size):
-                lp = _next_token_logprobs(model, prompts[i:i + self.batch_size], self.tok.pad_token_id)
-                rows += lp[:, self.labels[task]].double().tolist()
+                idx = order[i:i + self.batch_size]
+                lp = _next_token_logprobs(model, [prompts[j] for j in idx], self.tok.pad_token_id)
+                for j, row in zip(idx, lp[:, self.labels[task]].double().tolist()):
+                    rows[j] = row
             out[task] = {"y": y, "label_logprobs": rows}  # full-vocabulary log p of each label token
         return out
 
@@ -239,6 +242,11 @@ class Screen:
             model = self._load(ref_dir)
             self._ref_logp[ref_key] = self._heldout_logp(model)
         return self._ref_logp[ref_key]
+
+
+def by_length(prompts: list[list[int]]) -> list[int]:
+    """Prompt indices by length (stable): batching them in this order pads least."""
+    return sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
 
 
 def _sizes(split: dict | None) -> dict[str, int] | None:

@@ -115,3 +115,23 @@ def test_targets_ten_percent_against_best_expert():
     (t,) = sd.targets(res)
     assert t["expert"] == "b" and t["target"] == pytest.approx(66.0) and t["margin"] == pytest.approx(2.0)
     assert t["met"] and not t["met_lo"]  # the interval's lower end: 70 - 5 = 65 < 66
+
+
+def test_label_scores_batched_by_length_keep_example_order(monkeypatch):
+    import torch
+    from mergepipe_eval import smollm
+
+    def fake(model, prompts, pad_id):  # log p of token k = k-th id of the prompt, else -9
+        out = torch.full((len(prompts), 4), -9.0)
+        for r, p in enumerate(prompts):
+            out[r, : min(4, len(p))] = torch.tensor(p[:4], dtype=torch.float32)
+        return out
+
+    monkeypatch.setattr(smollm, "_next_token_logprobs", fake)
+    prompts = [[1, 2, 3, 4, 5], [2], [3, 3], [4, 1, 1], [5]]
+    assert ss.by_length(prompts) == [1, 4, 2, 3, 0]
+    screen = object.__new__(ss.Screen)
+    screen.batch_size, screen.labels = 2, {"t": [0, 1]}
+    screen.tok = type("T", (), {"pad_token_id": 0})()
+    got = screen._label_scores(None, {"t": (prompts, [0, 1, 0, 1, 0])})["t"]
+    assert got["label_logprobs"] == [[1.0, 2.0], [2.0, -9.0], [3.0, 3.0], [4.0, 1.0], [5.0, -9.0]]
