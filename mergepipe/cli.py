@@ -170,9 +170,9 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
 
 def _load_plan(path: str) -> dict:
     from mergepipe.plan.planner import plan_hash
-    from mergepipe.plan.record import plan_object
+    from mergepipe.plan.record import loads_plan
     try:
-        plan = json.loads(Path(path).read_text(), object_pairs_hook=plan_object)
+        plan = loads_plan(Path(path).read_text())
         intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path}: cannot read plan: {e}") from None

@@ -339,3 +339,20 @@ def test_plan_object_loads_what_json_loads():
     assert got == json.loads(text) and got["x"] == {"k": [2]}
     reads = got["reads"]["e1"]
     assert reads["a"] is reads["b"] and reads["d"] == [True] and reads["e"] == [0.0]
+    from mergepipe.plan.record import loads_plan  # what `merge` loads plan files with: the same values
+    fast = loads_plan(text)
+    assert fast == json.loads(text) and fast["x"] == {"k": [2]}
+    reads = fast["reads"]["e1"]
+    assert reads["a"] is reads["b"] and reads["f"] is not reads["a"] and type(reads["d"][0]) is bool \
+        and type(reads["e"][0]) is float and reads["c"] == [1, 2]
+
+
+def test_canonical_int_lists_are_json_dumps():
+    """util/canonical.py's text of a plan's reads (a dict of int lists) is json.dumps'."""
+    from mergepipe.util.canonical import _dumps
+    d = {f"t{i}": ([i, 2**70, -3] if i % 3 else []) for i in range(200)}
+    d['\u00e9"x'] = [5]
+    d["t7"] = d["t8"]  # shared lists, as a loaded plan has them
+    assert _dumps(d) == json.dumps(d, sort_keys=True, separators=(",", ":"))
+    d["t9"] = [True]  # not an int list: json.dumps' own text
+    assert _dumps(d) == json.dumps(d, sort_keys=True, separators=(",", ":"))

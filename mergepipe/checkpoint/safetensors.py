@@ -12,6 +12,7 @@ them side by side is how they stay in agreement.
 """
 from __future__ import annotations
 
+from array import array
 import json
 from json.encoder import encode_basestring_ascii as _esc
 import os
@@ -21,7 +22,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain, islice, repeat
 from math import prod
-from operator import add, eq, itemgetter, le, mul, sub
+from operator import add, eq, itemgetter, le, lt, mul, sub
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -570,26 +571,26 @@ class OutTensor(NamedTuple):
 FS_BLOCK = 4096  # the file-system block size reflinks share at (btrfs, XFS: 4 KiB)
 
 
-def _header_json(layout: dict[str, tuple[OutTensor, int, int]], metadata: dict[str, str] | None) -> bytearray:
+_ENTRY_TEXT = '{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'.format  # one header entry, compact
+
+
+def _header_json(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], begins: list[int],
+                 ends: list[int], metadata: dict[str, str] | None) -> bytearray:
     """The header's JSON: json.dumps({"__metadata__": sorted metadata, name: {dtype, shape,
-    data_offsets}, ...}, separators=(",", ":")), the same bytes, written one entry at a time
-    with the C string escaper (json.dumps of a dict per tensor was most of a 100k-tensor
-    writer's setup), and appended to one buffer a few thousand entries at a time (the
-    entries' texts of a 100k-tensor header at once were ~20 MB more at the peak)."""
-    parts = [] if not metadata else ['"__metadata__":' + json.dumps(dict(sorted(metadata.items())),
-                                                                     separators=(",", ":"))]
+    data_offsets: [begins[i], ends[i]]}, ...}, separators=(",", ":")), the same bytes.
+    The entries are formatted in C-speed passes over the columns (json.dumps of a dict per
+    tensor, then an f-string per tensor, were most of a 100k-tensor writer's setup), a few
+    thousand at a time into one buffer (all the entries' texts at once were ~20 MB more at the peak)."""
     out = bytearray(b"{")
-    shape_text: dict[tuple[int, ...], str] = {}
-    for t, offset, size in layout.values():
-        s = shape_text.get(t.shape)
-        if s is None:
-            s = shape_text[t.shape] = json.dumps(list(t.shape), separators=(",", ":"))
-        parts.append(f'{_esc(t.name)}:{{"dtype":{_esc(t.dtype)},"shape":{s},"data_offsets":[{offset},{offset + size}]}}')
-        if len(parts) == 4096:
-            out += (("," if len(out) > 1 else "") + ",".join(parts)).encode()
-            parts = []
-    if parts:
-        out += (("," if len(out) > 1 else "") + ",".join(parts)).encode()
+    if metadata:
+        out += ('"__metadata__":' + json.dumps(dict(sorted(metadata.items())), separators=(",", ":"))).encode()
+    dtype_text = {d: _esc(d) for d in set(dtypes)}
+    shape_text = {sh: json.dumps(list(sh), separators=(",", ":")) for sh in set(shapes)}
+    for a in range(0, len(names), 4096):
+        z = a + 4096
+        text = ",".join(map(_ENTRY_TEXT, map(_esc, names[a:z]), map(dtype_text.__getitem__, dtypes[a:z]),
+                            map(shape_text.__getitem__, shapes[a:z]), begins[a:z], ends[a:z]))
+        out += (("," if len(out) > 1 else "") + text).encode()
     out += b"}"
     return out
 
@@ -606,13 +607,22 @@ class SafetensorsWriter:
         bytes sit at the same place within a file-system block, so a reflink-capable file
         system (btrfs, XFS) can share their extents instead of copying them."""
         self.path = Path(path)
-        # name -> (tensor, data offset, bytes), made in whole-column steps (100k tensors)
-        sizes = list(map(mul, map(prod, map(itemgetter(2), tensors)), map(ITEMSIZE.__getitem__, map(itemgetter(1), tensors))))
-        offsets = [0, *accumulate(sizes)]
-        self._layout: dict[str, tuple[OutTensor, int, int]] = dict(zip(map(itemgetter(0), tensors),
-                                                                       zip(tensors, offsets, sizes)))
+        # columns, made in whole-column steps (100k tensors): tensor i's data is offsets[i]:offsets[i + 1]
+        self._tensors = tensors
+        names = list(map(itemgetter(0), tensors))
+        dtypes, shapes = list(map(itemgetter(1), tensors)), list(map(itemgetter(2), tensors))
+        offsets = [0, *accumulate(map(mul, map(prod, shapes), map(ITEMSIZE.__getitem__, dtypes)))]
         offset = offsets[-1]
-        raw = _header_json(self._layout, metadata)
+        self._row = dict(zip(names, range(len(names))))
+        if len(self._row) == len(names):
+            begins, ends = offsets[:-1], offsets[1:]
+        else:  # a repeated name: one entry, at the last one's place (as a dict of them)
+            rows = list(self._row.values())
+            names, dtypes, shapes = list(self._row), [dtypes[i] for i in rows], [shapes[i] for i in rows]
+            begins, ends = [offsets[i] for i in rows], [offsets[i + 1] for i in rows]
+        raw = _header_json(names, dtypes, shapes, begins, ends, metadata)
+        del begins, ends
+        self._offsets = array("q", offsets)
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
         if align_like is not None and align_like % 8 == 0:
             raw += b" " * ((align_like - 8 - len(raw)) % FS_BLOCK)
@@ -635,18 +645,27 @@ class SafetensorsWriter:
 
     def spans(self) -> list[tuple[str, int, int]]:
         """(name, begin, end): each tensor's absolute byte range in the file, in layout order."""
-        d = self.data_start
-        return [(t.name, d + offset, d + offset + size) for t, offset, size in self._layout.values()]
+        d, o = self.data_start, self._offsets
+        return [(name, d + o[i], d + o[i + 1]) for name, i in self._row.items()]
+
+    def file_order(self) -> list[str]:
+        """The tensor names in file order (checkpoint/treehash.py file_order of the spans)."""
+        o = self._offsets
+        if len(self._row) == len(self._tensors) and all(map(lt, o, islice(o, 1, None))):
+            return list(self._row)  # no two tensors begin at one offset: layout order
+        from mergepipe.checkpoint.treehash import file_order
+        return file_order(self.spans())
 
     def tensor(self, name: str) -> OutTensor:
-        return self._layout[name][0]
+        return self._tensors[self._row[name]]
 
     def offset_of(self, name: str, row_start: int) -> int:
         """Absolute file offset of row `row_start` of tensor `name`."""
-        t, offset, _ = self._layout[name]
+        i = self._row[name]
         if row_start == 0:
-            return self.data_start + offset
-        return self.data_start + offset + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])
+            return self.data_start + self._offsets[i]
+        t = self._tensors[i]
+        return self.data_start + self._offsets[i] + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])
 
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         from mergepipe.util.fs import start_writeback

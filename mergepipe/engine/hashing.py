@@ -7,11 +7,14 @@ import queue
 import threading
 
 
+from itertools import filterfalse
+from operator import itemgetter
+
 from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, TensorInfo
 from mergepipe.checkpoint.blocks import BlockLayout
-from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest, file_order
+from mergepipe.checkpoint.treehash import TensorHasher, block_sizes, file_digest
 from mergepipe.errors import IntegrityError
 
 
@@ -39,12 +42,16 @@ def check_expert_blocks(bufs, blocks: list[int], ranges, hashes, t: TensorInfo) 
 def _block_sizes(layout: dict[str, list[OutTensor]], blocks: BlockLayout) -> dict[str, list[int]]:
     """Tensor -> its blocks' byte lengths; tensors of one shape, dtype and block size share
     one (read-only) list: a checkpoint of 100k tensors has a few dozen shapes."""
-    memo: dict[tuple, list[int]] = {}
     out = {}
-    vocab = blocks.embedding_block_bytes is not None
     for ts in layout.values():
+        if blocks.embedding_block_bytes is None:  # the block size is the shape's and dtype's: C-speed passes
+            keys = list(map(itemgetter(2, 1), ts))
+            memo = {k: block_sizes(k[0], k[1], blocks) for k in set(keys)}
+            out.update(zip(map(itemgetter(0), ts), map(memo.__getitem__, keys)))
+            continue
+        memo = {}
         for t in ts:
-            key = (t.shape, t.dtype, blocks.bytes_for(t.name, t.shape) if vocab else 0)
+            key = (t.shape, t.dtype, blocks.bytes_for(t.name, t.shape))
             sizes = memo.get(key)
             if sizes is None:
                 sizes = memo[key] = block_sizes(t.shape, t.dtype, blocks, t.name)
@@ -66,9 +73,9 @@ class OutputHasher:
     def __init__(self, layout: dict[str, list[OutTensor]], writers: dict[str, SafetensorsWriter], block_bytes,
                  *, depth: int = 16) -> None:
         self.headers = {fname: w.header for fname, w in writers.items()}
-        self.order = {fname: file_order(w.spans()) for fname, w in writers.items()}
+        self.order = {fname: w.file_order() for fname, w in writers.items()}
         self.sizes = _block_sizes(layout, BlockLayout.of(block_bytes))
-        self.tensors: dict[str, str] = {}
+        self.tensors: dict[str, str] = {}  # hex digests; a pack's tensors only here (their bytes: bytes.fromhex)
         self._digests: dict[str, bytes] = {}
         self._open: dict[str, TensorHasher] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -85,10 +92,10 @@ class OutputHasher:
     def end_tensor(self, name: str) -> None:
         self._queue.put((name, None, None))
 
-    def add_whole(self, items: list[tuple[str, object]], *, digests: bool = False) -> None:
-        """Whole single-block tensors in one message (engine/packs.py): (name, bytes), or
-        (name, block digest) with `digests`; each tensor is complete."""
-        self._queue.put((None, items, digests))
+    def add_whole(self, names: list[str], items: list, *, digests: bool = False) -> None:
+        """Whole single-block tensors in one message (engine/packs.py): `names` and their
+        bytes, or with `digests` their block digests; each tensor is complete."""
+        self._queue.put((None, (names, items), digests))
 
     def finish(self) -> dict[str, str]:
         """Wait for the queue; returns file -> hash (tensors that got no block: their empty tree)."""
@@ -96,10 +103,11 @@ class OutputHasher:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        for name in [n for n in self.sizes if n not in self._digests]:  # no blocks, or only empty ones
+        for name in list(filterfalse(self.tensors.__contains__, self.sizes)):  # no blocks, or only empty ones
             self._digests[name] = TensorHasher(self.sizes[name]).digest()
             self.tensors[name] = self._digests[name].hex()
-        files = {f: file_digest(self.headers[f], list(map(self._digests.__getitem__, names))).hex()
+        files = {f: file_digest(self.headers[f], [self._digests.get(n) or bytes.fromhex(self.tensors[n])
+                                                  for n in names]).hex()
                  for f, names in self.order.items()}
         self._digests, self.sizes, self.order = {}, {}, {}  # 100k entries each, not needed after this
         return files
@@ -115,14 +123,14 @@ class OutputHasher:
 
     def _hash(self, name: str | None, data, digests) -> None:
         if name is None:  # a pack of whole single-block tensors: hash tree = blake3(block digest)
-            names = [tensor for tensor, _ in data]
+            names, blocks = data
             if set(map(len, map(self.sizes.__getitem__, names))) != {1}:
                 bad = next(t for t in names if len(self.sizes[t]) != 1)
                 raise ValueError(f"tensor {bad!r} is not one block")
-            blocks = [x for _, x in data] if digests else [blake3(x).digest() for _, x in data]
-            done = [blake3(b).digest() for b in blocks]  # tensor_digest([b]): one block's digest, hashed
-            self._digests.update(zip(names, done))
-            self.tensors.update(zip(names, map(bytes.hex, done)))
+            if not digests:
+                blocks = map(blake3.digest, map(blake3, blocks))
+            # tensor_digest([b]): one block's digest, hashed; kept as hex only (the manifest's)
+            self.tensors.update(zip(names, map(blake3.hexdigest, map(blake3, blocks))))
             return
         if data is None and digests is None:
             h = self._open.pop(name, None) or TensorHasher(self.sizes[name])

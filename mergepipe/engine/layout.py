@@ -54,10 +54,11 @@ def base_alignment(base: Checkpoint, layout: dict[str, list[OutTensor]]) -> dict
 def _mirrors(tensors: list[OutTensor], h) -> bool:
     """base_alignment's test in whole-column steps (C speed at 100k tensors): True only where
     the tensor-by-tensor test is; False may still be a mirror by it (shapes as lists)."""
-    if len(tensors) != len(h.tensors) or tensors != list(map(itemgetter(0, 1, 2), h.tensors)):
+    table = h.table  # the file's tensors as columns (checkpoint/tensor_table.py)
+    if len(tensors) != len(table) or tensors != list(zip(table.names, table.dtypes, table.shapes)):
         return False
     sizes = map(mul, map(ITEMSIZE.__getitem__, map(itemgetter(1), tensors)), map(prod, map(itemgetter(2), tensors)))
-    return list(map(sub, map(itemgetter(4), h.tensors), repeat(h.data_start))) == [0, *accumulate(sizes)][:-1]
+    return list(map(sub, table.begins, repeat(h.data_start))) == [0, *accumulate(sizes)][:-1]
 
 
 def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
@@ -67,23 +68,22 @@ def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
         d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
         return OutTensor(t.name, d, t.shape)
 
-    def outs(ts) -> list[OutTensor]:
-        if not dtype:  # each OutTensor(name, dtype, shape) of the TensorInfo, without a Python call each
-            return list(map(tuple.__new__, repeat(OutTensor), map(itemgetter(0, 1, 2), ts)))
-        return [out(t) for t in ts]
+    def outs(table) -> list[OutTensor]:  # a TensorTable's tensors (checkpoint/tensor_table.py)
+        if not dtype:  # each OutTensor(name, dtype, shape) from the columns, without a Python call each
+            return list(map(tuple.__new__, repeat(OutTensor), zip(table.names, table.dtypes, table.shapes)))
+        return [out(t) for t in table.values()]
 
-    tensors = list(base.tensors.values())
     if shard_bytes is None:
         if len(base.files) == 1:
-            return {"model.safetensors": outs(tensors)}
+            return {"model.safetensors": outs(base.tensors)}
         names = [h.path.name for h in base.files]
         if not usable_shard_names(names):  # README.md, config.json, a/x + b/x, ...: names of our own
             n = len(names)
             names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        return {name: outs(h.tensors) for name, h in zip(names, base.files)}
+        return {name: outs(h.table) for name, h in zip(names, base.files)}
     groups: list[list[OutTensor]] = [[]]
     size = 0
-    for t in tensors:
+    for t in base.tensors.values():
         o = out(t)
         nbytes = ITEMSIZE[o.dtype] * t.numel
         if groups[-1] and size + nbytes > shard_bytes:

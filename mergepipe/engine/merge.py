@@ -33,7 +33,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
-from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digest, pack_runs, packable, read_pack,
+from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, pack_runs, packable, read_pack,
                                    slice_digests)
 from mergepipe.engine.tensor_variants import TensorVariants
 from mergepipe.plan.tensor_params import group_index, view
@@ -448,7 +448,7 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
     if pack.kind == COPY:
         nbytes, kernel_bytes = result
         index = m.inputs.base_index
-        m.hasher.add_whole([(n, block_digest(index, n, 0)) for n in pack.names], digests=True)
+        m.hasher.add_whole(pack.names, block_digests(index, pack.names), digests=True)
         realized.base_bytes_copied += nbytes
         realized.kernel_bytes_copied += kernel_bytes
         return
@@ -468,7 +468,7 @@ def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_
             buf[a:z] = _block_bytes(m, t, out_of[name][1], 0, 0, r1, result.base[a:z], got)
         out = memoryview(buf)
     writers[pack.out_file].write_rows(pack.names[0], 0, out)
-    m.hasher.add_whole(list(zip(pack.names, slice_digests(out, *pack.offsets()))), digests=True)
+    m.hasher.add_whole(pack.names, slice_digests(out, *pack.offsets()), digests=True)
     m.cuts.drop_all(pack.names)
 
 

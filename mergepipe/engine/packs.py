@@ -275,6 +275,15 @@ def _digest_run(index: ModelIndex, names) -> bytes | None:
     return bytes(cols.digests[DIGEST * k0:DIGEST * k1])
 
 
+def block_digests(index: ModelIndex, names: list[str]) -> list[bytes]:
+    """The index's digest of block 0 of each of these single-block tensors: cut from one
+    slice of the digest column where they are consecutive in a decoded index."""
+    run = _digest_run(index, names)
+    if run is None:
+        return [block_digest(index, n, 0) for n in names]
+    return list(map(run.__getitem__, map(slice, range(0, len(run), DIGEST), range(DIGEST, len(run) + 1, DIGEST))))
+
+
 def block_digest(index: ModelIndex, name: str, b: int) -> bytes:
     """The index's blake3 digest (32 bytes) of block `b` of tensor `name`; from the columns
     of a decoded index without making its entry (index/columns.py)."""

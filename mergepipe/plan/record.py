@@ -18,6 +18,7 @@ Every failure is a ConfigError naming the plan file and the key.
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 from itertools import chain
@@ -170,13 +171,49 @@ def plan_object(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+def loads_plan(text: str):
+    """json.loads(text, object_pairs_hook=plan_object)'s value, made from json.loads' own
+    dicts in C-speed passes (the hook was a Python call per object, a step per key):
+    keys interned, and equal read lists of ints one shared (read-only) list."""
+    with paused_gc():  # 100k small lists, no cycles (util/gcpause.py)
+        return _shared(json.loads(text), {})
+
+
+def _shared(o, lists: dict):
+    if type(o) is dict:
+        values = list(o.values())
+        kinds = set(map(type, values))
+        if kinds == {list} and set(map(type, chain.from_iterable(values))) <= {int}:  # not bool, not float
+            values = list(map(lists.setdefault, map(tuple, values), values))
+        elif dict in kinds or list in kinds:  # the rare mixed dict: value by value
+            values = [lists.setdefault(tuple(v), v) if type(v) is list and set(map(type, v)) <= {int}
+                      else _shared(v, lists) for v in values]
+        return dict(zip(map(sys.intern, o), values))
+    if type(o) is list and not set(map(type, o)).isdisjoint((dict, list)):
+        return [_shared(v, lists) for v in o]
+    return o
+
+
+def _reads_typed(reads: object) -> bool:
+    """Whether `reads` is PlanRecord.reads' type (dict[str, dict[str, list[int]]], exact
+    types as strict validation wants), checked in C-speed passes."""
+    if type(reads) is not dict or not set(map(type, reads)) <= {str} or not set(map(type, reads.values())) <= {dict}:
+        return False
+    return all(set(map(type, per)) <= {str} and set(map(type, per.values())) <= {list}
+               and set(map(type, chain.from_iterable(per.values()))) <= {int} for per in reads.values())
+
+
 def validate_plan(plan: object, where: str) -> PlanRecord:
     """The typed record of `plan`, or a ConfigError naming `where` and the first bad key."""
     if not isinstance(plan, dict):
         raise ConfigError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
     try:
         with paused_gc():  # a list per planned tensor, no cycles (util/gcpause.py)
-            rec = PlanRecord.model_validate(plan)
+            if _reads_typed(plan.get("reads")):
+                # the reads checked above; pydantic would copy 100k lists per expert to say the same
+                rec = PlanRecord.model_validate({**plan, "reads": {}}).model_copy(update={"reads": plan["reads"]})
+            else:
+                rec = PlanRecord.model_validate(plan)  # its errors name the bad key
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{where}: plan key {_loc(err)}: {err['msg']}; make the plan again with "
