@@ -189,9 +189,13 @@ class Screen:
         for task, (prompts, y) in split.items():
             rows: list = [None] * len(y)
             order = by_length(prompts)  # batches of similar length: less padding, same results
+            k = shared_prefix(prompts)  # the instruction: computed once per batch, its keys/values reused
             for i in range(0, len(y), self.batch_size):
                 idx = order[i:i + self.batch_size]
-                lp = _next_token_logprobs(model, [prompts[j] for j in idx], self.tok.pad_token_id)
+                if k:
+                    lp = prefix_logprobs(model, prompts[0][:k], [prompts[j][k:] for j in idx], self.tok.pad_token_id)
+                else:
+                    lp = _next_token_logprobs(model, [prompts[j] for j in idx], self.tok.pad_token_id)
                 for j, row in zip(idx, lp[:, self.labels[task]].double().tolist()):
                     rows[j] = row
             out[task] = {"y": y, "label_logprobs": rows}  # full-vocabulary log p of each label token
@@ -208,6 +212,10 @@ class Screen:
         d = json.loads(cache.read_text()) if cache.exists() else {}
         if d.get("key") != key:
             d = {"key": key}
+        if d.get("scoring") != SCORING:  # label scores made another way: redo them (KL stays)
+            d.pop("dev", None)
+            d.pop("test", None)
+            d["scoring"] = SCORING
         ref_key = _key(ref_dir) if ref_dir is not None else None
         need_dev = _sizes(d.get("dev")) != _sizes(self.dev)  # missing, or scored on other examples
         need_test = test and _sizes(d.get("test")) != _sizes(self.test)
@@ -242,6 +250,34 @@ class Screen:
             model = self._load(ref_dir)
             self._ref_logp[ref_key] = self._heldout_logp(model)
         return self._ref_logp[ref_key]
+
+
+SCORING = "prefix-kv-v1"  # how label scores are computed; a cache entry made otherwise is redone
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Length of the token prefix every prompt shares, leaving each at least one token."""
+    if not prompts:
+        return 0
+    n, first, limit = 0, prompts[0], min(len(p) for p in prompts) - 1
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def prefix_logprobs(model, prefix: list[int], suffixes: list[list[int]], pad_id: int) -> torch.Tensor:
+    """log p(next token | prefix + suffix) over the vocabulary, one row per suffix: the prefix
+    runs once, its key/value cache is repeated over the batch, the right-padded suffixes
+    continue from it (positions after the prefix; padding masked and never read)."""
+    from mergepipe_eval.smollm import _batch
+    cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(suffixes))
+    ids, mask = _batch(suffixes, pad_id)
+    full = torch.cat([torch.ones(len(suffixes), len(prefix), dtype=mask.dtype), mask], 1)
+    hidden = model.model(input_ids=ids, attention_mask=full, past_key_values=cache, use_cache=True).last_hidden_state
+    last = hidden[torch.arange(len(suffixes)), mask.sum(1) - 1]
+    return torch.log_softmax(model.lm_head(last).float(), dim=-1)
 
 
 def by_length(prompts: list[list[int]]) -> list[int]:
