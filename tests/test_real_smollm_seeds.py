@@ -135,3 +135,28 @@ def test_label_scores_batched_by_length_keep_example_order(monkeypatch):
     screen.tok = type("T", (), {"pad_token_id": 0})()
     got = screen._label_scores(None, {"t": (prompts, [0, 1, 0, 1, 0])})["t"]
     assert got["label_logprobs"] == [[1.0, 2.0], [2.0, -9.0], [3.0, 3.0], [4.0, 1.0], [5.0, -9.0]]
+
+
+def test_shared_prefix_leaves_a_token():
+    assert ss.shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4, 6]]) == 3
+    assert ss.shared_prefix([[1, 2], [1, 2, 3]]) == 1  # the shorter prompt keeps its last token
+    assert ss.shared_prefix([[1], [1]]) == 0 and ss.shared_prefix([]) == 0
+
+
+def test_prefix_cache_gives_the_plain_forward():
+    """A tiny random Llama: continuing right-padded suffixes from the prefix's key/value cache
+    gives the log-probs of the whole prompts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from mergepipe_eval.smollm import _next_token_logprobs
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model.eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 7, 8, 12, 13, 14, 15]]
+    k = ss.shared_prefix(prompts)
+    assert k == 4
+    with torch.no_grad():
+        a = _next_token_logprobs(model, prompts, 0)
+        b = ss.prefix_logprobs(model, prompts[0][:k], [p[k:] for p in prompts], 0)
+    assert torch.allclose(a, b, atol=1e-5)
