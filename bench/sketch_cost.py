@@ -2,10 +2,11 @@
 processes from a made plan (indexes and sketches cached, page cache warm), alternated.
 
     flock /tmp/mergepipe-heavy.lock .venv/bin/python bench/sketch_cost.py \
-        --family bench/out/family-bench-k4 [--k 4] [--budgets 10%,25%,full] [--rounds 3] [--json out.json]
+        --family bench/out/family-bench-k4 [--k 4] [--budgets 10%,25%,full] [--methods task_arithmetic,ties]
+        [--rounds 3] [--json out.json]
 
-A sketched block is merged, not copied: the base block is read and the method runs (the
-torch path) on it, so the CPU follows the blocks touched, not the bytes read. This prints,
+A sketched block is merged, not copied: the base block is read and the method runs (bf16
+task arithmetic and TIES in C) on it, so the CPU follows the blocks touched, not the bytes read. This prints,
 per (strategy, budget): the median (min-max) wall, the expert and sketch bytes read, the
 base bytes read and copied, and the one-time cost of making the sketches (first plan).
 """
@@ -28,10 +29,11 @@ WEIGHTS = [1.0, 0.5, 0.7, 0.3, 0.9, 0.6, 0.8, 0.4]
 MP = [str(ROOT / ".venv" / "bin" / "python"), "-m", "mergepipe"]
 
 
-def config(out: Path, family: Path, k: int, strategy: str, budget: str, name: str) -> Path:
+def config(out: Path, family: Path, k: int, strategy: str, budget: str, name: str, method: str) -> Path:
     lines = [f"base: {family / 'base'}", "experts:"]
     lines += [f"  - {{name: expert_{i}, path: {family / f'expert_{i}'}, weight: {WEIGHTS[i]}}}" for i in range(k)]
-    lines += ["method: task_arithmetic", "parameters: {lambda: 1.0}", "seed: 0", f"budget: '{budget}'",
+    params = "{lambda: 1.0, density: 0.5}" if method == "ties" else "{lambda: 1.0}"
+    lines += [f"method: {method}", f"parameters: {params}", "seed: 0", f"budget: '{budget}'",
               "block_bytes: 1MiB", f"plan: {{strategy: {strategy}}}", f"output: {{dir: {out / 'runs' / name}}}",
               f"cache_dir: {out / 'cache'}"]
     path = out / "configs" / f"{name}.yaml"
@@ -45,6 +47,7 @@ def main() -> int:
     ap.add_argument("--family", type=Path, required=True)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--budgets", default="10%,25%,full")
+    ap.add_argument("--methods", default="task_arithmetic", help="comma-separated: task_arithmetic, ties")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "sketch_cost")
     ap.add_argument("--json", type=Path)
@@ -52,11 +55,12 @@ def main() -> int:
     args.family = args.family.resolve()
     out = args.out.resolve()
     shutil.rmtree(out / "runs", ignore_errors=True)
-    runs = [(s, b) for b in args.budgets.split(",") for s in ("energy", "sketch")]
+    runs = [(mt, s, b) for mt in args.methods.split(",") for b in args.budgets.split(",")
+            for s in ("energy", "sketch")]
     plans, first = {}, {}
-    for s, b in runs:
-        name = f"{s}_{b.rstrip('%')}"
-        cfg = config(out, args.family, args.k, s, b, name)
+    for mt, s, b in runs:
+        name = f"{'ties_' if mt == 'ties' else ''}{s}_{b.rstrip('%')}"
+        cfg = config(out, args.family, args.k, s, b, name, mt)
         plans[name] = out / "configs" / f"{name}.plan.json"
         t0 = time.perf_counter()
         m = measure.run_measured([*MP, "plan", str(cfg), "-o", str(plans[name]), "-q"], log=out / "log.txt")

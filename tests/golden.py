@@ -103,7 +103,7 @@ def make_golden_family(root: Path, *, dtype: str, seed: int, n_experts: int = 3,
         _write_model(root / f"expert_{k}", tensors, shards=2 if k == 0 else 1)
 
 
-# case -> (family, method, parameters, per-expert extras, budget, output dtype)
+# case -> (family, method, parameters, per-expert extras, budget, output dtype[, plan options])
 DENS = {"density": [0.4, 0.3, 0.55]}
 CASES: dict[str, tuple] = {
     **{f"bf16-{m}": ("bf16", m, p, x, "full", None) for m, p, x in [
@@ -114,8 +114,12 @@ CASES: dict[str, tuple] = {
     **{f"f32-{m}": ("f32", m, p, x, "full", None) for m, p, x in [
         ("task_arithmetic", {"lambda": 1.0}, {}), ("ties", {}, DENS), ("dare_ties", {"density": 0.5}, {}),
         ("breadcrumbs_ties", {"gamma": 0.02}, DENS), ("slerp", {"t": 0.6}, {})]},
-    "bf16-ta-30pct": ("bf16", "task_arithmetic", {"lambda": 1.0}, {}, "30%", None),
-    "bf16-ties-30pct": ("bf16", "ties", {}, DENS, "30%", None),
+    # whole-block reads (strategy energy, the default before sketches)
+    "bf16-ta-30pct": ("bf16", "task_arithmetic", {"lambda": 1.0}, {}, "30%", None, {"strategy": "energy"}),
+    "bf16-ties-30pct": ("bf16", "ties", {}, DENS, "30%", None, {"strategy": "energy"}),
+    # no `plan:`: the default below full budget, sketches (plan/default_strategy.py)
+    "bf16-ta-30pct-sketch": ("bf16", "task_arithmetic", {"lambda": 0.9}, {}, "30%", None),
+    "bf16-ties-30pct-sketch": ("bf16", "ties", {}, DENS, "30%", None),
     "bf16-ta-to-f32": ("bf16", "task_arithmetic", {"lambda": 0.5}, {}, "full", "float32"),
     "sharded-base-ties": ("sharded", "ties", {}, DENS, "full", None),
 }
@@ -125,7 +129,7 @@ FAMILIES = {"bf16": dict(dtype="BF16", seed=0), "f32": dict(dtype="F32", seed=1)
 
 def _config(path: Path, case: tuple) -> None:
     # paths relative to params.yaml (cases/NAME/), so the manifest does not depend on OUT
-    family, method, params, extras, budget, out_dtype = case
+    family, method, params, extras, budget, out_dtype, *plan = case
     fam = f"../../{family}"
     n = 1 if method == "slerp" else 3
     experts = [{"name": f"e{k}", "path": f"{fam}/expert_{k}", "weight": WEIGHTS[k],
@@ -133,6 +137,8 @@ def _config(path: Path, case: tuple) -> None:
     cfg = {"base": f"{fam}/base", "experts": experts, "method": method, "parameters": params, "seed": 7,
            "budget": budget, "block_bytes": "4KiB", "output": {"dir": "out", "dtype": out_dtype},
            "cache_dir": "../../cache"}
+    if plan:
+        cfg["plan"] = plan[0]
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 

@@ -55,7 +55,8 @@ def test_copied_regions_are_the_base_bytes_and_hashes_compose(tiny_family, tmp_p
     copied = 0
     with open(base.files[0].path, "rb") as fb, open(merged.files[0].path, "rb") as fo:
         for name, t in base.tensors.items():
-            planned = set().union(*(r.get(name, ()) for r in plan["reads"].values()))
+            sketched = (plan.get("strategy") or {}).get("sketch", {}).get("blocks", {})  # merged, not copied
+            planned = set().union(*(r.get(name, ()) for r in [*plan["reads"].values(), *sketched.values()]))
             o = merged.tensors[name]
             for b, (r0, r1) in enumerate(bi.tensors[name].ranges):
                 if b in planned:

@@ -86,7 +86,8 @@ def family(tmp_path_factory) -> Path:
 
 
 def _config(tmp: Path, root: Path, name: str, *, budget: str = "full", emb: str | None = "4KiB",
-            order=(0, 1, 2), method: str = "task_arithmetic", params: dict | None = None) -> Path:
+            order=(0, 1, 2), method: str = "task_arithmetic", params: dict | None = None,
+            plan: dict | None = None) -> Path:
     cfg = {"base": str(root / "base"),
            "experts": [{"name": f"e{k}", "path": str(root / f"expert_{k}"), "weight": 1.0} for k in order],
            "method": method, "parameters": params or {"lambda": 1.0}, "budget": budget,
@@ -94,6 +95,8 @@ def _config(tmp: Path, root: Path, name: str, *, budget: str = "full", emb: str 
            "cache_dir": str(tmp / "cache")}
     if emb is not None:
         cfg["embedding_block_bytes"] = emb
+    if plan is not None:
+        cfg["plan"] = plan
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -274,8 +277,8 @@ def test_vocabulary_blocks_rank_as_their_plain_block(tmp_path, family):
 
     differs = 0
     for budget in ("5%", "15%", "30%", "50%"):
-        plan, inputs = plan_config(load_config(_config(tmp_path, family, "r", budget=budget)),
-                                   Store(tmp_path / "cache"))
+        plan, inputs = plan_config(load_config(_config(tmp_path, family, "r", budget=budget,
+                                                       plan={"strategy": "energy"})), Store(tmp_path / "cache"))
         cands = []
         for e in plan["experts"]:
             idx, delta = inputs.expert_indexes[e["name"]], inputs.deltas[e["name"]]

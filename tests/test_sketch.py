@@ -65,6 +65,7 @@ def test_the_c_scan_gives_the_numpy_sketch_of_bf16_blocks():
     from mergepipe.methods import _ckernels
     if _ckernels.load() is None:
         pytest.skip("the C library is not built here")
+    scan = _ckernels.load().sketch_bf16
     rng = np.random.default_rng(2)
     for n in (1, 2, 3, 4, 5, 7, 1000, 12345, 1 << 17):
         b = rng.standard_normal(n).astype(np.float32) * np.exp(rng.uniform(-30, 30, n)).astype(np.float32)
@@ -74,7 +75,7 @@ def test_the_c_scan_gives_the_numpy_sketch_of_bf16_blocks():
             eb[0], eb[1], bb[2], eb[2], eb[3], bb[3], eb[4], bb[5], eb[5] = (
                 0x7F80, 0x7FC0, 0x0001, 0x0003, 0x8000, 0, 0xFF80, 0x8001, 0x0001)
         d = (eb.astype(np.uint32) << 16).view(np.float32) - (bb.astype(np.uint32) << 16).view(np.float32)
-        assert sketch._sketch_rows(bb.tobytes(), eb.tobytes(), "BF16", n) == sketch.block_sketch(d), n
+        assert sketch._sketch_rows(bb.tobytes(), eb.tobytes(), "BF16", n, scan) == sketch.block_sketch(d), n
 
 
 def _plan_and_merge(tmp_path, family, name, **over):
@@ -230,7 +231,7 @@ def test_ties_keeps_a_sketch_untrimmed_and_trims_full_reads(tmp_path, tiny_famil
                                              plan={"strategy": "sketch"}, **kw)
     assert realized.sketch_bytes_read == plan["bytes"]["planned_sketch_bytes"] > 0
     assert plan["bound"]["kind"] == "heuristic"
-    _, _, _, eout = _plan_and_merge(tmp_path, tiny_family, "energy", budget="20%", **kw)
+    _, _, _, eout = _plan_and_merge(tmp_path, tiny_family, "energy", budget="20%", plan={"strategy": "energy"}, **kw)
     a, b = load_model(out), load_model(eout)
     assert not all(torch.equal(a[n], b[n]) for n in a)
     fplan, _, _, fout = _plan_and_merge(tmp_path, tiny_family, "full", plan={"strategy": "sketch"}, **kw)

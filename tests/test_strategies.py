@@ -126,6 +126,27 @@ def test_default_strategy_adds_no_key_and_keeps_the_hash():
     assert eq["plan_hash"] != other["plan_hash"]  # options are covered by the hash
 
 
+def test_a_config_without_plan_gets_sketch_below_full_for_the_measured_methods(tmp_path, tiny_family):
+    """plan/default_strategy.py: no `plan:` gives `sketch` for task arithmetic, linear and TIES
+    below the full budget, and `energy` (no plan key) at the full budget and for other
+    methods; a config that names `energy` gets it."""
+    def planned(name, **over):
+        (tmp_path / name).mkdir()
+        cfg = load_config(write_config(tmp_path / name, tiny_family, cache_dir=str(tmp_path / "cache"), **over))
+        return plan_config(cfg, Store(cfg.cache_dir))[0]
+
+    ties = {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}}
+    for name, over in (("ta", {}), ("ties", ties), ("linear", {"method": "linear", "parameters": {}})):
+        auto = planned(f"{name}-25", budget="25%", **over)
+        assert auto["strategy"]["name"] == "sketch" and auto["bytes"]["planned_sketch_bytes"] > 0, name
+        assert auto == planned(f"{name}-named", budget="25%", plan={"strategy": "sketch"}, **over)
+        energy = planned(f"{name}-energy", budget="25%", plan={"strategy": "energy"}, **over)
+        assert "strategy" not in energy and energy["plan_hash"] != auto["plan_hash"]
+        assert "strategy" not in planned(f"{name}-full", budget="full", **over)
+    dare = planned("dare", budget="25%", method="dare_ties", parameters={"lambda": 1.0, "density": 0.5})
+    assert "strategy" not in dare
+
+
 def test_bad_strategy_options_are_config_errors():
     base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0]], 2, 0)
     for bad in ({"strategy": "nope"}, {"strategy": "balanced", "shares": "x"},
@@ -266,7 +287,7 @@ def test_compensated_merge_applies_the_scales(tmp_path, tiny_family_f32):
     fam = tiny_family_f32
     kw = dict(budget="30%", parameters={"lambda": 1.0})
     plan, _, out = _plan_and_merge(tmp_path, fam, "comp", plan={"strategy": "compensated"}, **kw)
-    eplan, _, eout = _plan_and_merge(tmp_path, fam, "energy", **kw)
+    eplan, _, eout = _plan_and_merge(tmp_path, fam, "energy", plan={"strategy": "energy"}, **kw)
     assert plan["reads"] == eplan["reads"] and plan["strategy"]["scales"]
     merged, plain = load_model(out), load_model(eout)
     base = load_model(fam["root"] / "base")
@@ -307,7 +328,7 @@ def test_compensated_bf16_bypasses_the_kernels_with_the_same_bytes(tmp_path, tin
     _, r2, _ = _plan_and_merge(tmp_path, tiny_family, "b", compiled=False, **kw)
     assert plan["strategy"]["scales"] and r1.files == r2.files and r1.tensors == r2.tensors
     # unscaled tensors still take the kernel: same bytes as the energy plan's merge there
-    _, r3, _ = _plan_and_merge(tmp_path, tiny_family, "c", **{**kw, "plan": {}})
+    _, r3, _ = _plan_and_merge(tmp_path, tiny_family, "c", **{**kw, "plan": {"strategy": "energy"}})
     scaled = {t for per in plan["strategy"]["scales"].values() for t in per}
     assert scaled and all(r1.tensors[t] == r3.tensors[t] for t in r1.tensors if t not in scaled)
     assert any(r1.tensors[t] != r3.tensors[t] for t in scaled)

@@ -23,6 +23,7 @@ from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, load_manifest,
                                       verify_outputs, write_manifest)
+from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
@@ -84,21 +85,23 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
                                      float(_scalar_or(e.weight, 0.0)), _scalar_or(e_norm.get("density"), None),
                                      _scalar_or(e_norm.get("gamma"), None)))
     budget = budget if budget is not None else cfg.budget
+    # a params.yaml without `plan:` gets the measured default for its method and budget
+    strategy = norm.get("plan") if cfg.plan else default_options(norm["method"], budget)
     calibration = None
-    if (norm.get("plan") or {}).get("strategy") == "calibrated":  # importance from the base on the user's text
+    if (strategy or {}).get("strategy") == "calibrated":  # importance from the base on the user's text
         from mergepipe.commands.calibration import calibration_inputs
         calibration = calibration_inputs(norm["plan"], cfg.config_path(norm["plan"]["text"]), store, base,
                                          base_index, {n: (experts[n], expert_indexes[n]) for n in experts},
                                          quiet=quiet)
     sketches = None
-    if (norm.get("plan") or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
+    if (strategy or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
         sketches = sketch_inputs(store, base, base_index,
                                  {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, progress=not quiet)
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
                      output=_plan_output(cfg, norm),
-                     nonfinite=norm.get("nonfinite", "error"), strategy=norm.get("plan"),
+                     nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
                      tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration, sketches=sketches)
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                         tokenizer_dir=cfg.output.tokenizer_source, sketches=sketches or {})

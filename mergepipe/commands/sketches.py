@@ -9,6 +9,7 @@ from mergepipe.errors import IntegrityError
 from mergepipe.index import sketch
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.store import Store
+from mergepipe.methods import _ckernels
 from mergepipe.util.progress import Progress
 
 
@@ -29,7 +30,8 @@ def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
                 opened = None  # the store is untrusted: rebuilt
         if opened is None:
             prog = Progress(2 * base.total_bytes, f"sketching {name}", progress)
-            sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads, progress=prog)
+            sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads, progress=prog,
+                         bf16_scan=getattr(_ckernels.load(), "sketch_bf16", None))
             opened = sketch.Sketch(path, expert=index.content_hash, base=base_index.content_hash,
                                    base_index=base_index)
         out[name] = opened

@@ -24,7 +24,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -229,10 +229,12 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
     merged: dict[Budget, tuple[dict, dict, float, float, bool, Path]] = {}
     for budget in order:
         t_plan = time.monotonic()
-        plan, _ = plan_config(cfg, store, budget=budget, threads=threads, quiet=not progress)
+        plan, planned = plan_config(cfg, store, budget=budget, threads=threads, quiet=not progress)
         t_merge = time.monotonic()
         target = out_dir / "models" / _label(budget)
-        man = merge_plan(plan, inputs, target, store, threads=threads, progress=progress, protect=protect)
+        # the sketches this budget's strategy reads (the default strategy may differ by budget)
+        man = merge_plan(plan, replace(inputs, sketches=planned.sketches), target, store, threads=threads,
+                         progress=progress, protect=protect)
         restored = "restored_from" in (target / "run.json").read_text()
         merged[budget] = (plan, man, t_merge - t_plan, time.monotonic() - t_merge, restored, target)
         b = man["bytes"]

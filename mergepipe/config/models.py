@@ -105,8 +105,8 @@ class MergeConfig(BaseModel):
     nonfinite: Literal["error", "allow"] = Field(
         "error", description="what to do with NaN/Inf in an expert")
     plan: Annotated[dict[str, Any], Field(strict=True)] = Field(
-        default_factory=dict, description="plan strategy: {strategy: NAME, ...its options} "
-        f"(default {DEFAULT_STRATEGY}; checked by the strategy)")
+        default_factory=dict, description="plan strategy: {strategy: NAME, ...its options} (default: "
+        "sketch for task_arithmetic, linear and ties below the full budget, else energy; checked by the strategy)")
 
     _method_params: BaseModel | None = PrivateAttr(None)
     _param_settings: dict[str, Setting] = PrivateAttr(default_factory=dict)

@@ -42,7 +42,6 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, Checkpoin
 from mergepipe.errors import IntegrityError
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
-from mergepipe.methods import _ckernels
 from mergepipe.util.fs import canonical_json
 from mergepipe.util.progress import Progress
 
@@ -144,10 +143,12 @@ def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | s
 
 
 def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
-          delta: DeltaIndex, *, counter=None, progress: Progress | None = None) -> None:
+          delta: DeltaIndex, *, counter=None, progress: Progress | None = None, bf16_scan=None) -> None:
     """Scan base and expert once and write the sketch file atomically (temp file, fsync, rename).
-    Blocks are sketched on a few threads (preads and the C scan release the GIL) and written
-    in the base index's order, so the file is the same whatever the thread count."""
+    `bf16_scan`: the compiled scan of a bf16 block (methods/_ckernels.py sketch_bf16, passed in:
+    the index layer does not import methods), else numpy. Blocks are sketched on a few threads
+    (preads and the C scan release the GIL) and written in the base index's order, so the file
+    is the same whatever the thread count or backend."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
@@ -160,7 +161,7 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
 
             def one(name: str, t, r0: int, r1: int):
                 n = (r1 - r0) * (t.numel // t.shape[0] if t.shape else 1)
-                got = _sketch_rows(br.read_rows(name, r0, r1), er.read_rows(name, r0, r1), t.dtype, n)
+                got = _sketch_rows(br.read_rows(name, r0, r1), er.read_rows(name, r0, r1), t.dtype, n, bf16_scan)
                 if progress:
                     progress.step(2 * n * t.itemsize)
                 return got
@@ -209,15 +210,14 @@ def _write_done(f, jobs: list, tensors: dict[str, list], offset: int, keep: int)
     return offset
 
 
-def _sketch_rows(base_raw, expert_raw, dtype: str, n: int) -> tuple[bytes, float, float, int]:
-    """block_sketch of one block from its raw bytes: bf16 by the C scan where it is built
-    (the same values), other dtypes through numpy."""
-    kernels = _ckernels.load() if dtype == "BF16" else None
-    if kernels is None:
+def _sketch_rows(base_raw, expert_raw, dtype: str, n: int, bf16_scan=None) -> tuple[bytes, float, float, int]:
+    """block_sketch of one block from its raw bytes: bf16 by `bf16_scan` where given (the
+    same values), anything else through numpy."""
+    if dtype != "BF16" or bf16_scan is None:
         w0 = _decode(base_raw, dtype, np.empty(n, np.float32))
         wk = _decode(expert_raw, dtype, np.empty(n, np.float32))
         return block_sketch(wk - w0)
-    codes, sums, nnz = kernels.sketch_bf16(np.frombuffer(base_raw, np.uint16), np.frombuffer(expert_raw, np.uint16))
+    codes, sums, nnz = bf16_scan(np.frombuffer(base_raw, np.uint16), np.frombuffer(expert_raw, np.uint16))
     return _finish(codes.tobytes(), sums, nnz)
 
 

@@ -776,10 +776,11 @@ def c_plan_file_deeply_nested(ctx, work):
 
 def edited_plan(ctx: Ctx, work: Path, edit: Callable[[dict], None], expect: tuple[str, ...],
                 exit_code: int = CONFIG, budget: str = "30%") -> Setup:
-    """A real plan (base + two experts, 30% budget) edited by `edit`, its plan_hash recomputed."""
+    """A real plan (base + two experts, 30% budget, whole-block reads: strategy energy; the
+    sketch plans' own edits are tests/test_sketch.py's) edited by `edit`, its plan_hash recomputed."""
     from mergepipe.cli import main
     from mergepipe.plan.planner import plan_hash
-    params = write_params(work, ctx, ctx.experts[1], budget=budget)
+    params = write_params(work, ctx, ctx.experts[1], budget=budget, plan={"strategy": "energy"})
     plan_path = work / "plan.json"
     assert main(["plan", str(params), "-q", "-o", str(plan_path)]) == 0
     plan = json.loads(plan_path.read_text())

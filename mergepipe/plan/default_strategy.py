@@ -1,0 +1,27 @@
+"""The plan strategy of a params.yaml that names none (no `plan:` key).
+
+Below the full budget, task arithmetic, linear and TIES get `sketch`: read each block's
+ternary sketch (2 bits per element) where the budget cannot afford the block. EVAL.md
+"Delta sketches" measured it against `energy`, the greedy that reads whole blocks only: on
+SmolLM2 experts at 25% it keeps the merge within ~1 point of the full read where `energy`
+lost 8-10 points on one seed, and its held-out KL to the full merge is 8-10x lower; on
+MiniLM it loses 0.2 points at 25% against `energy`'s 1.0. Every other case gets `energy`
+(which adds no key to the plan, so those plans keep the hashes they had):
+- the full budget, where both read every block (a sketch plan would still record which
+  sketches it was made with, and making them costs a scan);
+- methods the measurement did not cover (DARE, Breadcrumbs) and methods a sketch cannot
+  stand in for (slerp and the other non-additive ones, plan/sketch_reads.py SKETCHABLE).
+A config that names a strategy, `energy` included, gets that strategy.
+"""
+from __future__ import annotations
+
+from mergepipe.units import Budget, parse_budget
+
+SKETCH_BY_DEFAULT = frozenset({"task_arithmetic", "linear", "ties"})
+
+
+def default_options(method: str, budget: Budget | str | int | float) -> dict | None:
+    """The `plan:` options for this method and budget when the config has none (None: `energy`)."""
+    if method in SKETCH_BY_DEFAULT and parse_budget(budget).kind != "full":
+        return {"strategy": "sketch"}
+    return None
