@@ -75,8 +75,7 @@ class OutputHasher:
         self.headers = {fname: w.header for fname, w in writers.items()}
         self.order = {fname: w.file_order() for fname, w in writers.items()}
         self.sizes = _block_sizes(layout, BlockLayout.of(block_bytes))
-        self.tensors: dict[str, str] = {}  # hex digests; a pack's tensors only here (their bytes: bytes.fromhex)
-        self._digests: dict[str, bytes] = {}
+        self.tensors: dict[str, str] = {}  # tensor -> hex digest (the manifest's; one form kept, not two)
         self._open: dict[str, TensorHasher] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
@@ -104,12 +103,11 @@ class OutputHasher:
         if self._error is not None:
             raise self._error
         for name in list(filterfalse(self.tensors.__contains__, self.sizes)):  # no blocks, or only empty ones
-            self._digests[name] = TensorHasher(self.sizes[name]).digest()
-            self.tensors[name] = self._digests[name].hex()
-        files = {f: file_digest(self.headers[f], [self._digests.get(n) or bytes.fromhex(self.tensors[n])
-                                                  for n in names]).hex()
+            self.tensors[name] = TensorHasher(self.sizes[name]).digest().hex()
+        # the tensor digests in file order, as one bytes: one fromhex of their joined hex
+        files = {f: file_digest(self.headers[f], [bytes.fromhex("".join(map(self.tensors.__getitem__, names)))]).hex()
                  for f, names in self.order.items()}
-        self._digests, self.sizes, self.order = {}, {}, {}  # 100k entries each, not needed after this
+        self.sizes, self.order = {}, {}  # 100k entries each, not needed after this
         return files
 
     def _run(self) -> None:
@@ -134,8 +132,7 @@ class OutputHasher:
             return
         if data is None and digests is None:
             h = self._open.pop(name, None) or TensorHasher(self.sizes[name])
-            self._digests[name] = h.digest()
-            self.tensors[name] = self._digests[name].hex()
+            self.tensors[name] = h.digest().hex()
             return
         h = self._open.get(name)
         if h is None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, islice, repeat
+from operator import le
 from json.encoder import encode_basestring_ascii as _esc
 
 from blake3 import blake3
@@ -143,18 +144,21 @@ class ModelColumns(_ByName):
         n = len(self.names)
         hexes = bytes(self.digests).hex()
         starts = self.starts
-        if starts == array("q", range(n + 1)):  # one block each (the many-tensors case)
-            hashes = ['"' + hexes[64 * k:64 * k + 64] + '"' for k in range(n)]
+        if starts == array("q", range(n + 1)):  # one block each (the many-tensors case): C-speed slices
+            hashes = list(map(hexes.__getitem__, map(slice, range(0, 64 * n, 64), range(64, 64 * n + 1, 64))))
+            row = '[{}, {}, [{}], ["{}"]]\n'.format
         else:
             hashes = ['"' + '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z)) + '"' if z > a else ""
                       for a, z in zip(starts, starts[1:])]
+            row = "[{}, {}, [{}], [{}]]\n".format
         dtype_text = {d: _esc(d) for d in set(self.dtypes)}
         shape_text = {sh: ", ".join(map(str, sh)) for sh in set(self.shapes)}
-        names = list(map(_esc, self.names))
-        dtypes = list(map(dtype_text.__getitem__, self.dtypes))
-        shapes = list(map(shape_text.__getitem__, self.shapes))
-        order = sorted(range(n), key=self.names.__getitem__)
-        text = "".join([f"[{names[i]}, {dtypes[i]}, [{shapes[i]}], [{hashes[i]}]]\n" for i in order])
+        names, dtypes, shapes = self.names, self.dtypes, self.shapes
+        if not all(map(le, names, islice(names, 1, None))):  # rows in name order
+            order = sorted(range(n), key=names.__getitem__)
+            names, dtypes, shapes, hashes = ([col[i] for i in order] for col in (names, dtypes, shapes, hashes))
+        text = "".join(map(row, map(_esc, names), map(dtype_text.__getitem__, dtypes),
+                           map(shape_text.__getitem__, shapes), hashes))
         return blake3(text.encode()).hexdigest()
 
 

@@ -249,13 +249,14 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
     if extra:
         raise ConfigError(f"{where}: plan key reads.{extra[0]}: not an expert of the plan")
     for name, per_tensor in rec.reads.items():
-        # one block (the common case at 100k tensors): only its sign to check, at C speed
-        ones = min(chain.from_iterable(bs for bs in per_tensor.values() if len(bs) == 1), default=0) >= 0
-        for tensor, blocks in per_tensor.items() if not ones else ((t, bs) for t, bs in per_tensor.items()
-                                                                    if len(bs) > 1):
-            if any(b < 0 for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
-                raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: block numbers must be "
-                                  "non-negative, sorted and distinct")
+        # each distinct list once (a loaded plan shares equal ones: loads_plan), then the
+        # first tensor in order with a bad one is named
+        lists = dict(zip(map(id, per_tensor.values()), per_tensor.values()))
+        bad = {i for i, bs in lists.items() if min(bs, default=0) < 0 or any(a >= b for a, b in zip(bs, bs[1:]))}
+        if bad:
+            tensor = next(t for t, bs in per_tensor.items() if id(bs) in bad)
+            raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: block numbers must be "
+                              "non-negative, sorted and distinct")
     if rec.strategy is not None:
         _check_strategy(rec, where)
     _check_joint(plan, method, params, where)
@@ -277,7 +278,7 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
     if b.planned_expert_bytes + (b.planned_sketch_bytes or 0) > rec.budget_bytes:
         raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: {b.planned_expert_bytes} (and "
                           f"{b.planned_sketch_bytes or 0} sketch bytes) exceeds budget_bytes {rec.budget_bytes}")
-    if b.planned_pairs != sum(len(v) for r in rec.reads.values() for v in r.values()):
+    if b.planned_pairs != sum(sum(map(len, r.values())) for r in rec.reads.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_pairs: does not count the reads")
     return rec
 
