@@ -9,6 +9,8 @@ A sketched block is merged, not copied: the base block is read and the method ru
 task arithmetic and TIES in C) on it, so the CPU follows the blocks touched, not the bytes read. This prints,
 per (strategy, budget): the median (min-max) wall, the expert and sketch bytes read, the
 base bytes read and copied, and the one-time cost of making the sketches (first plan).
+With --cold, the models' and sketches' pages are evicted before every merge (the read
+from disk is then part of the time).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--budgets", default="10%,25%,full")
     ap.add_argument("--methods", default="task_arithmetic", help="comma-separated: task_arithmetic, ties")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the models' and the sketches' pages before every merge (POSIX_FADV_DONTNEED)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "sketch_cost")
     ap.add_argument("--json", type=Path)
@@ -69,9 +73,13 @@ def main() -> int:
             raise SystemExit(f"plan {name} failed: {m.stderr_tail}")
     walls: dict[str, list[float]] = {n: [] for n in plans}
     info: dict[str, dict] = {}
+    inputs = [f for m in ["base", *(f"expert_{i}" for i in range(args.k))]
+              for f in measure.model_files(args.family / m)]
     for r in range(args.rounds):
         for name, plan in plans.items():  # alternated: every configuration once per round
             dest = out / "runs" / f"{name}_{r}"
+            if args.cold:
+                measure.evict(inputs + sorted((out / "cache" / "sketch").glob("*.sk")))
             m = measure.run_measured([*MP, "merge", str(plan), "-o", str(dest), "--cache-dir", str(out / "cache"),
                                       "-q"], log=out / "log.txt")
             if m.returncode != 0:
@@ -94,7 +102,8 @@ def main() -> int:
               f"{i['expert_bytes_read'] / 2**20:,.0f} | {i['sketch_bytes_read'] / 2**20:,.0f} | "
               f"{i['base_bytes_read'] / 2**20:,.0f} | {i['base_bytes_copied'] / 2**20:,.0f} | {first[name]} |")
     if args.json:
-        args.json.write_text(json.dumps({"family": str(args.family), "k": args.k, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"family": str(args.family), "k": args.k, "cold": args.cold, "rows": rows},
+                                        indent=1))
     return 0
 
 
