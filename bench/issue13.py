@@ -43,8 +43,10 @@ def config(out: Path, family: Path, k: int, method: str, budget: str, name: str)
     params = {"lambda": 1.0, **({"density": 0.5} if method == "ties" else {})}
     lines = [f"base: {family / 'base'}", "experts:"]
     lines += [f"  - {{name: expert_{i}, path: {family / f'expert_{i}'}, weight: {WEIGHTS[i]}}}" for i in range(k)]
+    # whole-block reads (strategy energy, named: without `plan:` a budget below full gets
+    # sketch, whose cost bench/sketch_cost.py measures)
     lines += [f"method: {method}", f"parameters: {json.dumps(params)}", "seed: 0", f"budget: '{budget}'",
-              "block_bytes: 1MiB", f"output: {{dir: {out / 'runs' / name}}}", f"cache_dir: {out / 'cache'}"]
+              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {out / 'runs' / name}}}", f"cache_dir: {out / 'cache'}"]
     path = out / "configs" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

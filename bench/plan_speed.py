@@ -34,11 +34,12 @@ import yaml
 from blake3 import blake3
 
 STRATEGIES = {
-    "energy": ({}, None),
+    "energy": ({"strategy": "energy"}, None),  # named: a config without `plan:` gets sketch below full
+    "sketch": ({"strategy": "sketch"}, None),
     "balanced": ({"strategy": "balanced"}, None),
     "compensated": ({"strategy": "compensated"}, None),
     "calibrated": ({"strategy": "calibrated", "shares": "none"}, None),
-    "energy_emb64k": ({}, "64KiB"),
+    "energy_emb64k": ({"strategy": "energy"}, "64KiB"),
     "calibrated_emb64k": ({"strategy": "calibrated", "shares": "none"}, "64KiB"),
     "calibrated_emb64k_v10": ({"strategy": "calibrated", "shares": "none", "vocabulary_share": 0.1}, "64KiB"),
 }

@@ -205,8 +205,10 @@ def mp_config(env: Env, method: str, k: int) -> Path:
     params = {"lambda": 1.0, **({"density": DENSITY} if method == "ties" else {})}
     lines = [f"base: {base}", "experts:"]
     lines += [f"  - {{name: expert_{i}, path: {e}, weight: {WEIGHTS[i]}}}" for i, e in enumerate(experts)]
+    # whole-block reads (strategy energy, named: without `plan:` a budget below full gets
+    # sketch, whose cost bench/sketch_cost.py measures)
     lines += [f"method: {method}", f"parameters: {json.dumps(params)}", "seed: 0", "budget: full",
-              "block_bytes: 1MiB", f"output: {{dir: {env.out / 'runs' / 'unused'}}}", f"cache_dir: {env.cache}"]
+              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {env.out / 'runs' / 'unused'}}}", f"cache_dir: {env.cache}"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
