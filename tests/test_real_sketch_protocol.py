@@ -73,3 +73,18 @@ def test_protocol_section_renders_and_splices(tmp_path):
     assert out.count(sr.BEGIN) == 1 and "issue 12 protocol: 4 tasks" in out
     sr.plot([], None, tmp_path / "p.png", mean)
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_committed_protocol_results_render(tmp_path):
+    """The committed protocol results (per seed and the mean) render without a typed number."""
+    from pathlib import Path
+    import pytest
+    res = Path(__file__).resolve().parent.parent / "workflows" / "real" / "results"
+    per_seed = [json.loads(p.read_text()) for p in sorted(res.glob("strategies_smollm4_sketch_s[0-9].json"))]
+    mean_path = res / "strategies_smollm4_sketch_seeds.json"
+    if not per_seed or not mean_path.exists():
+        pytest.skip("protocol results not committed yet")
+    mean = json.loads(mean_path.read_text())
+    text = "\n".join(sp.section(per_seed, mean))
+    assert "### Targets" in text and "### Seed 0" in text
+    assert all(r["method"] in text for r in mean["rows"])
