@@ -150,7 +150,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(data.decode())
     b = plan["bytes"]
-    _log(args, f"plan {plan['plan_hash'][:16]}: read {_mib(b['planned_expert_bytes'])} of "
+    strategy = (plan.get("strategy") or {}).get("name", "energy")
+    sketches = f" + {_mib(b['planned_sketch_bytes'])} of sketches" if b.get("planned_sketch_bytes") else ""
+    _log(args, f"plan {plan['plan_hash'][:16]} ({strategy}): read {_mib(b['planned_expert_bytes'])}{sketches} of "
                f"{_mib(b['total_expert_bytes'])} expert bytes (budget {plan['budget']}); "
                f"{plan['bound']['kind']} bound {plan['bound']['omitted_mass']:.4g} "
                f"(relative {plan['bound']['relative']:.3%})")
@@ -160,7 +162,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) -> None:
     b = man["bytes"]
     _log(args, f"merged -> {out_dir} ({man['plan']['method']}, plan {man['plan_hash'][:16]}) in {seconds:.2f} s\n"
-               f"  expert bytes read {_mib(b['expert_bytes_read'])} of {_mib(b['total_expert_bytes'])} "
+               f"  expert bytes read {_mib(b['expert_bytes_read'])}"
+               + (f" + {_mib(b['sketch_bytes_read'])} of sketches" if b.get("sketch_bytes_read") else "")
+               + f" of {_mib(b['total_expert_bytes'])} "
                f"(budget {man['budget']['spec']} = {_mib(man['budget']['bytes'])}); "
                f"base read {_mib(b['base_bytes_read'])}; written {_mib(b['bytes_written'])}\n"
                f"  {man['bound']['kind']} bound: omitted mass {man['bound']['omitted_mass']:.4g} "
