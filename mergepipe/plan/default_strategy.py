@@ -3,9 +3,10 @@
 Below the full budget, task arithmetic, linear and TIES get `sketch`: read each block's
 ternary sketch (2 bits per element) where the budget cannot afford the block. EVAL.md
 "Delta sketches" measured it against `energy`, the greedy that reads whole blocks only: on
-SmolLM2 experts at 25% it keeps the merge within ~1 point of the full read where `energy`
-lost 8-10 points on one seed, and its held-out KL to the full merge is 8-10x lower; on
-MiniLM it loses 0.2 points at 25% against `energy`'s 1.0. Every other case gets `energy`
+SmolLM2 experts at 25% it kept the merge within 1.4 test points of the full read where
+`energy` lost 8-10 points on one seed, with a held-out KL to the full merge 8-11x lower
+for task arithmetic (2-4x for TIES); on MiniLM it lost 0.2 points at 25% against
+`energy`'s 1.0. Every other case gets `energy`
 (which adds no key to the plan, so those plans keep the hashes they had):
 - the full budget, where both read every block (a sketch plan would still record which
   sketches it was made with, and making them costs a scan);
