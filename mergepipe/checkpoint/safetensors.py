@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from mergepipe.checkpoint import header_scan
 from mergepipe.checkpoint.blocks import row_bytes
+from mergepipe.checkpoint import tensor_table
 from mergepipe.checkpoint.tensor_table import TensorTable, concat
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.util.gcpause import paused_gc
@@ -88,6 +89,9 @@ class TensorInfo(NamedTuple):
 
     def row_bytes(self) -> int:
         return row_bytes(self.shape, self.itemsize)
+
+
+tensor_table.TensorInfo = TensorInfo  # what a TensorTable's lookups make (it cannot import this module)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from itertools import chain, repeat
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mergepipe.checkpoint.safetensors import TensorInfo
+# checkpoint/safetensors.py's named tuple, set there once it is defined (that module imports
+# this one first); an import in each lookup was a module __getattr__ call per tensor
+TensorInfo: type = tuple
 
 
 class TensorTable(Mapping):
@@ -30,7 +30,7 @@ class TensorTable(Mapping):
     file): one item per tensor. `runs`: (file, first row) of each file's tensors, in row
     order (one run for a single-file checkpoint)."""
 
-    __slots__ = ("names", "dtypes", "shapes", "begins", "ends", "runs", "_row", "_starts")
+    __slots__ = ("names", "dtypes", "shapes", "begins", "ends", "runs", "_row", "_starts", "_lookups", "_infos")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], begins: list[int],
                  ends: list[int], runs: list[tuple[Path, int]], row: dict[str, int] | None = None) -> None:
@@ -38,6 +38,7 @@ class TensorTable(Mapping):
         self.runs = runs
         self._starts = [r for _, r in runs]
         self._row = dict(zip(names, range(len(names)))) if row is None else row
+        self._lookups, self._infos = 0, None
 
     def with_file(self, path: Path) -> TensorTable:
         """These tensors at the same offsets of another file (same columns and row map)."""
@@ -65,15 +66,22 @@ class TensorTable(Mapping):
         return chain.from_iterable(repeat(f, z - a) for (f, a), z in zip(self.runs, bounds))
 
     def info(self, i: int) -> TensorInfo:
-        from mergepipe.checkpoint.safetensors import TensorInfo
-        return TensorInfo(self.names[i], self.dtypes[i], self.shapes[i], self.file_at(i), self.begins[i], self.ends[i])
+        return tuple.__new__(TensorInfo, (self.names[i], self.dtypes[i], self.shapes[i], self.file_at(i),
+                                          self.begins[i], self.ends[i]))
 
     def __getitem__(self, name: str) -> TensorInfo:
+        if self._infos is not None:
+            return self._infos[name]
+        self._lookups += 1
+        if self._lookups > 64 + len(self.names) // 4:
+            # looked up tensor by tensor (an index scan asks several times per tensor): the
+            # objects are made once after all, and kept
+            self._infos = dict(zip(self.names, self.values()))
+            return self._infos[name]
         return self.info(self._row[name])
 
     def get(self, name: str, default=None):
-        i = self._row.get(name)
-        return default if i is None else self.info(i)
+        return self[name] if name in self._row else default
 
     def __contains__(self, name: object) -> bool:
         return name in self._row
@@ -88,7 +96,8 @@ class TensorTable(Mapping):
         return self._row.keys()  # same order as names; a set-like view
 
     def values(self) -> list[TensorInfo]:
-        from mergepipe.checkpoint.safetensors import TensorInfo
+        if self._infos is not None:
+            return list(self._infos.values())
         rows = zip(self.names, self.dtypes, self.shapes, self.files(), self.begins, self.ends)
         return list(map(tuple.__new__, repeat(TensorInfo), rows))  # TensorInfo(*row), no Python call each
 
