@@ -260,6 +260,23 @@ def _not_ours(target: Path) -> str | None:
     foreign = [n for n in entries if n not in files and n not in (MANIFEST, RUN_INFO)]
     if foreign:
         return f"holds {foreign[0]!r}, which the mergepipe output there does not record"
+    edited = _edited(target, files)
+    if edited is not None:
+        return (f"holds {edited!r}, edited since mergepipe published it (a rebuild would replace the edit; "
+                "copy it elsewhere first)")
+    return None
+
+
+def _edited(target: Path, files: dict) -> str | None:
+    """The first recorded file other than weights (model card, config, tokenizer files: recorded
+    by blake3) whose bytes are no longer the manifest's: a user's edit, which a rebuild would
+    lose. Weight files (recorded by hash tree) are mergepipe's alone: damaged ones are rebuilt."""
+    from mergepipe.util.fs import hash_file
+    for name, rec in sorted(files.items()):
+        path = target / name
+        if isinstance(rec, dict) and isinstance(rec.get("blake3"), str) and path.is_file() \
+                and not path.is_symlink() and hash_file(path) != rec["blake3"]:
+            return name
     return None
 
 
