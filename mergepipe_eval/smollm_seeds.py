@@ -119,7 +119,7 @@ def targets(res: dict) -> list[dict]:
     """Issue 12's SmolLM2 targets for every (method, strategy) with a test row at the budget.
     `margin` (points) > 0: met by that much; < 0: missed by that much. `met_lo`: also met by the
     interval's lower end (for `expert`, the full read's accuracy plus the lower end)."""
-    full = {r["method"]: r["accuracy"] for r in res["rows"] if r["budget"] == "full"}
+    full = {r["method"]: r["accuracy"] for r in res["rows"] if r["budget"] == "full" and "accuracy" in r}
     best = max(res["experts"].items(), key=lambda kv: kv[1]["mean"]) if res["experts"] else None
     out = []
     for r in res["rows"]:
