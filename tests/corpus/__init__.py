@@ -1008,6 +1008,32 @@ def c_output_merge_with_a_users_file_added(ctx, work):
     return _merge_to(ctx, work, out, (str(out), "notes.md"))
 
 
+def _card_edited(ctx: Ctx, work: Path, out: Path, params: Path) -> None:
+    """`out` published by `run`, then its model card edited by the user (a rebuild would lose it)."""
+    from mergepipe.cli import main
+    assert main(["run", str(params), "-q", "-o", str(out)]) == 0
+    card = out / "README.md"
+    card.write_text(card.read_text() + "\n## Our evaluation\n\n71.2 on the benchmark.\n")
+
+
+@case
+def c_output_merge_with_its_model_card_edited(ctx, work):
+    """A merge into a previous output whose model card the user edited: refused, the edit kept."""
+    out = work / "merged"
+    _card_edited(ctx, work, out, write_params(work, ctx))
+    return _merge_to(ctx, work, out, (str(out), "README.md", "edited"))
+
+
+@case
+def c_output_run_after_its_model_card_was_edited(ctx, work):
+    """`run` rebuilds an output whose files changed since publication; an edited card is the
+    user's, not damage: refused, the edit kept (--force replaces it)."""
+    out = work / "merged"
+    _card_edited(ctx, work, out, write_params(work, ctx, output={"dir": str(out)}))
+    s = run(work, ctx, None, (str(out), "README.md", "edited", "--force"), OUTPUT, output={"dir": str(out)})
+    return Setup(s.argv, out, s.expect, s.exit_code, existing_ok=False)
+
+
 @case
 def c_output_empty_string(ctx, work):
     """-o "" (an unset shell variable): refused, never the current folder."""
