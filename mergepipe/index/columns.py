@@ -139,27 +139,28 @@ class ModelColumns(_ByName):
     def content_hash(self) -> str:
         """records.content_hash of these tensors, from the columns: blake3 over one JSON row
         [name, dtype, shape, hashes] per tensor in name order (the text `_row_json` makes),
-        each row's parts made for every tensor at once (escaped names, one text per dtype
-        and per shape, the hash lists sliced out of one hex string)."""
+        joined from pieces in one pass (escaped names, one text per dtype and per shape with
+        the separators around it, the hash lists sliced out of one hex string): no string per
+        row is made."""
         n = len(self.names)
         hexes = bytes(self.digests).hex()
         starts = self.starts
         if starts == array("q", range(n + 1)):  # one block each (the many-tensors case): C-speed slices
             hashes = list(map(hexes.__getitem__, map(slice, range(0, 64 * n, 64), range(64, 64 * n + 1, 64))))
-            row = '[{}, {}, [{}], ["{}"]]\n'.format
+            open_list, close = '], ["', '"]]\n'
         else:
             hashes = ['"' + '", "'.join(hexes[64 * k:64 * k + 64] for k in range(a, z)) + '"' if z > a else ""
                       for a, z in zip(starts, starts[1:])]
-            row = "[{}, {}, [{}], [{}]]\n".format
-        dtype_text = {d: _esc(d) for d in set(self.dtypes)}
-        shape_text = {sh: ", ".join(map(str, sh)) for sh in set(self.shapes)}
+            open_list, close = "], [", "]]\n"
+        dtype_text = {d: ", " + _esc(d) + ", [" for d in set(self.dtypes)}
+        shape_text = {sh: ", ".join(map(str, sh)) + open_list for sh in set(self.shapes)}
         names, dtypes, shapes = self.names, self.dtypes, self.shapes
         if not all(map(le, names, islice(names, 1, None))):  # rows in name order
             order = sorted(range(n), key=names.__getitem__)
             names, dtypes, shapes, hashes = ([col[i] for i in order] for col in (names, dtypes, shapes, hashes))
-        text = "".join(map(row, map(_esc, names), map(dtype_text.__getitem__, dtypes),
-                           map(shape_text.__getitem__, shapes), hashes))
-        return blake3(text.encode()).hexdigest()
+        rows = zip(repeat("["), map(_esc, names), map(dtype_text.__getitem__, dtypes),
+                   map(shape_text.__getitem__, shapes), hashes, repeat(close))
+        return blake3("".join(chain.from_iterable(rows)).encode()).hexdigest()
 
 
 class DeltaColumns(_ByName):
