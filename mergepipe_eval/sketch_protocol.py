@@ -176,8 +176,9 @@ def timings(mean: dict) -> list[str]:
         parts = [f"{k} merges {min(v):.0f}-{max(v):.0f} s (n={len(v)})" for k, v in sorted(merges.items())]
         parts += [f"scoring {k} {min(v):.0f}-{max(v):.0f} s (n={len(v)})" for k, v in sorted(scores.items())]
         total = sum(x["seconds"] for x in log)
-        lines.append(f"- seed {seed}, screen (inside the heavy-job lock, waits excluded): " + ", ".join(parts)
-                     + f"; {total / 60:.0f} min in all.")
+        lines.append(f"- seed {seed}, screen, the result file's last invocation (merge times include waiting for the "
+                     "heavy-job lock, scoring times do not; a merge or score already cached counts ~0): "
+                     + ", ".join(parts) + f"; {total / 60:.0f} min in all.")
     return lines
 
 
