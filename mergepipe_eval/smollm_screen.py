@@ -54,7 +54,9 @@ def strategy_specs(calib_text: Path, max_tokens: int = 16384, seq_len: int = 256
     """The `plan:` mapping of each strategy; `embedding_block_bytes` goes to the config's top level."""
     cal = {"strategy": "calibrated", "text": str(calib_text), "max_tokens": max_tokens, "seq_len": seq_len}
     return {
-        "energy": {},
+        # named: since b14ef95 a config without `plan:` gets `sketch` below full budget for
+        # these methods (the protocol's merges ran ec69cdf, where no `plan:` was energy)
+        "energy": {"strategy": "energy"},
         "balanced": {"strategy": "balanced"},
         "compensated": {"strategy": "compensated"},
         "calibrated": {**cal, "shares": "none"},

@@ -39,7 +39,7 @@ METHODS = {
     "ties": {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}},
 }
 STRATEGIES = {
-    "energy": {},
+    "energy": {"strategy": "energy"},  # named: a config without plan: gets sketch below full since b14ef95
     "balanced": {"strategy": "balanced"},
     "compensated": {"strategy": "compensated"},
     "compensated_balanced": {"strategy": "compensated", "select": "balanced"},
