@@ -261,6 +261,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # no-op check first, by run.json's record: no config model, index, plan or torch
     done = uptodate.fast_up_to_date(args.config, cli_overrides, args.output)
     if done is not None:
+        from mergepipe.output.publish import clean_dead_writer
+        clean_dead_writer(done[0])  # a run killed after its commit left its lock or old version
         _log(args, f"{done[0]}: up to date (plan {done[1][:16]}); "
                    f"nothing to do ({time.monotonic() - t0:.2f} s)")
         return 0
@@ -275,6 +277,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     files = [h.path for ck in (inputs.base, *inputs.experts.values()) for h in ck.files]
     record = uptodate.finish(record, files, out_dir, plan["plan_hash"])
     if up_to_date(out_dir, plan):
+        from mergepipe.output.publish import clean_dead_writer
+        clean_dead_writer(out_dir)
         uptodate.refresh(out_dir, record)  # the next no-op takes the fast check
         _log(args, f"{out_dir}: up to date (plan {plan['plan_hash'][:16]}); nothing to do "
                    f"({time.monotonic() - t0:.2f} s)")

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from mergepipe.cli import main
+from mergepipe.commands.uptodate import RECORD
 from mergepipe.errors import OutputError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.output.publish import Publisher
@@ -184,3 +185,34 @@ def test_lock_from_another_host_says_exactly_what_to_do(tmp_path):
         (tmp / "f").write_text("ok")
         pub.commit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_up_to_date_run_cleans_what_a_writer_killed_after_its_commit_left(small_family, tmp_path):
+    """kill -9 after the rename but before the lock and the previous version were removed: the
+    target is complete and up to date, so the rerun publishes nothing, yet it still removes the
+    dead writer's lock and folder (both up-to-date checks); a live writer's are never touched."""
+    cache, target = small_family["cache"], tmp_path / "pub" / "out"
+    cfg = params(tmp_path / "A.yaml", small_family, target, cache)
+    assert main(["run", str(cfg), "-q"]) == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for drop_record in (False, True):  # the fast check by run.json, then the full check
+        if drop_record:  # run.json without its make-style record: the full check decides
+            info = json.loads((target / "run.json").read_text())
+            info.pop(RECORD, None)
+            (target / "run.json").write_text(json.dumps(info))
+        (tmp_path / "pub" / ".out.lock").write_text(f"{socket.gethostname()}:{dead.pid}")
+        (tmp_path / "pub" / ".out.tmp-0123456789ab").mkdir()
+        (tmp_path / "pub" / ".out.tmp-0123456789ab" / "model.safetensors").write_bytes(b"x")
+        (tmp_path / "pub" / ".out.v2.tmp-0123456789ab").mkdir(exist_ok=True)  # another target's: not ours
+        assert main(["run", str(cfg), "-q"]) == 0
+        assert leftovers(target) == [".out.v2.tmp-0123456789ab"]  # (leftovers() matches by prefix)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "pub" / ".out.lock").write_text(f"{socket.gethostname()}:{sleeper.pid}")
+        (tmp_path / "pub" / ".out.tmp-0123456789ab").mkdir()
+        assert main(["run", str(cfg), "-q"]) == 0
+        assert leftovers(target) == [".out.lock", ".out.tmp-0123456789ab", ".out.v2.tmp-0123456789ab"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -58,7 +58,8 @@ def test_copied_runs_are_reflinked_on_btrfs(btrfs):
     assert sync.returncode == 0
     cfg = {"base": "base", "experts": [{"name": "e", "path": "expert", "weight": 1.0}],
            "method": "task_arithmetic", "parameters": {"lambda": 1.0}, "budget": "10%",
-           "block_bytes": "64KiB", "output": {"dir": "out"}, "cache_dir": "cache"}
+           # energy: blocks left out stay base bytes (sketch, the default, computes every block it sketches)
+           "plan": {"strategy": "energy"}, "block_bytes": "64KiB", "output": {"dir": "out"}, "cache_dir": "cache"}
     (btrfs / "params.yaml").write_text(yaml.safe_dump(cfg))
     r = subprocess.run([sys.executable, "-m", "mergepipe", "run", str(btrfs / "params.yaml")],
                        capture_output=True, text=True)

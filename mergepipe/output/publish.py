@@ -151,6 +151,37 @@ def _remove_leftovers(target: Path) -> list[Path]:
     return removed
 
 
+def clean_dead_writer(target: str | Path) -> list[Path]:
+    """Remove what a writer killed after its commit left beside `target` (its lock, the
+    previous version it was deleting), as the next writer would: `run` finding the output up
+    to date publishes nothing, so it would stay there. Cheap (one listing) and best effort:
+    nothing is touched while a live writer holds the lock. Returns the folders removed."""
+    target = Path(target)
+    lock = target.parent / f".{target.name}.lock"
+    pattern = _leftover_re(target.name)
+    try:
+        found = any(pattern.fullmatch(n) for n in os.listdir(target.parent))
+    except OSError:
+        return []
+    locked = os.path.lexists(lock)
+    if not found and not locked:
+        return []
+    if locked:
+        if not _stale(lock):
+            return []  # a live writer: its temp folder is its own
+        lock.unlink(missing_ok=True)
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return []  # another writer got there first, or a read-only folder: leave it to them
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()}:{os.getpid()}")
+        return _remove_leftovers(target) if os.path.isdir(target) else []
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def _recover_previous(target: Path) -> Path | None:
     """Where renameat2's exchange is unsupported (NFS, Lustre, some FUSE), `commit` renames
     the previous version to `.NAME.old-*` and then the new one in; a writer killed between
