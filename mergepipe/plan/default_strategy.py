@@ -2,11 +2,11 @@
 
 Below the full budget, task arithmetic, linear and TIES get `sketch`: read each block's
 ternary sketch (2 bits per element) where the budget cannot afford the block. EVAL.md
-"Delta sketches" measured it against `energy`, the greedy that reads whole blocks only: on
-SmolLM2 experts at 25% it kept the merge within 1.4 test points of the full read where
-`energy` lost 8-10 points on one seed, with a held-out KL to the full merge 8-11x lower
-for task arithmetic (2-4x for TIES); on MiniLM it lost 0.2 points at 25% against
-`energy`'s 1.0. Every other case gets `energy`
+"Delta sketches" measured it against `energy`, the greedy that reads whole blocks only
+(SmolLM2-135M, 4 tasks, 2 fine-tuning seeds, 1,200 paired test examples): at 25% it kept
+task arithmetic +2.6 and TIES -0.5 points from their full reads where `energy` was -0.6
+and -6.8, with a held-out KL to the full merge 2.8-10.5x lower; on MiniLM it lost 0.2
+(task arithmetic) and 0.6 (TIES) points at 25% against `energy`'s 1.0. Every other case gets `energy`
 (which adds no key to the plan, so those plans keep the hashes they had):
 - the full budget, where both read every block (a sketch plan would still record which
   sketches it was made with, and making them costs a scan);
