@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("smollm-strategy-seeds", help="SmolLM2 strategy screens averaged over fine-tuning seeds")
     s.add_argument("--result", action="append", required=True,
                    help="smollm-strategy-screen JSON (repeat; one family per seed, several files per family merged)")
-    s.add_argument("--methods", default="ta_l1.0,ties")
+    s.add_argument("--methods", default="ta_l0.5,ta_l1.0,ties", help="methods without a full read are skipped")
     s.add_argument("--strategies", default="energy,sketch")
     s.add_argument("--budgets", default="10%,25%,50%")
     s.add_argument("--boot", type=int, default=2000)

@@ -161,7 +161,14 @@ def timings(mean: dict) -> list[str]:
         lines.append(f"- seed {seed}, training (30 steps each): " + ", ".join(
             f"{k} {v['train_seconds']:.0f} s (loss {v['first_loss']:.2f} → {v['final_loss']:.2f})"
             for k, v in sorted(experts.items())) + ".")
+    logs = []
     for seed, log in sorted(mean.get("timings", {}).items()):
+        parts = mean.get("invocations", {}).get(seed)
+        if parts:  # one line per result file (invocation) of this seed
+            logs += [(seed, p["timings"], ", ".join(p["methods"])) for p in parts]
+        else:
+            logs.append((seed, log, None))
+    for seed, log, methods in logs:
         merges = {}
         for x in log:
             if "merge" in x:
@@ -176,7 +183,8 @@ def timings(mean: dict) -> list[str]:
         parts = [f"{k} merges {min(v):.0f}-{max(v):.0f} s (n={len(v)})" for k, v in sorted(merges.items())]
         parts += [f"scoring {k} {min(v):.0f}-{max(v):.0f} s (n={len(v)})" for k, v in sorted(scores.items())]
         total = sum(x["seconds"] for x in log)
-        lines.append(f"- seed {seed}, screen, the result file's last invocation (merge times include waiting for the "
+        what = f"screen of {methods}" if methods else "screen"
+        lines.append(f"- seed {seed}, {what}, the result file's last invocation (merge times include waiting for the "
                      "heavy-job lock, scoring times do not; a merge or score already cached counts ~0): "
                      + ", ".join(parts) + f"; {total / 60:.0f} min in all.")
     return lines

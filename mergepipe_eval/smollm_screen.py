@@ -40,7 +40,8 @@ import yaml
 
 from mergepipe_eval.strategies import heavy, paired
 
-METHODS = {
+METHODS = {  # as config.yaml smollm.merges
+    "ta_l0.5": {"method": "task_arithmetic", "parameters": {"lambda": 0.5}},
     "ta_l1.0": {"method": "task_arithmetic", "parameters": {"lambda": 1.0}},
     "ties": {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}},
 }
@@ -558,6 +559,9 @@ def merge_results(results: list[dict]) -> dict:
     if chosen:
         merged["test"]["chosen"] = chosen
     merged["timings"] = [x for r in results for x in r["timings"]]
+    # each invocation's own log (its methods, mergepipe, timings): the report times them apart
+    merged["invocations"] = [{"methods": list(r["methods"]), "mergepipe": r.get("mergepipe"),
+                              "timings": r["timings"]} for r in results]
     return merged
 
 

@@ -91,6 +91,9 @@ def across_seeds(results: list[dict], *, methods: list[str], strategies: list[st
            "tasks": results[0].get("tasks"), "resamples": n_boot, "rows": rows, "between": between,
            "experts": experts, "training": training(fams, seeds),
            "timings": {str(seed): r.get("timings", []) for seed, r in zip(seeds, results)}}
+    parts = {str(seed): r["invocations"] for seed, r in zip(seeds, results) if "invocations" in r}
+    if parts:  # a seed's screen from several invocations (result files): each one's timings
+        out["invocations"] = parts
     out["targets"] = targets(out)
     return out
 

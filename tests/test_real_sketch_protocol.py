@@ -80,7 +80,13 @@ def test_committed_protocol_results_render(tmp_path):
     from pathlib import Path
     import pytest
     res = Path(__file__).resolve().parent.parent / "workflows" / "real" / "results"
-    per_seed = [json.loads(p.read_text()) for p in sorted(res.glob("strategies_smollm4_sketch_s[0-9].json"))]
+    from mergepipe_eval import smollm_screen as ss
+    by_family: dict = {}  # each seed's main screen, then its extra runs (config sketch_protocol.extra_runs)
+    for p in [*sorted(res.glob("strategies_smollm4_sketch_s[0-9].json")),
+              *sorted(res.glob("strategies_smollm4_sketch_*_s[0-9].json"))]:
+        r = json.loads(p.read_text())
+        by_family.setdefault(r["family"], []).append(r)
+    per_seed = [ss.merge_results(v) if len(v) > 1 else v[0] for v in by_family.values()]
     mean_path = res / "strategies_smollm4_sketch_seeds.json"
     if not per_seed or not mean_path.exists():
         pytest.skip("protocol results not committed yet")
@@ -88,3 +94,38 @@ def test_committed_protocol_results_render(tmp_path):
     text = "\n".join(sp.section(per_seed, mean))
     assert "### Targets" in text and "### Seed 0" in text
     assert all(r["method"] in text for r in mean["rows"])
+
+
+def test_extra_run_merges_into_its_seed():
+    """A later invocation for another method (config sketch_protocol.extra_runs) merges into its
+    seed's main result: its rows join the mean and the targets, the experts it scored for seed 1
+    join seed 0's in the 10% target, and the timings are listed per invocation."""
+    from mergepipe_eval import smollm_screen as ss
+    per_seed = []
+    for seed in (0, 1):
+        main = _seed_result(seed)
+        extra = json.loads(json.dumps(main).replace("ta_l1.0", "ta_l0.5"))
+        extra["methods"] = {"ta_l0.5": {}}
+        extra["test"]["experts"] = {t: {"accuracy": 0.65, "per_task": {k: 0.5 for k in TASKS}, "n": 8} for t in TASKS} if seed else {}
+        per_seed.append(ss.merge_results([main, extra]))
+    assert [p["methods"] for p in per_seed[1]["invocations"]] == [["ta_l1.0"], ["ta_l0.5"]]
+    assert {r["method"] for r in per_seed[0]["rows"]} == {"ta_l1.0", "ta_l0.5"}
+    acc = {"full": [1, 1, 1, 0], "energy_25": [1, 0, 0, 0], "sketch_25": [1, 1, 1, 0], "sketch_10": [1, 1, 0, 1]}
+
+    def load(fam, name):
+        key = name.split("_", 2)[-1]
+        if key not in acc:
+            return None
+        return {"dev": {"t": {"y": [0], "label_logprobs": [[-0.1, -5.0]]}},
+                "test": {"t": {"y": [0] * 4, "label_logprobs": [[0.0, -1.0] if a else [-1.0, 0.0]
+                                                               for a in acc[key]]}},
+                "kl": {"per_sequence": [0.1, 0.2]}}
+    mean = json.loads(json.dumps(sd.across_seeds(per_seed, methods=["ta_l0.5", "ta_l1.0"],
+                                                 strategies=["energy", "sketch"], budgets=["25%", "10%"],
+                                                 n_boot=20, load=load)))
+    assert {t["method"] for t in mean["targets"]} == {"ta_l0.5", "ta_l1.0"}
+    ten = [t for t in mean["targets"] if t["budget"] == "10%"]
+    assert all(t["expert_seeds"] == ["0", "1"] and abs(t["target"] - 60.0) < 1e-9 for t in ten)
+    text = "\n".join(sp.section(per_seed, mean))
+    assert "≥ best single expert (noun_cat, 60.0; seeds 0, 1)" in text
+    assert "seed 1, screen of ta_l0.5," in text and "seed 0, screen of ta_l1.0," in text
