@@ -33,6 +33,8 @@ def _mib(n: int) -> str:
 def cmd_index(args: argparse.Namespace) -> int:
     from mergepipe.index.store import Store
     from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES, parse_block_bytes
+    if args.o:  # the record never replaces a file of the models it indexes, even with --force
+        _refuse_inside_inputs(Path(args.o), [Path(m) for m in (args.model, args.base) if m])
     store = Store(args.cache_dir)
     bb = parse_block_bytes(DEFAULT_BLOCK_BYTES if args.block_bytes is None else args.block_bytes, what="--block-bytes")
     t0 = time.monotonic()
@@ -176,7 +178,8 @@ def _load_plan(path: str) -> dict:
     from mergepipe.plan.planner import plan_hash
     from mergepipe.plan.record import loads_plan
     try:
-        plan = loads_plan(Path(path).read_text())
+        from mergepipe.util.fs import read_json_object_text
+        plan = loads_plan(read_json_object_text(path))  # a model file given as the plan is not read whole
         intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path}: cannot read plan: {e}") from None

@@ -218,7 +218,11 @@ DEMO_MARKER = ".mergepipe-demo"  # beside base/ and expert_*/: a rerun may rewri
 
 def _check_target(out: Path, models: list[str]) -> None:
     """`mergepipe demo models` where models/base is the user's real model must not replace its
-    weights: model folders are rewritten only under a folder that demo wrote before (its marker)."""
+    weights: model folders are rewritten only under a folder that demo wrote before (its marker).
+    A file or a dangling link where a folder goes is refused too (mkdir's traceback before)."""
+    for path in (out, *(out / m for m in models)):
+        if (path.is_symlink() or path.exists()) and not path.is_dir():
+            raise OutputError(f"{path}: exists and is not a folder; give the demo a new folder")
     if (out / DEMO_MARKER).is_file():
         return
     for model in models:
@@ -296,8 +300,14 @@ def main(argv: list[str] | None = None) -> int:
         family = make_family(args.out, preset=args.preset, n_experts=args.experts,
                              dtype=args.dtype, tied=args.tied, seed=args.seed,
                              progress=not args.quiet)
-    except MergepipeError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except OSError as e:  # a parent that is a file, no permission, disk full
+        error = OutputError(f"{e.filename or args.out}: cannot write the demo family: {e.strerror}")
+    except MergepipeError as e:
+        error = e
+    else:
+        error = None
+    if error is not None:  # one line: a newline in a name is shown escaped (as cli.one_line)
+        print("error: " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(error)), file=sys.stderr)
         return error.exit_code
     if not args.quiet:
         print("\n".join([family["base"], *family["experts"]]))

@@ -13,6 +13,7 @@ from pathlib import Path
 from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
+from mergepipe.util.fs import read_json_object_text
 
 
 def _mib(n: int) -> str:
@@ -106,7 +107,7 @@ def _load(target: Path) -> tuple[dict, dict | None]:
         plan = man["plan"]
     else:
         try:
-            plan = json.loads(target.read_text())
+            plan = json.loads(read_json_object_text(target))
         except (OSError, ValueError) as e:
             raise ConfigError(f"{target}: not a plan or output folder: {e}") from None
     return plan, man

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from mergepipe.errors import ConfigError, OutputError
 from mergepipe.output.manifest import MANIFEST
+from mergepipe.util.fs import read_json_object_text
 
 
 @dataclass
@@ -51,7 +52,7 @@ def plan_of(path: str | Path) -> dict:
     p = Path(path)
     src = p / MANIFEST if p.is_dir() else p
     try:
-        doc = json.loads(src.read_text())
+        doc = json.loads(read_json_object_text(src))
         plan = doc["plan"] if isinstance(doc.get("plan"), dict) else doc  # a plan itself has no `plan` key
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: --keep needs an output folder or a plan.json ({e})") from None

@@ -95,8 +95,12 @@ def check_weight_sum(experts: list[ExpertConfig], method: str, params: BaseModel
     if any(is_setting(e.weight) for e in experts):
         return  # per-tensor weights: the method refuses a zero sum tensor by tensor
     weights = [e.weight for e in experts] + [float(base_weight)]
-    total = math.fsum(weights)
-    scale = math.fsum(abs(w) for w in weights)
+    try:
+        total = math.fsum(weights)
+        scale = math.fsum(abs(w) for w in weights)
+    except OverflowError:  # finite weights whose sum is not (1e308 + 1e308)
+        raise ValueError(f"experts: weights sum past float64's range but method {method!r} normalizes "
+                         "by their sum; scale the weights down") from None
     if scale == 0 or abs(total) <= 1e-9 * scale:
         raise ValueError(f"experts: weights sum to {total!r} but method {method!r} normalizes "
                          "by their sum; change the weights or set parameters.normalize: false")

@@ -424,7 +424,9 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
     Raises:
         ConfigError: a stacking slice with several sources, settings or a bad layer_range.
     """
-    slices = data.get("slices") if isinstance(data, dict) else None
+    if not isinstance(data, dict):  # empty file, a list: mergekit_to_params names the problem
+        return None
+    slices = data.get("slices")
     if data.get("merge_method") != "passthrough" or not isinstance(slices, list) or not slices:
         return None
     if len(slices) == 1 and isinstance(slices[0], dict) and isinstance(slices[0].get("sources"), list) and \

@@ -52,11 +52,19 @@ def parse_yaml(text: str, *, source: str) -> Any:
         raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
 
 
+MAX_YAML_BYTES = 16 << 20  # a config is kilobytes; more is a model file, a log or /dev/zero given by mistake
+
+
 def read_yaml(path: str | os.PathLike[str]) -> Any:
     """Read and parse a YAML file; every failure is a one-line ConfigError."""
     source = os.fspath(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:  # at most MAX_YAML_BYTES + 1: never a whole model in memory
+            data = f.read(MAX_YAML_BYTES + 1)
+        if len(data) > MAX_YAML_BYTES:
+            raise ConfigError(f"{source}: over {MAX_YAML_BYTES >> 20} MiB, not a config file (a model file "
+                              "or a log given by mistake?)")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
     except IsADirectoryError:

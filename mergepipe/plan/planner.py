@@ -107,6 +107,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
     experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
     scale = vocabulary_scales(base_index, layout)  # empty for plain layouts: score / cost as before
+    check_float32_range(method, params, experts, tensor_parameters, "plan")
     eff = effective_weights(method, params, experts)
     eff_of = _tensor_effective_weights(method, params, experts, tensor_parameters)
     items: list[Candidate] = []
@@ -265,6 +266,33 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             plan["bytes"]["sketch_by_expert"] = dict(sorted(sketch_planned.items()))
     plan["plan_hash"] = plan_hash(plan)
     return plan
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def check_float32_range(method: str, params: dict, experts, tensor_parameters: dict | None, where: str) -> None:
+    """The merge computes in float32: a weight, a method parameter, the weights' sum or an
+    effective weight past its range would publish inf/NaN made from finite inputs (a
+    ConfigError naming `where` and the value). `experts`: anything with .name and .weight."""
+    groups = [({}, {})] + [(g["parameters"], g["experts"]) for g in (tensor_parameters or {}).get("groups", [])]
+    for over, per_expert in groups:
+        p = {**params, **over}
+        weights = {e.name: float(per_expert.get(e.name, {}).get("weight", e.weight)) for e in experts}
+        numbers = {k: float(v) for k, v in p.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        checks = [(f"experts.{n}.weight", w) for n, w in weights.items()]
+        checks += [(f"parameters.{k}", v) for k, v in numbers.items()]
+        checks.append(("the sum of the experts' |weight|", sum(map(abs, weights.values()))))  # inf, never raises
+        _refuse_past_float32(checks, where)
+        _refuse_past_float32([(f"the effective weight of expert {n!r} (weight x parameters)", w)
+                              for n, w in get_method(method).effective_weights(p, weights).items()], where)
+
+
+def _refuse_past_float32(checks: list[tuple[str, float]], where: str) -> None:
+    for what, v in checks:
+        if not abs(v) <= _F32_MAX:
+            raise ConfigError(f"{where}: {what} is {v:g}, beyond float32's range (the merge computes in "
+                              "float32, so it would publish inf/NaN); scale the weights or parameters down")
 
 
 def vocabulary_scales(base_index: ModelIndex, layout: BlockLayout) -> dict[str, float]:

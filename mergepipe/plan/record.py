@@ -261,6 +261,9 @@ def validate_plan(plan: object, where: str) -> PlanRecord:
         _check_strategy(rec, where)
     _check_joint(plan, method, params, where)
     tensor_params.check(plan, method, where)
+    from mergepipe.plan.planner import check_float32_range  # (planner imports this module's neighbours)
+    check_float32_range(rec.method, params.model_dump(mode="json", by_alias=True), rec.experts,
+                        plan.get("tensor_parameters"), f"{where}: plan")
     b = rec.bytes
     for key in ("planned_by_expert", "skipped_identical_by_expert"):
         if sorted(getattr(b, key)) != sorted(names):

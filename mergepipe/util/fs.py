@@ -63,6 +63,17 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     fsync_dir(parent)
 
 
+def read_json_object_text(path: Path | str) -> str:
+    """The text of a file that must hold a JSON object (a plan, a manifest): one that does not
+    start with '{' (a model file or /dev/zero given by mistake) is refused after its first
+    4 KiB, never read whole. Raises OSError, or ValueError (UnicodeDecodeError too)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        if not head.lstrip().startswith(b"{"):
+            raise ValueError("not a JSON object")
+        return (head + f.read()).decode("utf-8")
+
+
 def canonical_json(obj, *, indent: int | None = None) -> bytes:
     """The one JSON spelling: sorted keys, ASCII, no NaN/Infinity (ValueError).
 
