@@ -111,6 +111,24 @@ OUT_WEIGHTS = [f"{OUT}/{name}" for name in _output_weights()]
 OUT_MANIFEST = f"{OUT}/manifest.json"
 
 
+def _check_out() -> None:
+    """Snakemake deletes a job's existing output files before it runs (and after it fails), so
+    an output.dir holding a user's model.safetensors lost it before `mergepipe merge` could
+    refuse the folder: refuse here what mergepipe would not replace without --force."""
+    if not os.path.lexists(OUT):
+        return
+    from mergepipe.output.publish import replaceable
+
+    why = replaceable(Path(OUT))
+    if why is not None:
+        raise WorkflowError(f"{PARAMS}: output.dir {OUT!r} {why}; Snakemake would delete its "
+                            f"{', '.join(Path(p).name for p in [*OUT_WEIGHTS, OUT_MANIFEST])} before the merge, "
+                            "so the workflow refuses it: choose a new folder")
+
+
+_check_out()
+
+
 def model_files(path: str) -> list[str]:
     """The files `mergepipe index` reads for a model: its weight files and index json."""
     if Path(path).parts[: len(Path(DEMO_DIR).parts)] == Path(DEMO_DIR).parts:

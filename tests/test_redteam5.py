@@ -139,3 +139,26 @@ def test_demo_where_a_folder_must_go_is_a_one_line_error(where, tmp_path, capsys
     assert main(["demo", str(target), "--experts", "1", "--quiet"]) == 7
     _one_line_error(capsys, str(target))
     assert _tree(tmp_path) == before
+
+
+def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(tiny_family, tmp_path):
+    """`snakemake` with output.dir a folder of the user's (a model.safetensors and some
+    manifest.json): Snakemake deletes a job's existing outputs before running it, so the user's
+    weights were gone before `mergepipe merge` refused the folder. rules/common.smk now refuses
+    such a folder at parse time (what mergepipe would not replace without --force)."""
+    from tests.workflow_helpers import make_workspace, smk
+    ws = make_workspace(tmp_path / "ws")
+    root = Path(tiny_family["root"])
+    cfg = yaml.safe_load((ws / "params.yaml").read_text())
+    cfg.update(base=str(root / "base"), experts=[{"name": "e0", "path": str(root / "expert_1"), "weight": 1.0}],
+               method="task_arithmetic", parameters={"lambda": 1.0}, budget="full", output={**cfg.get("output", {}), "dir": "mine"})
+    cfg.pop("plan", None)
+    (ws / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    mine = ws / "mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"the user's weights")
+    (mine / "manifest.json").write_text('{"mine": 1}')
+    proc = smk(ws, "-c1", "mine/model.safetensors", check=False)
+    assert proc.returncode != 0 and "output.dir 'mine'" in proc.stdout + proc.stderr
+    assert (mine / "model.safetensors").read_bytes() == b"the user's weights"
+    assert (mine / "manifest.json").read_text() == '{"mine": 1}'
