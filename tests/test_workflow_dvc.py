@@ -1,4 +1,4 @@
-"""`dvc repro` on the tiny demo family: no-ops, budget changes, the run-cache, alternating with
+"""`dvc repro` on the tiny demo family: no-ops, budget changes, a reverted budget from the store, alternating with
 Snakemake, and a fresh clone that rebuilds to the same dvc.lock."""
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_repro_builds_then_is_a_noop(repo, tmp_path):
     assert job_counts(smk(repo, "-n", MODEL)) == {}  # Snakemake agrees: DVC ran it
 
 
-def test_budget_change_then_revert_comes_from_the_run_cache(repo, tmp_path):
+def test_budget_change_then_revert_comes_from_the_store(repo, tmp_path):
     set_budget(repo, "50%")
     out = dvc(repo, "repro")
     assert "Running stage 'build'" in out and "Stage 'demo' didn't change" in out
@@ -77,13 +77,16 @@ def test_budget_change_then_revert_comes_from_the_run_cache(repo, tmp_path):
     t0 = time.monotonic()
     out = dvc(repo, "repro")
     print(f"\nrevert to 25% via `dvc repro`: {time.monotonic() - t0:.2f} s")
-    assert "skipping run, checking out outputs" in out  # the run-cache: no Snakemake, no merge
+    # the output is `persist` (DVC must not delete a user's folder at output.dir), which turns
+    # off DVC's run-cache for it: Snakemake reruns and the merge comes from mergepipe's store
+    assert "Running stage 'build'" in out and "skipping run" not in out
     assert check_output_matches_params(repo, tmp_path)["budget"]["spec"] == "25%"
+    assert "restored_from" in json.loads((repo / "merged" / "run.json").read_text())
 
 
 def test_alternating_snakemake_and_dvc_never_gives_a_stale_output(repo, tmp_path):
-    # Starts where the run-cache test left off: DVC restored the 25% merge without Snakemake,
-    # whose last plan was the 50% one. Going back to 50% must not find that plan "up to date".
+    # Starts where the revert test left off (once DVC's run-cache restored the 25% merge without
+    # Snakemake, whose last plan was the 50% one). Going back to 50% must not find that plan "up to date".
     steps = [("50%", "snakemake"), ("25%", "dvc"), ("50%", "dvc"), ("25%", "snakemake")]
     for budget, tool in steps:
         set_budget(repo, budget)

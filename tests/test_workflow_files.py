@@ -72,7 +72,7 @@ def test_dvc_stages_call_snakemake_targets():
     assert build["cmd"] == "snakemake ${output.dir}/manifest.json"
     assert {"Snakefile", "rules", "mergepipe", "models"} <= set(build["deps"])
     assert build["params"] == [{"params.yaml": None}]
-    assert build["outs"] == ["${output.dir}"]
+    assert build["outs"] == [{"${output.dir}": {"persist": True}}]  # DVC must not delete a user's folder there
     ignored = (REPO / ".dvcignore").read_text().split()
     assert {"__pycache__/", ".snakemake/", ".mergepipe/", "run.json"} <= set(ignored)
     config = configparser.ConfigParser()
