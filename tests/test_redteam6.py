@@ -3,9 +3,14 @@ cluster folder, a careless shell or a half-edited params.yaml. Each test lost a 
 or published a model that verify called OK before its fix."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
+from mergepipe.cli import main
+from tests.helpers import write_config
 from tests.workflow_helpers import make_workspace, run
 
 GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
@@ -34,3 +39,74 @@ def test_dvc_repro_never_deletes_a_users_folder_at_output_dir(tmp_path):
     assert proc.returncode != 0
     assert "output.dir 'mywork'" in proc.stdout + proc.stderr
     assert _tree(mine) == before
+
+
+def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, tmp_path, capsys):
+    """A folder holding a user's model.safetensors and a manifest.json copied from another
+    output (`cp -r merged mine` and then new weights moved in, or the manifest copied over)
+    passed as a complete mergepipe output: `run` replaced it, weights lost. A weight file is
+    ours only at the inode and size run.json recorded, or if it matches the manifest."""
+    def config(name: str, out: Path, **kw) -> Path:
+        (tmp_path / name).mkdir()
+        return write_config(tmp_path / name, tiny_family, output={"dir": str(out)},
+                            cache_dir=str(tmp_path / "cache"), **kw)
+    out = tmp_path / "out"
+    cfg = config("c", out)
+    assert main(["run", str(cfg), "-q"]) == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"my fine-tune")
+    shutil.copy(out / "manifest.json", mine)
+    shutil.copytree(out, tmp_path / "mine2")  # a whole copy, then a fine-tune moved over its weights
+    (tmp_path / "ft.safetensors").write_bytes(b"my other fine-tune")
+    os.replace(tmp_path / "ft.safetensors", tmp_path / "mine2" / "model.safetensors")
+    for folder in (mine, tmp_path / "mine2"):
+        before = _tree(folder)
+        other = config(f"c-{folder.name}", folder)
+        capsys.readouterr()
+        assert main(["run", str(other), "-q"]) == 7
+        assert "not the weight file mergepipe published" in capsys.readouterr().err
+        assert _tree(folder) == before
+    # what stays replaceable: a flipped byte in place (damage) and the same bytes under a new
+    # inode without run.json (a folder DVC restored)
+    weights = out / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert main(["run", str(cfg), "-q"]) == 0 and weights.read_bytes() == good
+    (out / "run.json").unlink()
+    weights.unlink()
+    weights.write_bytes(good)
+    lam = config("c-lambda", out, parameters={"lambda": 0.9})
+    assert main(["run", str(lam), "-q"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["plan"]["parameters"]["lambda"] == 0.9
+
+
+def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_path, capsys, monkeypatch):
+    """The base's unmerged regions are copied file to file and their hashes taken from its
+    index: a base rewritten in place while a merge ran (a shared folder, `cp` over a shard)
+    published other bytes under the index's hashes, and plain `verify` (and `run`) called it
+    OK. The inputs' stat keys are now checked again before publishing."""
+    import mergepipe.util.fs as fs
+    fam = tmp_path / "fam"
+    shutil.copytree(tiny_family["root"], fam)
+    cfg = write_config(tmp_path, {**tiny_family, "root": fam}, budget="10%")
+    base = fam / "base" / "model.safetensors"
+    copy_range = fs.copy_range
+
+    def racing(src_fd, src_offset, *args, **kw):
+        if os.fstat(src_fd).st_ino == base.stat().st_ino:  # a user's in-place edit, now
+            b = os.pread(src_fd, 1, src_offset)
+            with open(base, "r+b") as f:
+                f.seek(src_offset)
+                f.write(bytes([b[0] ^ 0x5A]))
+            monkeypatch.setattr(fs, "copy_range", copy_range)
+        return copy_range(src_fd, src_offset, *args, **kw)
+    monkeypatch.setattr(fs, "copy_range", racing)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "-q"]) == 3
+    assert "changed while the merge ran" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert fs.copy_range is copy_range  # the edit happened
+    assert main(["run", str(cfg), "-q"]) == 0  # the next run indexes the edited base
+    assert main(["verify", str(tmp_path / "out"), "--deep", "-q"]) == 0
+

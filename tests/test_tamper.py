@@ -375,10 +375,10 @@ def test_flipped_byte_in_a_published_output_is_rebuilt_by_run(tiny_family, tiny_
     rc, err = _run(["run", str(cfg)], capsys)
     assert rc == 0 and "up to date" in err
     weights = out / "model.safetensors"
-    data = weights.read_bytes()  # a private copy: the store holds a hard link to the published file
-    weights.unlink()
-    weights.write_bytes(data)
-    flip(weights, len(data) - 100, hide=hide)
+    # in place: damage keeps the file (a new file with other bytes would be a user's, which
+    # replacing loses: refused, tests/test_redteam6.py); the store's hard link is damaged too,
+    # and the rebuild's deep check of it finds that and merges afresh
+    flip(weights, weights.stat().st_size - 100, hide=hide)
     rc, err = _run(["run", str(cfg)], capsys)
     assert rc == 0 and "up to date" not in err, err
     assert main(["verify", str(out)]) == 0
@@ -404,9 +404,7 @@ def test_relinked_but_unchanged_output_stays_up_to_date(tiny_family, tiny_cache,
     assert rehashes == []
     # and an edit after that is still caught
     weights = tmp_path / "out" / "model.safetensors"
-    data = weights.read_bytes()
-    weights.unlink()
-    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    flip(weights, weights.stat().st_size - 1)  # in place: a new file would be a user's (refused)
     monkeypatch.undo()
     rc, err = _run(["run", str(cfg)], capsys)
     assert rc == 0 and "up to date" not in err, err

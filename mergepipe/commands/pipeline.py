@@ -201,6 +201,8 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
         else:
             realized = (realize(tmp) if realize is not None
                         else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
+            # an input edited in place meanwhile: copied base bytes no longer match their recorded hashes
+            store.check_unchanged([h.path for c in (inputs.base, *inputs.experts.values()) for h in c.files])
             aux = {}
             weight_files = {os.path.realpath(h.path) for h in inputs.base.files}
             tokenizer = plan["output"].get("tokenizer_source")

@@ -111,6 +111,7 @@ class Store:
         self.index_reads = ReadCounter()
         self.hits = 0
         self.builds = 0
+        self.seen: dict[Path, dict] = {}  # stat of each file whose index was trusted or built (check_unchanged)
 
     def _stat_path(self, path: Path, layout: BlockLayout) -> Path:
         key = blake3(f"{path.resolve()}:{layout.key}".encode()).hexdigest()[:32]
@@ -122,6 +123,17 @@ class Store:
         st = path.stat()
         return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
+
+    def check_unchanged(self, paths) -> None:
+        """Raise if one of `paths` changed since its index was trusted or built here: a merge
+        copies the base's bytes file to file and records their hashes from the index, so a base
+        edited in place while the merge ran would be published under hashes it no longer has
+        (and plain `verify` trusts the stat keys recorded at publication)."""
+        for p in paths:
+            want = self.seen.get(Path(p))
+            if want is not None and self._stat(Path(p)) != want:
+                raise CheckpointError(f"{p}: changed while the merge ran (the output would not be the merge of "
+                                      "the recorded inputs); nothing published; run again")
 
     def _model_key(self, fingerprints: dict[str, str], layout: BlockLayout) -> Path:
         key = blake3(json.dumps([sorted(fingerprints.items()), layout.key]).encode()).hexdigest()[:40]
@@ -137,6 +149,7 @@ class Store:
                 return None
             if cached.get("stat") != self._stat(h.path):
                 return None
+            self.seen[h.path] = cached["stat"]
             fingerprints[h.path.name] = cached["fingerprint"]
         index = _read_index(self._model_key(fingerprints, block_bytes), binfmt.decode_model)
         if index is None or not _model_matches(index, ckpt, block_bytes, anchor):
@@ -151,6 +164,7 @@ class Store:
         for h in ckpt.files:
             if self._stat(h.path) != stats[h.path]:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
+            self.seen[h.path] = stats[h.path]
         fingerprints = file_fingerprints(ckpt, index)
         data = binfmt.encode_model(index)
         _atomic_write(self._model_key(fingerprints, index.layout), data)

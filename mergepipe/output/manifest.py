@@ -157,6 +157,28 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
     return man
 
 
+def replaced_weight_file(out_dir: Path, man: dict) -> str | None:
+    """The first weight file the manifest records that is not the one mergepipe published
+    there (a user's weights under a copied manifest, a shard replaced by another file), or None.
+    A file at the inode and size run.json recorded is ours even if its bytes changed (a flipped
+    byte: damage, which a rebuild repairs); any other is ours only if it matches the manifest
+    (a folder restored by DVC, without run.json). Missing files and links are not checked:
+    replacing the folder loses neither."""
+    recorded = _recorded_stat(out_dir)
+    for name, rec in sorted(man["outputs"]["files"].items()):
+        path = out_dir / name
+        if not (isinstance(rec, dict) and isinstance(rec.get("tree"), str)) or path.is_symlink() or not path.is_file():
+            continue
+        key, st = recorded.get(name), os.stat(path)
+        if isinstance(key, list) and len(key) == 5 and [st.st_size, st.st_ino, st.st_dev] == [key[0], key[3], key[4]]:
+            continue
+        try:
+            _check_tree(path, rec, man)
+        except IntegrityError:
+            return name
+    return None
+
+
 def _check_tree(path: Path, rec: dict, man: dict) -> None:
     """A weight file: size, then its hash tree recomposed from every block, against the manifest."""
     from mergepipe.checkpoint.safetensors import CheckpointError

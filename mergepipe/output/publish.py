@@ -291,6 +291,11 @@ def _not_ours(target: Path) -> str | None:
     foreign = [n for n in entries if n not in files and n not in (MANIFEST, RUN_INFO)]
     if foreign:
         return f"holds {foreign[0]!r}, which the mergepipe output there does not record"
+    from mergepipe.output.manifest import replaced_weight_file
+    replaced = replaced_weight_file(target, man)
+    if replaced is not None:
+        return (f"holds {replaced!r}, which is not the weight file mergepipe published there (another file, "
+                "and not the manifest's bytes: a user's weights?)")
     edited = _edited(target, files)
     if edited is not None:
         return (f"holds {edited!r}, edited since mergepipe published it (a rebuild would replace the edit; "
