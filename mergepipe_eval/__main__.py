@@ -218,6 +218,8 @@ def cmd_smollm_strategy_seeds(a) -> int:
     per_seed = [ss.merge_results(v) if len(v) > 1 else v[0] for v in by_family.values()]
     res = smollm_seeds.across_seeds(per_seed, methods=a.methods.split(","), strategies=a.strategies.split(","),
                                     budgets=a.budgets.split(","), n_boot=a.boot)
+    if a.keep:
+        res = smollm_seeds.keep_from(res, json.loads(Path(a.keep).read_text()), a.methods.split(","))
     _write_json(Path(a.out), res)
     return 0
 
@@ -426,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--result", action="append", required=True,
                    help="smollm-strategy-screen JSON (repeat; one family per seed, several files per family merged)")
     s.add_argument("--methods", default="ta_l0.5,ta_l1.0,ties", help="methods without a full read are skipped")
+    s.add_argument("--keep", help="earlier smollm-strategy-seeds JSON of the same families: methods whose score "
+                   "caches are gone keep its rows (targets recomputed over all)")
     s.add_argument("--strategies", default="energy,sketch")
     s.add_argument("--budgets", default="10%,25%,50%")
     s.add_argument("--boot", type=int, default=2000)

@@ -161,6 +161,10 @@ def timings(mean: dict) -> list[str]:
         lines.append(f"- seed {seed}, training (30 steps each): " + ", ".join(
             f"{k} {v['train_seconds']:.0f} s (loss {v['first_loss']:.2f} → {v['final_loss']:.2f})"
             for k, v in sorted(experts.items())) + ".")
+    for seed, experts in sorted(mean.get("training_rebuilt", {}).items()):
+        lines.append(f"- seed {seed}, training again (rebuilt work folder, same commands and seeds): " + ", ".join(
+            f"{k} {v['train_seconds']:.0f} s (loss {v['first_loss']:.2f} → {v['final_loss']:.2f})"
+            for k, v in sorted(experts.items())) + ".")
     logs = []
     for seed, log in sorted(mean.get("timings", {}).items()):
         parts = mean.get("invocations", {}).get(seed)

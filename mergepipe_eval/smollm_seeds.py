@@ -98,6 +98,28 @@ def across_seeds(results: list[dict], *, methods: list[str], strategies: list[st
     return out
 
 
+def keep_from(res: dict, previous: dict, methods: list[str]) -> dict:
+    """`res` plus the rows and sketch − energy comparisons of `methods` that `res` lacks (their
+    score caches are gone, e.g. a rebuilt work folder) from `previous`, an earlier
+    across_seeds result of the same families, examples and bootstrap; targets recomputed over
+    all rows (the 10% one against the experts of `res`). Kept methods are listed in `kept`;
+    `previous`'s training log is kept (its experts made the kept rows), this one's moves to
+    `training_rebuilt`."""
+    same = (lambda r: ([Path(f).resolve().as_posix() for f in r["families"]], r["seeds"], r["n"], r["resamples"]))
+    if same(res) != same(previous):
+        raise ValueError("--keep: another set of families, seeds, examples or bootstrap")
+    have = {r["method"] for r in res["rows"]}
+    kept = [m for m in methods if m not in have and any(r["method"] == m for r in previous["rows"])]
+    out = dict(res)
+    out["rows"] = [r for r in previous["rows"] if r["method"] in kept] + res["rows"]
+    out["between"] = [b for b in previous["between"] if b["method"] in kept] + res["between"]
+    out["kept"] = {"methods": kept, "from": "an earlier mean over seeds (score caches no longer present)"}
+    if previous.get("training"):
+        out["training_rebuilt"], out["training"] = res["training"], previous["training"]
+    out["targets"] = targets(out)
+    return out
+
+
 def training(families: list[Path], seeds: list[int]) -> dict:
     """Each expert's train.json (smollm.train_expert): seconds and first/final loss, per seed."""
     out = {}

@@ -129,3 +129,19 @@ def test_extra_run_merges_into_its_seed():
     text = "\n".join(sp.section(per_seed, mean))
     assert "≥ best single expert (noun_cat, 60.0; seeds 0, 1)" in text
     assert "seed 1, screen of ta_l0.5," in text and "seed 0, screen of ta_l1.0," in text
+
+
+def test_keep_rows_whose_caches_are_gone():
+    """smollm-strategy-seeds --keep: a method whose score caches are gone keeps its rows from an
+    earlier mean of the same families; the targets come out as before; another family set fails."""
+    import pytest
+    per_seed = [_seed_result(0), _seed_result(1)]
+    previous = json.loads(json.dumps(_mean(per_seed)))
+    gone = sd.across_seeds(per_seed, methods=["ta_l1.0"], strategies=["energy", "sketch"], budgets=["25%"],
+                           n_boot=20, load=lambda fam, name: None)
+    assert gone["rows"] == [] and gone["targets"] == []
+    kept = sd.keep_from(gone, previous, ["ta_l0.5", "ta_l1.0"])
+    assert kept["kept"]["methods"] == ["ta_l1.0"] and kept["rows"] == previous["rows"]
+    assert kept["targets"] == previous["targets"]
+    with pytest.raises(ValueError, match="another set"):
+        sd.keep_from(gone, {**previous, "families": ["x/s0", "x/s1"]}, ["ta_l1.0"])

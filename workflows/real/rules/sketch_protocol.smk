@@ -128,15 +128,17 @@ rule sketch_protocol_seeds:
     input:
         expand(SP_RESULT, pseed=SP["seeds"]),
         SP_EXTRA_RESULTS,
+        keep=[SP["keep_seeds"]] if SP.get("keep_seeds") else [],
     output:
         SP_SEEDS_RESULT,
     params:
-        results=lambda w, input: " ".join(f"--result {r}" for r in input),
+        results=lambda w, input: " ".join(f"--result {r}" for r in input if r not in input.keep),
+        keep=lambda w, input: " ".join(f"--keep {r}" for r in input.keep),
     log:
         LOGS + "/sketch_protocol_seeds.log",
     shell:
         "{PY} -m mergepipe_eval smollm-strategy-seeds {params.results} --methods {SP_METHODS_ARG}"
-        " --strategies {SP_ARGS[strategies]} --budgets {SP_ARGS[budgets]} --out {output} > {log} 2>&1"
+        " --strategies {SP_ARGS[strategies]} --budgets {SP_ARGS[budgets]} {params.keep} --out {output} > {log} 2>&1"
 
 
 # EVAL.md's sketch section: the protocol (per seed and mean), the earlier 3-task SmolLM2
