@@ -110,3 +110,16 @@ def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_pa
     assert main(["run", str(cfg), "-q"]) == 0  # the next run indexes the edited base
     assert main(["verify", str(tmp_path / "out"), "--deep", "-q"]) == 0
 
+
+
+def test_a_merge_past_float16s_range_is_refused_not_published_as_inf(tiny_family, tmp_path, capsys):
+    """float16 tops out at 65504: a merge into `output.dtype: float16` whose values exceed it
+    (finite in float32) published a model of inf that `verify` called OK."""
+    cfg = write_config(tmp_path, tiny_family, parameters={"lambda": 1e8}, output={"dir": str(tmp_path / "out"),
+                                                                                   "dtype": "float16"})
+    capsys.readouterr()
+    assert main(["run", str(cfg), "-q"]) == 5
+    assert "float16's range" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    ok = write_config(tmp_path, tiny_family, output={"dir": str(tmp_path / "out"), "dtype": "float16"})
+    assert main(["run", str(ok), "-q"]) == 0  # an ordinary float16 merge is not refused

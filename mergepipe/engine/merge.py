@@ -395,7 +395,7 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)
                                        and not (sketched and any(b in bs for bs in sketched.values()))):
         # nothing to merge here: the base rows, cast if the output dtype differs
-        return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype)
+        return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype, t.name)
     if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
         if not sketched:
             return m.kernel(_raw_block(m, t, b, raw, got))
@@ -530,7 +530,7 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     joint = m.joint.tensors.get(t.name) if m.joint is not None else None
     merged = m.method.fn(BlockInputs(t.name, r0, r1, t.shape, base_block, tuple(blocks), m.seed, joint=joint),
                          m.params)
-    return tensor_bytes(merged.to(st.DTYPES[out_t.dtype][1]))
+    return tensor_bytes(_to_output(merged, t.name, out_t.dtype))
 
 
 def _read_sets(reads: dict[str, list[int]]) -> dict[str, list[int] | frozenset[int]]:
@@ -591,10 +591,20 @@ def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def _cast(m: _Merge, raw: memoryview, dtype: str, shape: tuple[int, ...], out_dtype: str) -> memoryview:
+def _cast(m: _Merge, raw: memoryview, dtype: str, shape: tuple[int, ...], out_dtype: str, name: str) -> memoryview:
     """Base rows cast to the output dtype (the torch path)."""
     _torch_path(m)
-    return tensor_bytes(as_tensor(raw, dtype, shape).to(st.DTYPES[out_dtype][1]))
+    return tensor_bytes(_to_output(as_tensor(raw, dtype, shape), name, out_dtype))
+
+
+def _to_output(x, name: str, out_dtype: str):
+    """`x` cast to the output dtype. float16's range is float32's and bfloat16's up to 65504
+    only: a finite value past it would be published as inf (verify checks bytes, not values)."""
+    y = x.to(st.DTYPES[out_dtype][1])
+    if out_dtype == "F16" and bool((torch.isinf(y) & torch.isfinite(x)).any()):
+        raise MethodError(f"tensor {name!r}: values past float16's range (65504) would be published as inf; "
+                          "set output.dtype to bfloat16 or float32, or scale the weights or parameters down")
+    return y
 
 
 def _torch_path(m: _Merge) -> None:

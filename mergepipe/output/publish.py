@@ -294,8 +294,8 @@ def _not_ours(target: Path) -> str | None:
     from mergepipe.output.manifest import replaced_weight_file
     replaced = replaced_weight_file(target, man)
     if replaced is not None:
-        return (f"holds {replaced!r}, which is not the weight file mergepipe published there (another file, "
-                "and not the manifest's bytes: a user's weights?)")
+        return (f"holds {replaced!r}, which is not the weight file mergepipe published there (another file or "
+                "size, and not the manifest's bytes: a user's weights?)")
     edited = _edited(target, files)
     if edited is not None:
         return (f"holds {edited!r}, edited since mergepipe published it (a rebuild would replace the edit; "
