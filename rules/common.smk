@@ -128,6 +128,28 @@ def _check_out() -> None:
 
 _check_out()
 
+DEMO_MARKER = ".mergepipe-demo"  # mergepipe.commands.demo.DEMO_MARKER (that module imports torch)
+
+
+def _check_demo_dir() -> None:
+    """The demo rule's output is the whole demo_dir, which Snakemake deletes before it
+    regenerates it (params.yaml names another expert under it, -F): a model the user put
+    there went with it. Refuse a demo_dir holding anything `mergepipe demo` does not write."""
+    if not os.path.isdir(DEMO_DIR) or os.path.islink(DEMO_DIR):
+        return  # missing (generated), or a file or link: the demo step says why
+    names = sorted(os.listdir(DEMO_DIR))
+    foreign = [n for n in names if n not in (DEMO_MARKER, ".snakemake_timestamp")  # Snakemake's, of directory()
+               and not re.fullmatch(r"base|expert_\d+", n)]
+    if names and DEMO_MARKER not in names:
+        foreign = names
+    if foreign:
+        raise WorkflowError(f"{DEMO_DIR}: holds {foreign[0]!r}, which `mergepipe demo` did not write; the demo "
+                            "rule's output is that whole folder, which Snakemake deletes before regenerating it, so "
+                            "the workflow refuses it: move your models out of it (see dvc.yaml's demo stage)")
+
+
+_check_demo_dir()
+
 
 def model_files(path: str) -> list[str]:
     """The files `mergepipe index` reads for a model: its weight files and index json."""

@@ -123,3 +123,29 @@ def test_a_merge_past_float16s_range_is_refused_not_published_as_inf(tiny_family
     assert not (tmp_path / "out").exists()
     ok = write_config(tmp_path, tiny_family, output={"dir": str(tmp_path / "out"), "dtype": "float16"})
     assert main(["run", str(ok), "-q"]) == 0  # an ordinary float16 merge is not refused
+
+
+def test_a_model_put_in_the_demo_folder_is_not_deleted_with_it(tmp_path):
+    """The demo rule's output (and DVC's demo stage's) is the whole demo folder, which both
+    tools delete before regenerating it: a model the user put there went with it, under DVC as
+    soon as the folder changed, under Snakemake when params.yaml named one more demo expert.
+    DVC's demo output is now `persist` and the workflow refuses a demo folder holding a
+    file `mergepipe demo` did not write."""
+    ws = make_workspace(tmp_path / "ws", with_source=True)
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "workflow"]):
+        subprocess.run([*GIT, *args], cwd=ws, capture_output=True, check=True)
+    run(ws, "dvc", "repro", "demo")
+    mine = ws / "models" / "demo" / "my_expert"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"my fine-tune")
+    proc = run(ws, "dvc", "repro", "demo", check=False)
+    assert proc.returncode != 0 and "'my_expert'" in proc.stdout + proc.stderr
+    assert (mine / "model.safetensors").read_bytes() == b"my fine-tune"
+    params = ws / "params.yaml"
+    text = params.read_text()
+    last = "  - {name: expert_2, path: models/demo/expert_2, weight: 0.7}\n"
+    assert last in text
+    params.write_text(text.replace(last, last + "  - {name: expert_3, path: models/demo/expert_3, weight: 0.3}\n"))
+    proc = run(ws, "snakemake", "merged/manifest.json", check=False)
+    assert proc.returncode != 0 and "'my_expert'" in proc.stdout + proc.stderr
+    assert (mine / "model.safetensors").read_bytes() == b"my fine-tune"
