@@ -293,7 +293,8 @@ def test_poisoned_index_cache_is_caught(fam, tmp_path, capsys, recompute):
     """A cache entry rewritten with a wrong block hash, well-formed (checksum resealed): with its
     content hash left as it was, the store finds that the block hashes do not give it and
     rebuilds the index (the merge is right); with the content hash recomputed too (a consistent
-    lie), the merge reads the block, finds it does not match, and aborts naming the tensor."""
+    lie), the block hashes no longer give the file fingerprints the stat cache recorded, so it
+    is rebuilt too (before pass 7 the merge read the block and aborted naming the tensor)."""
     from mergepipe.index import binfmt
     from mergepipe.index.records import ModelIndex, TensorEntry, content_hash
     cfg = params(tmp_path / "p.yaml", fam, tmp_path / "out", tmp_path / "cache")
@@ -308,14 +309,11 @@ def test_poisoned_index_cache_is_caught(fam, tmp_path, capsys, recompute):
             entry.write_bytes(binfmt.encode_model(ModelIndex(content_hash(tensors) if recompute else idx.content_hash,
                                                              idx.block_bytes, tensors)))
             victim = first.name
+    assert victim
     rc, err = _run(["run", str(cfg), "-q"], capsys)
-    if recompute:
-        assert rc == 6 and repr(victim) in err and err.count("\n") == 1, err
-        assert not (tmp_path / "out").exists()
-    else:
-        assert rc == 0, err
-        assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
-        assert main(["verify", str(tmp_path / "out")]) == 0
+    assert rc == 0, err
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+    assert main(["verify", str(tmp_path / "out")]) == 0
 
 
 @pytest.mark.parametrize("forge", ["no outputs", "files a list", "file outside", "no blake3", "tensors missing"])

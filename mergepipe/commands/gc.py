@@ -4,7 +4,8 @@ What it may remove:
   merges/<plan_hash>/   finished merges kept so that an earlier plan is restored, not recomputed;
                         those referenced by a `--keep` output folder or plan.json stay
   merges/*.partial      store entries a dead process left half written
-  parts/                part files of split merges (a finished gather no longer needs them)
+  parts/                part files of split merges (a finished gather no longer needs them), each only
+                        beside the part job's sidecar that records its size
   calibration/ weighted/ joint/ sketch/   the calibrated strategy's importance artifacts and
                         energies, joint methods' statistics and the sketch strategy's sketches
                         (rebuilt when a plan or merge needs them again); those a `--keep` output
@@ -144,6 +145,21 @@ def _written_by_us(sub: str, path: Path) -> bool:
     return b'"format":"mergepipe-importance-' in head.replace(b" ", b"") and len(head) > 8
 
 
+def _part_is_ours(path: Path) -> bool:
+    """A part file a `merge --part` job wrote: its sidecar (parts.py's JSON, sorted keys, indent 1)
+    beside it, recording this file's size for the .safetensors; a user's part-1-of-2.* is kept."""
+    sidecar = path.with_suffix(".json")
+    if not _head(sidecar, 20).startswith(b'{\n "base_bytes_'):
+        return False
+    if path.suffix == ".json":
+        return True
+    try:
+        info = json.loads(sidecar.read_text())
+        return info["file"]["size"] == path.stat().st_size
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+
+
 def _referenced(sub: str, path: Path, keep: Keep) -> bool:
     if sub == "joint":
         return path.name[:-len(".stats")] in keep.joint
@@ -183,7 +199,7 @@ def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = Fal
                 continue
             if sub == "merges" and p.name in keep.plans or sub in _DERIVED and _referenced(sub, p, keep):
                 continue
-            if sub in _DERIVED and not _written_by_us(sub, p):
+            if sub in _DERIVED and not _written_by_us(sub, p) or sub == "parts" and not _part_is_ours(p):
                 if foreign is not None:
                     foreign.append(p)
                 continue

@@ -321,5 +321,7 @@ def _valid_row(r: object, payload: int) -> bool:
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, nbytes, nnz))
     floats = all(isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                  for v in (alpha, s1))
+    # alpha is the float32 of s1 / nnz (_finish): a scale edited or damaged alone is not trusted
     return (ints and floats and off + nbytes <= payload and isinstance(digest, str) and len(digest) == 64
-            and float(np.float32(alpha)) == float(alpha))
+            and float(np.float32(alpha)) == float(alpha)
+            and float(alpha) == (float(np.float32(s1 / nnz)) if nnz else 0.0))

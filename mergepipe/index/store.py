@@ -102,6 +102,26 @@ def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
     return out
 
 
+def _fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
+    """file_fingerprints, from a decoded (columnar) index's digests without hex round trips."""
+    cols = index.tensors
+    if not isinstance(cols, ModelColumns):
+        return file_fingerprints(ckpt, index)
+    out = {}
+    for h in ckpt.files:
+        fp = blake3(h.header_bytes)
+        names = list(h.table.names)  # data-offset order, as file_fingerprints hashes them
+        i = cols.index_of(names[0]) if names else 0
+        if cols.names[i:i + len(names)] == names:  # the file's tensors in a row of the index: one update
+            fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + len(names)]])
+        else:
+            for name in names:
+                i = cols.index_of(name)
+                fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + 1]])
+        out[h.path.name] = fp.hexdigest()
+    return out
+
+
 DELTA_FORMAT = 3  # bump when DeltaIndex changes meaning: old cache entries are then ignored
 
 
@@ -153,6 +173,10 @@ class Store:
             fingerprints[h.path.name] = cached["fingerprint"]
         index = _read_index(self._model_key(fingerprints, block_bytes), binfmt.decode_model)
         if index is None or not _model_matches(index, ckpt, block_bytes, anchor):
+            return None
+        # another model's index of the same shapes copied under this key is self-consistent:
+        # its block hashes must give the fingerprints recorded for these files
+        if _fingerprints(ckpt, index) != fingerprints:
             return None
         self.hits += 1
         return index
