@@ -216,7 +216,8 @@ def _merge_part(args: argparse.Namespace, plan: dict) -> int:
     store = Store(args.cache_dir)
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
-    info = merge_part(plan, inputs, Path(args.o), i, n, store, threads=args.threads, progress=not args.quiet)
+    info = merge_part(plan, inputs, Path(args.o), i, n, store, threads=args.threads, progress=not args.quiet,
+                      force=args.force)
     what = ("plan is in the store; nothing to merge" if info["from_store"] else
             f"{len(info['tensors'])} tensors, expert bytes read {_mib(sum(info['expert_bytes_read'].values()))}")
     _log(args, f"part {i}/{n} of plan {plan['plan_hash'][:16]} -> {part_paths(args.o, i, n)[0]} "

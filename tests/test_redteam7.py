@@ -81,3 +81,60 @@ def test_gc_keeps_a_users_part_named_files(tiny_family, tmp_path, capsys):
     assert len(list(parts.iterdir())) == 4
     assert main(["gc", "--cache-dir", str(tmp_path / "cache"), "-q"]) == 0
     assert not list(parts.iterdir())
+
+
+def test_merge_part_never_replaces_a_users_file_of_a_parts_name(tiny_family, tmp_path, capsys):
+    """`merge --part 1/2 -o FOLDER` replaced FOLDER's part-1-of-2.safetensors (a user's download)
+    and part-2-of-2.json whatever they were. Now refused (exit 7) unless --force; a part job's
+    own files are still replaced by a rerun."""
+    cfg = write_config(tmp_path, tiny_family)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan)]) == 0
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    mine = {"part-1-of-2.safetensors": (Path(tiny_family["root"]) / "expert_1" / "model.safetensors").read_bytes(),
+            "part-2-of-2.json": b'{"notes": 1}\n'}
+    for name, data in mine.items():
+        (folder / name).write_bytes(data)
+    capsys.readouterr()
+    for i in (1, 2):
+        assert main(["merge", str(plan), "--part", f"{i}/2", "-o", str(folder), "-q"]) == 7
+        err = capsys.readouterr().err
+        assert "not a part file mergepipe wrote" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == mine
+    parts = tmp_path / "parts"
+    for _ in range(2):  # a rerun replaces the part job's own files
+        for i in (1, 2):
+            assert main(["merge", str(plan), "--part", f"{i}/2", "-o", str(parts), "-q"]) == 0
+    assert main(["gather", str(plan), str(parts), "--parts", "2", "-o", str(tmp_path / "out"), "-q"]) == 0
+    assert main(["verify", str(tmp_path / "out")]) == 0
+    assert main(["merge", str(plan), "--part", "1/2", "-o", str(folder), "-q", "--force"]) == 0
+
+
+def test_reimporting_never_replaces_a_fine_tune_saved_into_the_stacked_folder(tiny_family, tmp_path, capsys):
+    """A stacked folder (`params.stacked/`, from import-mergekit) was replaced whole by the next
+    import as long as it held stack.json: a fine-tune saved into it (`save_pretrained` there)
+    and the user's notes were lost. A previous stack is now replaced only while it holds only
+    a stack's files and its model.safetensors holds the bytes the import wrote (their blake3)."""
+    import yaml
+    root = Path(tiny_family["root"])
+    mk = tmp_path / "frankenmerge.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "dtype": "float32", "slices": [
+        {"sources": [{"model": str(root / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(root / "expert_1"), "layer_range": [2, 4]}]}]}))
+    params = tmp_path / "params.yaml"
+    stacked = tmp_path / "params.stacked"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 0  # a stack replaces a stack
+    weights = stacked / "model.safetensors"
+    fine_tune = weights.read_bytes()[:-4] + b"\x01\x02\x03\x04"  # the same size, written in place
+    with open(weights, "r+b") as f:
+        f.write(fine_tune)
+    capsys.readouterr()
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 7
+    assert weights.read_bytes() == fine_tune and "model.safetensors" in capsys.readouterr().err
+    shutil.rmtree(stacked)
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 0
+    (stacked / "notes.md").write_text("mine")
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 7
+    assert (stacked / "notes.md").read_text() == "mine"

@@ -146,18 +146,8 @@ def _written_by_us(sub: str, path: Path) -> bool:
 
 
 def _part_is_ours(path: Path) -> bool:
-    """A part file a `merge --part` job wrote: its sidecar (parts.py's JSON, sorted keys, indent 1)
-    beside it, recording this file's size for the .safetensors; a user's part-1-of-2.* is kept."""
-    sidecar = path.with_suffix(".json")
-    if not _head(sidecar, 20).startswith(b'{\n "base_bytes_'):
-        return False
-    if path.suffix == ".json":
-        return True
-    try:
-        info = json.loads(sidecar.read_text())
-        return info["file"]["size"] == path.stat().st_size
-    except (OSError, ValueError, TypeError, KeyError):
-        return False
+    from mergepipe.commands.parts import part_is_ours  # the engine is imported only for a parts/ folder
+    return part_is_ours(path)
 
 
 def _referenced(sub: str, path: Path, keep: Keep) -> bool:

@@ -82,6 +82,21 @@ def part_paths(parts_dir: str | Path, i: int, n: int) -> tuple[Path, Path]:
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
 
 
+def part_is_ours(path: Path) -> bool:
+    """A part file a part job wrote: its sidecar (`_write_json`: sorted keys, indent 1) beside
+    it, recording this file's size for the .safetensors. A user's part-1-of-2.* is not."""
+    sidecar = path.with_suffix(".json")
+    try:
+        with open(sidecar, "rb") as f:
+            if not f.read(20).startswith(b'{\n "base_bytes_'):
+                return False
+        if path.suffix == ".json":
+            return True
+        return json.loads(sidecar.read_text())["file"]["size"] == path.stat().st_size
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+
+
 def _stored(store: Store, plan: dict) -> bool:
     """A finished merge of this plan is in the store (its files are rehashed on restore)."""
     cached = store.root / "merges" / plan["plan_hash"]
@@ -113,13 +128,19 @@ def _check_parts_dir(parts_dir: Path, inputs: Inputs) -> None:
 
 
 def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
-               threads: int = 2, progress: bool = False) -> dict:
-    """Merge part i of n into parts_dir; returns its sidecar (also written as JSON)."""
+               threads: int = 2, progress: bool = False, force: bool = False) -> dict:
+    """Merge part i of n into parts_dir; returns its sidecar (also written as JSON). A file
+    of the part's name that a part job did not write (a user's part-1-of-2.safetensors) is
+    replaced only with `force`."""
     check_parts(n, what=f"--part {i}/{n}", tensors=len(inputs.base.tensors))
     parts_dir = Path(parts_dir)
     _check_parts_dir(parts_dir, inputs)
     parts_dir.mkdir(parents=True, exist_ok=True)
     st_path, js_path = part_paths(parts_dir, i, n)
+    for p in (st_path, js_path):
+        if not force and os.path.lexists(p) and (p.is_symlink() or not p.is_file() or not part_is_ours(p)):
+            raise OutputError(f"{p}: exists and is not a part file mergepipe wrote; refusing to replace it "
+                              "(choose another -o, or pass --force)")
     names = partition(inputs.base, n)[i - 1]
     info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,
                   "from_store": False, "tensors": {}, "base_bytes_read": 0, "base_bytes_copied": 0,

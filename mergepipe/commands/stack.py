@@ -12,7 +12,9 @@ of a merge of this folder keeps it, so the manifest hashes it). Built in a tempo
 beside the target and renamed into place, every time (the sources may have changed since;
 stack.json names them by path only, so that the same inputs give the same bytes anywhere) and
 published as merges are (output/publish.py: locked, swapped in atomically, never through a
-symbolic link); a previous stack there is replaced, any other folder only with `force`.
+symbolic link); a previous stack there is replaced (even a re-import's `force`, which
+params.yaml needs, replaces it only while it holds only a stack's files and the weights the
+import wrote: their blake3 is in stack-sources.json), any other folder only with `force`.
 
 The folder goes stale when a source model changes after the import: `stack-sources.json`
 (not copied into merges: machine-specific) records each source folder and the stat keys
@@ -147,6 +149,31 @@ def stack_sources(folder: str | Path) -> list[Path]:
         return []
 
 
+def _weight_key(path: Path) -> str:
+    """The blake3 of the stack's weights (the same for the same config and sources, so a rebuild
+    writes the same record): a fine-tune saved over them, in place too, changes it."""
+    from mergepipe.util.fs import hash_file
+    return hash_file(path)
+
+
+def _check_replaceable_stack(target: Path) -> None:
+    """A previous stack is replaced (even by a re-import's --force, which params.yaml needs) only
+    while it holds only a stack's files and the weights the import wrote (where it recorded their hash)."""
+    allowed = {"model.safetensors", "config.json", STACK_FILE, SOURCES_FILE, *COPIED}
+    extra = sorted(p.name for p in target.iterdir() if p.name not in allowed or not p.is_file() or p.is_symlink())
+    if extra:
+        raise OutputError(f"{target}: the stacked folder holds {extra[0]!r}, which the import did not write; "
+                          "move it out or remove the folder to rebuild the stack")
+    try:
+        want = json.loads((target / SOURCES_FILE).read_text(encoding="utf-8")).get("weights")
+        now = _weight_key(target / "model.safetensors")
+    except (OSError, ValueError, AttributeError):
+        want, now = None, None
+    if want is not None and now != want:
+        raise OutputError(f"{target / 'model.safetensors'}: changed since the import wrote it (a fine-tune saved "
+                          "there?); move it out or remove the folder to rebuild the stack")
+
+
 def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,
                 rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
@@ -169,6 +196,8 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
     text = json.dumps(record, sort_keys=True, indent=1) + "\n"
     if target.exists() and not (target / STACK_FILE).is_file() and not force:
         raise OutputError(f"{target}: exists and is not a stacked model; remove it or pass --force")
+    if (target / STACK_FILE).is_file():
+        _check_replaceable_stack(target)
     first_root = roots[slices[0]["model"]]
     try:
         config = json.loads((first_root / "config.json").read_text(encoding="utf-8"))
@@ -206,6 +235,7 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
             if (first_root / name).is_file():
                 shutil.copyfile(first_root / name, tmp / name)
         (tmp / STACK_FILE).write_text(text)
-        (tmp / SOURCES_FILE).write_text(json.dumps({"sources": stats, "rerun": rerun}, sort_keys=True, indent=1) + "\n")
+        record = {"sources": stats, "rerun": rerun, "weights": _weight_key(tmp / "model.safetensors")}
+        (tmp / SOURCES_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return target
