@@ -79,7 +79,10 @@ def load_cached(path: Path, base_index: ModelIndex) -> BlockEnergy | None:
         return None
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{path}: unreadable calibrated-energy cache entry ({e}); delete it") from None
-    ok = isinstance(data, dict) and data.get("format") == WEIGHTED_FORMAT and isinstance(data.get("tensors"), dict)
+    # `key`: the entry's own name (its expert's, base's, artifact's and layout's hash), so an entry of
+    # another expert copied under this one's key (same shapes, self-consistent) is rebuilt, never used
+    ok = (isinstance(data, dict) and data.get("format") == WEIGHTED_FORMAT and data.get("key") == path.stem
+          and isinstance(data.get("tensors"), dict))
     if ok:
         for name, values in data["tensors"].items():
             entry = base_index.tensors.get(name)
@@ -102,7 +105,7 @@ def _digest(energies: dict) -> str:
 
 def save(path: Path, energies: BlockEnergy, artifact: str) -> None:
     """`artifact`: the importance artifact's blake3 these energies were made with."""
-    atomic_write_bytes(path, canonical_json({"format": WEIGHTED_FORMAT, "artifact": artifact,
+    atomic_write_bytes(path, canonical_json({"format": WEIGHTED_FORMAT, "key": path.stem, "artifact": artifact,
                                              "tensors": energies, "blake3": _digest(energies)}))
 
 

@@ -1,0 +1,33 @@
+"""Red-team pass 8 (issue 15): calibrated plans' cache entries, gc, sweeps, signals and the
+environment. Each test published a model that verify called OK, or lost a user's file,
+before its fix."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from mergepipe.cli import main
+from tests.test_calibrated import _config, llama  # noqa: F401 - the tiny Llama fixture
+
+
+def test_another_experts_weighted_energies_copied_under_this_key_are_rebuilt(llama, tmp_path):  # noqa: F811
+    """A calibrated plan's weighted/ entry (importance-weighted block energies) of another
+    expert of the same shapes, copied over this expert's entry, passed every check (format,
+    tensors, block counts, its own blake3): the plan chose blocks by the other expert's
+    energies and a model of another plan was published that plain verify called OK. An entry
+    now records its own key (expert, base, artifact, layout) and is rebuilt when another's."""
+    cfg = _config(tmp_path, llama, "30%")
+    out = tmp_path / "out-30"
+    assert main(["run", str(cfg), "-q"]) == 0
+    want = (out / "model.safetensors").read_bytes()
+    plan_hash = json.loads((out / "manifest.json").read_text())["plan_hash"]
+    entries = sorted((llama / "cache" / "weighted").glob("*.json"))
+    assert len(entries) == 2
+    shutil.copyfile(entries[0], entries[1])
+    shutil.rmtree(out)
+    shutil.rmtree(llama / "cache" / "merges")
+    assert main(["run", str(cfg), "-q"]) == 0
+    assert main(["verify", str(out)]) == 0
+    assert json.loads((out / "manifest.json").read_text())["plan_hash"] == plan_hash
+    assert (out / "model.safetensors").read_bytes() == want
