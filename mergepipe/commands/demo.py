@@ -23,7 +23,7 @@ from blake3 import blake3
 from safetensors.torch import save_file
 
 from mergepipe.errors import ConfigError, MergepipeError, OutputError
-from mergepipe.util.fs import canonical_json
+from mergepipe.util.fs import atomic_write_bytes, canonical_json, hash_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,16 +214,55 @@ def _expert(k: int, base: dict[str, torch.Tensor], *, seed: int, layers: int,
 
 
 DEMO_MARKER = ".mergepipe-demo"  # beside base/ and expert_*/: a rerun may rewrite them
+_MARKER_TEXT = "written by `mergepipe demo`; its base/ and expert_*/ may be rewritten\n"
+_METADATA = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "model.safetensors.index.json")
+
+
+def _demo_writes(name: str) -> bool:
+    """A file name a rerun replaces or deletes in a model folder (_write_metadata, _write_weights)."""
+    return name in _METADATA or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _read_marker(out: Path) -> dict | None:
+    """The marker's record {"files": {model/name: blake3}, "writing": [model]}; None for a
+    marker of an earlier version (no record: its folders are trusted as before)."""
+    import json
+    try:
+        rest = (out / DEMO_MARKER).read_text(encoding="utf-8").split("\n", 1)[1]
+        record = json.loads(rest) if rest.strip() else None
+    except (OSError, ValueError, IndexError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("files"), dict) and isinstance(record.get("writing"), list)
+    return record if ok else None
+
+
+def _write_marker(out: Path, record: dict) -> None:
+    atomic_write_bytes(out / DEMO_MARKER, _MARKER_TEXT.encode() + canonical_json(record) + b"\n")
 
 
 def _check_target(out: Path, models: list[str]) -> None:
     """`mergepipe demo models` where models/base is the user's real model must not replace its
-    weights: model folders are rewritten only under a folder that demo wrote before (its marker).
+    weights: model folders are rewritten only under a folder that demo wrote before (its marker),
+    and there only files of the bytes demo wrote (the marker records their blake3): a fine-tune
+    saved into expert_0/, or a user's model put at expert_3/, is refused, not replaced.
     A file or a dangling link where a folder goes is refused too (mkdir's traceback before)."""
     for path in (out, *(out / m for m in models)):
         if (path.is_symlink() or path.exists()) and not path.is_dir():
             raise OutputError(f"{path}: exists and is not a folder; give the demo a new folder")
     if (out / DEMO_MARKER).is_file():
+        record = _read_marker(out)
+        if record is None:
+            return
+        for model in models:
+            folder = out / model
+            if model in record["writing"] or not folder.is_dir():
+                continue  # a rerun of one cut short rewrites it
+            for f in sorted(folder.iterdir()):
+                if _demo_writes(f.name) and not (f.is_file() and not f.is_symlink()
+                                                 and record["files"].get(f"{model}/{f.name}") == hash_file(f)):
+                    raise OutputError(f"{f}: was not written by `mergepipe demo` (not the bytes it wrote); "
+                                      "refusing to overwrite it; move it out, or give the demo a new folder")
         return
     for model in models:
         folder = out / model
@@ -252,7 +291,11 @@ def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3
     p, out = PRESETS[preset], Path(out_dir)
     _check_target(out, ["base", *(f"expert_{k}" for k in range(n_experts))])
     out.mkdir(parents=True, exist_ok=True)
-    (out / DEMO_MARKER).write_text("written by `mergepipe demo`; its base/ and expert_*/ may be rewritten\n")
+    models = ["base", *(f"expert_{k}" for k in range(n_experts))]
+    record = _read_marker(out) or {"files": {}, "writing": []}
+    record = {"files": {k: v for k, v in record["files"].items() if k.split("/")[0] not in models},
+              "writing": sorted(set(record["writing"]) | set(models))}
+    _write_marker(out, record)
     tied = p.tied if tied is None else tied
     family: dict = {"preset": preset, "dtype": dtype, "tied": tied, "seed": seed,
                     "base": str(out / "base"), "experts": [], "sharded": None,
@@ -277,6 +320,10 @@ def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3
         _write_metadata(out / model, p, tied=tied, dtype=dtype)
         _write_weights(out / model, tensors, shard_bytes=(
             shard_bytes or -(-total // 3)) if k == shard_expert else None)
+        record["files"].update({f"{model}/{f.name}": hash_file(f) for f in sorted((out / model).iterdir())
+                                if _demo_writes(f.name) and f.is_file()})
+        record["writing"].remove(model)
+        _write_marker(out, record)
         if progress:
             print(f"demo: {model} {total / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   file=sys.stderr)
