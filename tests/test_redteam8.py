@@ -54,3 +54,28 @@ def test_a_demo_rerun_keeps_a_users_model_in_the_demo_folder(tmp_path):
     with pytest.raises(OutputError, match="expert_0/model.safetensors"):
         make_family(out, preset="tiny", n_experts=3, shard_expert=None, seed=1)
     assert (out / "expert_0" / "model.safetensors").read_bytes() == b"a fine-tune"
+
+
+def test_an_importance_artifact_of_another_recipe_copied_under_this_key_is_rebuilt(llama, tmp_path):  # noqa: F811
+    """The calibration artifact of the same base and text made with another max_tokens, copied
+    over this recipe's file, passed every check (base and text hashes, vectors' blake3): base
+    and text do not pin the recipe, and the plan then named the copy, so even --replay agreed.
+    The artifact now records its own store key and is rebuilt when it holds another's."""
+    arts = llama / "cache" / "calibration"  # (the fixture's cache is shared: other tests' artifacts too)
+    shutil.rmtree(arts, ignore_errors=True)
+    small = _config(tmp_path / "s", llama, "30%", max_tokens=64)
+    assert main(["run", str(small), "-q"]) == 0
+    (art_small,) = arts.glob("*.safetensors")
+    big = _config(tmp_path / "b", llama, "30%")  # max_tokens 512
+    out = tmp_path / "b" / "out-30"
+    assert main(["run", str(big), "-q"]) == 0
+    want = (out / "model.safetensors").read_bytes()
+    plan_hash = json.loads((out / "manifest.json").read_text())["plan_hash"]
+    (art_big,) = set(arts.glob("*.safetensors")) - {art_small}
+    assert art_big.read_bytes() != art_small.read_bytes()
+    shutil.copyfile(art_small, art_big)
+    shutil.rmtree(out)
+    shutil.rmtree(llama / "cache" / "merges")
+    assert main(["run", str(big), "-q"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["plan_hash"] == plan_hash
+    assert (out / "model.safetensors").read_bytes() == want

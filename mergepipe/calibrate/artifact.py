@@ -2,7 +2,8 @@
 
 File format: a safetensors file (written by our writer) with two F32 vectors per covered
 tensor, `<tensor>::rows` (length shape[0]) and `<tensor>::cols` (length prod(shape[1:]),
-1 for 1-D tensors), and metadata {format, base, text, recipe, sequences, tokens, vectors}.
+1 for 1-D tensors), and metadata {format, base, text, recipe, key, sequences, tokens, vectors}
+(`key`: the file's own store key, so a copy under another key is refused on load).
 `vectors` is the blake3 of every vector's name and bytes (`vectors_hash`), so an edit that
 keeps the file well-formed (a changed value, a swapped vector) is caught on load. Stored
 under `<cache>/calibration/<key>.safetensors`, key = blake3(base content hash, text blake3,

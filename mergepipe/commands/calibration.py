@@ -38,7 +38,9 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
     # keyed by the base's content hash, which is the plain layout's in every layout
     # (index/store.py), so a layout with vocabulary blocks reuses the artifact
     path = artifact.artifact_path(store.root, base_index.content_hash, text_hash, recipe)
-    meta = {"base": base_index.content_hash, "text": text_hash, "recipe": RECIPE}
+    # `key`: the file records its own key, so an artifact of another recipe (max_tokens, seq_len)
+    # copied under this one's name is rebuilt (base and text alone do not pin the recipe)
+    meta = {"base": base_index.content_hash, "text": text_hash, "recipe": RECIPE, "key": path.stem}
     try:
         importance = artifact.load(path, base, expect=meta) if path.exists() else None
     except IntegrityError:
