@@ -76,7 +76,7 @@ def ensure_artifact(family: Path, cache: Path, text: Path) -> str:
                 r, c = artifact.vector_lengths(t.shape)
                 imp[name] = (rng.random(r, dtype=np.float32) + 0.01, rng.random(c, dtype=np.float32) + 0.01)
         artifact.save(path, imp, {"base": index.content_hash, "text": text_hash, "recipe": RECIPE,
-                                  "synthetic": "bench/plan_speed.py: seeded random vectors"})
+                                  "key": path.stem, "synthetic": "bench/plan_speed.py: seeded random vectors"})
     return str(path)
 
 
