@@ -62,3 +62,16 @@ def tiny_cache(tiny_family, tmp_path_factory) -> Path:
             store.delta_index(base, base_index, expert, index)
         (cache / ".done").touch()
     return cache
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """tests/tiny_llama.py's family with its calibration text (only some of the vocabulary's
+    rows are used); one per test module, so a module's cache is its own."""
+    import numpy as np
+
+    from tests.tiny_llama import WORDS, tiny_llama
+    root = tiny_llama(tmp_path_factory.mktemp("llama"))
+    rng = np.random.default_rng(0)
+    (root / "calib.txt").write_text(" ".join(rng.choice(WORDS[:8], 600)))
+    return root

@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 from mergepipe.cli import main
-from tests.test_calibrated import _config, llama  # noqa: F401 - the tiny Llama fixture
+from tests.tiny_llama import calibrated_config as _config
 
 
-def test_another_experts_weighted_energies_copied_under_this_key_are_rebuilt(llama, tmp_path):  # noqa: F811
+def test_another_experts_weighted_energies_copied_under_this_key_are_rebuilt(llama, tmp_path):
     """A calibrated plan's weighted/ entry (importance-weighted block energies) of another
     expert of the same shapes, copied over this expert's entry, passed every check (format,
     tensors, block counts, its own blake3): the plan chose blocks by the other expert's
@@ -56,7 +56,7 @@ def test_a_demo_rerun_keeps_a_users_model_in_the_demo_folder(tmp_path):
     assert (out / "expert_0" / "model.safetensors").read_bytes() == b"a fine-tune"
 
 
-def test_an_importance_artifact_of_another_recipe_copied_under_this_key_is_rebuilt(llama, tmp_path):  # noqa: F811
+def test_an_importance_artifact_of_another_recipe_copied_under_this_key_is_rebuilt(llama, tmp_path):
     """The calibration artifact of the same base and text made with another max_tokens, copied
     over this recipe's file, passed every check (base and text hashes, vectors' blake3): base
     and text do not pin the recipe, and the plan then named the copy, so even --replay agreed.
