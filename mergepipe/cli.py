@@ -20,6 +20,11 @@ from pathlib import Path
 from mergepipe import __version__
 from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
 
+# numpy's OpenBLAS starts a thread per core at import, and they spin before they sleep:
+# on two cores that took ~0.15 CPU-s from every command (perf, BENCHMARKS.md). No result
+# of mergepipe's comes from BLAS (index/kernels.py sums in a fixed order), so one thread.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 def _log(args: argparse.Namespace, msg: str) -> None:
     if not args.quiet:

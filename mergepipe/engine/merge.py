@@ -3,7 +3,8 @@
 For each tensor in the base's order, for each block: where no expert block is
 planned and the output dtype is the base's, the output is the base's bytes: runs of
 such blocks are copied file to file in the kernel (util.fs.copy_range:
-copy_file_range, else pread/pwrite) and take their block hashes from the base index
+copy_file_range, else pread/pwrite) on a thread of their own (engine/copies.py), and
+take their block hashes from the base index
 (trusted through the stat cache, like every cached index; `verify --deep` rereads).
 Elsewhere: read the base rows and only the planned expert rows (engine/prefetch.py:
 coalesced preads, blake3-checked against the index), merge in fp32 (the method's
@@ -32,6 +33,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
+from mergepipe.engine.copies import BackgroundCopies
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, pack_runs, packable, read_pack,
                                    slice_digests)
@@ -213,6 +215,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     work = _work_list(plan, base, inputs.base_index, layout, writers, out_of, per_expert, sketched,
                       rewrites, rewrites_at)
     hasher: OutputHasher | None = None
+    copies: BackgroundCopies | None = None
     base_fds: dict[Path, int] = {}
     try:
         for h in base.files:
@@ -225,43 +228,55 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
 
         def load(name: str | Pack, kind: str, blocks: list[int]):
             if kind == PACK:
-                return _load_pack(name, reader, writers, base_fds)
-            if kind == MERGE:
-                return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
+                return read_pack(name, reader.base, reader.base_index, reader.base_reader, reader.experts,
+                                 reader.expert_indexes, reader.readers, reader.reads)
+            return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
+
+        def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
             t = base.tensors[name]
             ranges = inputs.base_index.tensors[name].ranges
             r0, r1 = ranges[blocks[0]][0], ranges[blocks[-1]][1]
             nbytes = (r1 - r0) * t.row_bytes()
-            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file], t.begin + r0 * t.row_bytes(),
-                                                               nbytes)
+            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file],
+                                                               t.begin + r0 * t.row_bytes(), nbytes)
 
+        # the reader window holds only what the merging thread waits for; copied runs go to
+        # the copier as the loop passes them (engine/copies.py)
+        to_read = [w for w in work if not _is_copy(w)]
+        copies = BackgroundCopies(prog)
         with ThreadPoolExecutor(max(1, threads)) as pool, _torch_threads(m):
-            for (name, kind, blocks), result in prefetched(pool, load, work, 2 * max(1, threads)):
+            loaded = prefetched(pool, load, to_read, 2 * max(1, threads))
+            for name, kind, blocks in work:
                 if kind == PACK:
-                    _finish_pack(m, name, result, out_of, writers, realized)
-                    prog.step(name.end - name.begin)
+                    if name.kind == COPY:
+                        copies.submit(_copy_pack, name, writers, base_fds)
+                        m.hasher.add_whole(name.names, block_digests(inputs.base_index, name.names), digests=True)
+                    else:
+                        _finish_pack(m, name, next(loaded)[1], out_of, writers)
+                        prog.step(name.end - name.begin)
                     continue
                 entry = inputs.base_index.tensors[name]
                 if kind == MERGE:
-                    base_buf, got, codes = result
+                    base_buf, got, codes = next(loaded)[1]
                     m.sketch_codes.update(codes)
                     fname, out_t = out_of[name]
                     _merge_unit(m, base.tensors[name], out_t, blocks, base_buf, got, writers[fname])
                     prog.step(len(base_buf))
                 else:
-                    nbytes, kernel_bytes = result
+                    copies.submit(copy_run, name, blocks)
                     hasher.add_digests(name, [bytes.fromhex(entry.hashes[b]) for b in blocks])
-                    realized.base_bytes_copied += nbytes
-                    realized.kernel_bytes_copied += kernel_bytes
-                    prog.step(nbytes)
                 if blocks[-1] == len(entry.ranges) - 1:
                     hasher.end_tensor(name)
                     m.cuts.drop(name)
+            copies.finish()
+        realized.base_bytes_copied, realized.kernel_bytes_copied = copies.bytes, copies.kernel_bytes
         file_hashes = hasher.finish()
         realized.tensors = hasher.tensors  # the hasher is done with it: no second 100k-entry dict
         for w in writers.values():
             w.close()
     except BaseException:
+        if copies is not None:
+            copies.cancel()  # before the writers' and the base's fds close
         if hasher is not None:
             try:
                 hasher.finish()
@@ -429,29 +444,23 @@ def _group_rewrites(plan: dict, method: Method, rewrites: bool):
     return at
 
 
-def _load_pack(pack: Pack, reader: UnitReader, writers: dict[str, SafetensorsWriter],
-               base_fds: dict[Path, int]) -> PackRead | tuple[int, int]:
-    """In a pool thread: read a MERGE pack (engine/packs.py), or copy a COPY pack file to file
-    (returns (bytes, bytes the kernel copied))."""
-    if pack.kind == MERGE:
-        return read_pack(pack, reader.base, reader.base_index, reader.base_reader, reader.experts,
-                         reader.expert_indexes, reader.readers, reader.reads)
+def _is_copy(item: tuple) -> bool:
+    """A work item the copier takes: a COPY run, or a COPY pack."""
+    name, kind, _ = item
+    return kind == COPY or (kind == PACK and name.kind == COPY)
+
+
+def _copy_pack(pack: Pack, writers: dict[str, SafetensorsWriter], base_fds: dict[Path, int]) -> tuple[int, int]:
+    """On the copier's thread: copy a COPY pack file to file; (bytes, bytes the kernel copied)."""
     nbytes = pack.end - pack.begin
     return nbytes, writers[pack.out_file].copy_rows(pack.names[0], 0, base_fds[pack.file], pack.begin, nbytes)
 
 
-def _finish_pack(m: _Merge, pack: Pack, result: PackRead | tuple[int, int], out_of: dict,
-                 writers: dict[str, SafetensorsWriter], realized: Realized) -> None:
-    """Merge, write and hash a MERGE pack, or hash a copied COPY pack (from the base index's
-    block digests, as for copied runs). Each tensor of a pack is one whole block."""
+def _finish_pack(m: _Merge, pack: Pack, result: PackRead, out_of: dict,
+                 writers: dict[str, SafetensorsWriter]) -> None:
+    """Merge, write and hash a MERGE pack (engine/packs.py). Each tensor of a pack is one
+    whole block."""
     tensors = m.inputs.base.tensors
-    if pack.kind == COPY:
-        nbytes, kernel_bytes = result
-        index = m.inputs.base_index
-        m.hasher.add_whole(pack.names, block_digests(index, pack.names), digests=True)
-        realized.base_bytes_copied += nbytes
-        realized.kernel_bytes_copied += kernel_bytes
-        return
     if _elementwise(m, pack, result):
         # one kernel call for the pack: its tensors are adjacent in every buffer, and an
         # elementwise kernel's output element depends only on the same element of its inputs
