@@ -1,6 +1,7 @@
-"""The base runs a merge keeps are copied on the copier's thread (engine/copies.py), apart
-from the merging thread: the bytes are the same, every run is copied, and a failed copy
-stops the merge with one line and nothing published."""
+"""Buffered writes (MERGEPIPE_DIRECT_WRITES=0, and file systems with reflinks): the base runs
+a merge keeps are copied on the copier's thread (engine/copies.py), apart from the merging
+thread: the bytes are the same, every run is copied, and a failed copy stops the merge with
+one line and nothing published."""
 from __future__ import annotations
 
 import errno
@@ -23,6 +24,7 @@ def _energy_config(tmp_path, family, out: str = "out"):
 
 def test_copied_runs_go_to_the_copier_thread_and_give_the_same_bytes(tiny_family, tmp_path, monkeypatch):
     import mergepipe.util.fs as fs
+    monkeypatch.setenv("MERGEPIPE_DIRECT_WRITES", "0")
     seen: list[str] = []
     copy_range = fs.copy_range
 
@@ -45,6 +47,7 @@ def test_copied_runs_go_to_the_copier_thread_and_give_the_same_bytes(tiny_family
 def test_a_failed_copy_stops_the_merge_with_one_line_and_nothing_published(tiny_family, tmp_path, monkeypatch,
                                                                            capsys):
     import mergepipe.util.fs as fs
+    monkeypatch.setenv("MERGEPIPE_DIRECT_WRITES", "0")
     calls = [0]
     copy_range = fs.copy_range
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from mergepipe.checkpoint import header_scan
+from mergepipe.checkpoint.direct_io import DirectAppender, direct_open
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint import tensor_table
 from mergepipe.checkpoint.tensor_table import TensorTable, concat
@@ -604,12 +605,17 @@ class SafetensorsWriter:
     any order and are `pwrite`n at their offsets, so memory stays O(block)."""
 
     def __init__(self, path: str | Path, tensors: list[OutTensor], *,
-                 metadata: dict[str, str] | None = None, align_like: int | None = None) -> None:
+                 metadata: dict[str, str] | None = None, align_like: int | None = None,
+                 direct: bool = False) -> None:
         """`align_like`: the data start of the base file this one mirrors (same tensors at
         the same data offsets). The header is then padded with spaces so that this file's
         data starts at the same offset modulo FS_BLOCK as the base's: copied runs of base
         bytes sit at the same place within a file-system block, so a reflink-capable file
-        system (btrfs, XFS) can share their extents instead of copying them."""
+        system (btrfs, XFS) can share their extents instead of copying them.
+
+        `direct`: the caller writes every byte in file order (`write_rows` only, no
+        `copy_rows`), and they go to the device around the page cache where the file system
+        takes O_DIRECT (checkpoint/direct_io.py)."""
         self.path = Path(path)
         # columns, made in whole-column steps (100k tensors): tensor i's data is offsets[i]:offsets[i + 1]
         self._tensors = tensors
@@ -633,10 +639,16 @@ class SafetensorsWriter:
         self.header = len(raw).to_bytes(8, "little") + raw  # the file's first data_start bytes
         self.data_start = len(self.header)
         self.size = self.data_start + offset
+        self._appender = None
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            self._fd = direct_open(self.path, flags)[0] if direct else os.open(self.path, flags, 0o644)
             os.ftruncate(self._fd, self.size)
-            self._pwrite(self.header, 0)
+            if direct:
+                self._appender = DirectAppender(self._fd)
+                self._appender.append(self.header)
+            else:
+                self._pwrite(self.header, 0)
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write: {e.strerror}") from None
         self.bytes_written = self.data_start
@@ -671,20 +683,30 @@ class SafetensorsWriter:
         t = self._tensors[i]
         return self.data_start + self._offsets[i] + row_start * row_bytes(t.shape, ITEMSIZE[t.dtype])
 
+    @property
+    def direct(self) -> bool:
+        return self._appender is not None
+
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         from mergepipe.util.fs import start_writeback
         offset, n = self.offset_of(name, row_start), len(memoryview(data).cast("B"))
         try:
-            self._pwrite(data, offset)
+            if self._appender is not None:
+                if offset != self._appender.position:  # a bug of the caller's, not a user error
+                    raise AssertionError(f"{self.path}: tensor {name!r} row {row_start} written out of order")
+                self._appender.append(data)
+            else:
+                self._pwrite(data, offset)
+                start_writeback(self._fd, offset, n)  # so that close()'s fsync has little left
         except OSError as e:
             raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
-        start_writeback(self._fd, offset, n)  # so that close()'s fsync has little left
         self.bytes_written += n
 
     def copy_rows(self, name: str, row_start: int, src_fd: int, src_offset: int, nbytes: int) -> int:
         """Copy rows of `name` from another file (base bytes the output keeps) without them
         passing through Python (util.fs.copy_range); returns the bytes the kernel copied."""
         from mergepipe.util.fs import copy_range, start_writeback
+        assert self._appender is None, "a direct writer takes its bytes in order (write_rows)"
         offset = self.offset_of(name, row_start)
         try:
             kernel = copy_range(src_fd, src_offset, self._fd, offset, nbytes)
@@ -697,14 +719,22 @@ class SafetensorsWriter:
         """fsync and close; the caller publishes the folder."""
         if self._fd >= 0:
             try:
+                if self._appender is not None:
+                    self._appender.close()  # its last chunk is padded to the sector: cut it back
+                    os.ftruncate(self._fd, self.size)
                 os.fsync(self._fd)
             except OSError as e:
-                raise OutputError(f"{self.path}: fsync failed: {e.strerror}") from None
+                raise OutputError(f"{self.path}: {'fsync' if self._appender is None else 'write'} failed: "
+                                  f"{e.strerror}") from None
             finally:
+                self._appender = None
                 os.close(self._fd)
                 self._fd = -1
 
     def abort(self) -> None:
+        if self._appender is not None:
+            self._appender.abort()
+            self._appender = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

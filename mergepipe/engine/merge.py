@@ -33,7 +33,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
-from mergepipe.engine.copies import BackgroundCopies
+from mergepipe.engine.copies import BackgroundCopies, read_run
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, pack_runs, packable, read_pack,
                                    slice_digests)
@@ -50,7 +50,7 @@ from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_kn
 from mergepipe.methods.slerp import cosine_from_sums
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.treehash import hash_weight_file
-from mergepipe.util.fs import hash_file
+from mergepipe.util.fs import hash_file, shares_extents
 from mergepipe.util.memory import keep_freed_memory
 from mergepipe.util.progress import Progress
 
@@ -105,7 +105,7 @@ COPY_BYTES = 64 << 20  # base bytes per in-kernel copy (runs are cut so that the
 
 
 def segments(t: TensorInfo, ranges: tuple[tuple[int, int], ...], planned: set[int], *,
-             copy_ok: bool) -> list[tuple[str, list[int]]]:
+             copy_ok: bool, copy_bytes: int = COPY_BYTES) -> list[tuple[str, list[int]]]:
     """A tensor's blocks in order, grouped into (MERGE, unit) runs of planned blocks (read
     with one pread, about UNIT_BYTES) and (COPY, run) runs of blocks no expert is planned
     for (the base's bytes, copied file to file, about COPY_BYTES). Without `copy_ok` (the
@@ -116,7 +116,7 @@ def segments(t: TensorInfo, ranges: tuple[tuple[int, int], ...], planned: set[in
     for b, (r0, r1) in enumerate(ranges):
         kind = MERGE if (b in planned or not copy_ok) else COPY
         nbytes = (r1 - r0) * row_bytes
-        limit = UNIT_BYTES if kind == MERGE else COPY_BYTES
+        limit = UNIT_BYTES if kind == MERGE else copy_bytes
         if out and out[-1][0] == kind and size + nbytes <= limit:
             out[-1][1].append(b)
             size += nbytes
@@ -198,8 +198,9 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
     realized = Realized()
     align = base_alignment(base, layout)  # so that copied base runs can be reflinked
-    writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
-               for fname, ts in layout.items()}
+    direct = _direct_writes(out_dir, base, layout)
+    writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname),
+                                        direct=direct) for fname, ts in layout.items()}
     out_of = _OutOf(layout, writers)
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
     prog = Progress(base.total_bytes, "merging", progress)
@@ -213,7 +214,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     per_expert = list(reads.values())
     sketched = _sketched_by_tensor(plan)
     work = _work_list(plan, base, inputs.base_index, layout, writers, out_of, per_expert, sketched,
-                      rewrites, rewrites_at)
+                      rewrites, rewrites_at, copy_bytes=UNIT_BYTES if direct else COPY_BYTES)
     hasher: OutputHasher | None = None
     copies: BackgroundCopies | None = None
     base_fds: dict[Path, int] = {}
@@ -226,30 +227,46 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         if "tensor_parameters" in plan:
             m.variants = TensorVariants(plan, lambda state, p, es: _for_group(state, p, es, compiled))
 
-        def load(name: str | Pack, kind: str, blocks: list[int]):
-            if kind == PACK:
-                return read_pack(name, reader.base, reader.base_index, reader.base_reader, reader.experts,
-                                 reader.expert_indexes, reader.readers, reader.reads)
-            return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
-
-        def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
+        def base_run(name: str, blocks: list[int]) -> tuple[Path, int, int, int]:
+            """(base file, offset, bytes, first row) of a run of a tensor's blocks."""
             t = base.tensors[name]
             ranges = inputs.base_index.tensors[name].ranges
             r0, r1 = ranges[blocks[0]][0], ranges[blocks[-1]][1]
-            nbytes = (r1 - r0) * t.row_bytes()
-            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file],
-                                                               t.begin + r0 * t.row_bytes(), nbytes)
+            return t.file, t.begin + r0 * t.row_bytes(), (r1 - r0) * t.row_bytes(), r0
 
-        # the reader window holds only what the merging thread waits for; copied runs go to
-        # the copier as the loop passes them (engine/copies.py)
-        to_read = [w for w in work if not _is_copy(w)]
+        def load(name: str | Pack, kind: str, blocks: list[int]):
+            if kind == PACK:
+                if name.kind == COPY:  # direct writes only: the bytes the output keeps
+                    return read_run(base_fds[name.file], name.begin, name.end - name.begin, name.file)
+                return read_pack(name, reader.base, reader.base_index, reader.base_reader, reader.experts,
+                                 reader.expert_indexes, reader.readers, reader.reads)
+            if kind == COPY:  # direct writes only
+                path, offset, nbytes, _ = base_run(name, blocks)
+                return read_run(base_fds[path], offset, nbytes, path)
+            return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
+
+        def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
+            path, offset, nbytes, r0 = base_run(name, blocks)
+            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[path], offset, nbytes)
+
+        # Buffered writes: the reader window holds only what the merging thread waits for, and
+        # copied runs go to the copier as the loop passes them. Direct writes take every byte
+        # in file order: copied runs are read by the reader threads (not hashed: their hashes
+        # are the index's) and appended like merged blocks (engine/copies.py)
+        to_read = work if direct else [w for w in work if not _is_copy(w)]
         copies = BackgroundCopies(prog)
+        copied = 0  # direct writes' copied bytes
         with ThreadPoolExecutor(max(1, threads)) as pool, _torch_threads(m):
             loaded = prefetched(pool, load, to_read, 2 * max(1, threads))
             for name, kind, blocks in work:
                 if kind == PACK:
                     if name.kind == COPY:
-                        copies.submit(_copy_pack, name, writers, base_fds)
+                        if direct:
+                            writers[name.out_file].write_rows(name.names[0], 0, next(loaded)[1])
+                            copied += name.end - name.begin
+                            prog.step(name.end - name.begin)
+                        else:
+                            copies.submit(_copy_pack, name, writers, base_fds)
                         m.hasher.add_whole(name.names, block_digests(inputs.base_index, name.names), digests=True)
                     else:
                         _finish_pack(m, name, next(loaded)[1], out_of, writers)
@@ -263,13 +280,19 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     _merge_unit(m, base.tensors[name], out_t, blocks, base_buf, got, writers[fname])
                     prog.step(len(base_buf))
                 else:
-                    copies.submit(copy_run, name, blocks)
+                    if direct:
+                        buf = next(loaded)[1]
+                        writers[out_of[name][0]].write_rows(name, entry.ranges[blocks[0]][0], buf)
+                        copied += len(buf)
+                        prog.step(len(buf))
+                    else:
+                        copies.submit(copy_run, name, blocks)
                     hasher.add_digests(name, [bytes.fromhex(entry.hashes[b]) for b in blocks])
                 if blocks[-1] == len(entry.ranges) - 1:
                     hasher.end_tensor(name)
                     m.cuts.drop(name)
             copies.finish()
-        realized.base_bytes_copied, realized.kernel_bytes_copied = copies.bytes, copies.kernel_bytes
+        realized.base_bytes_copied, realized.kernel_bytes_copied = copies.bytes + copied, copies.kernel_bytes
         file_hashes = hasher.finish()
         realized.tensors = hasher.tensors  # the hasher is done with it: no second 100k-entry dict
         for w in writers.values():
@@ -299,9 +322,20 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     return realized
 
 
+def _direct_writes(out_dir: Path, base: Checkpoint, layout: dict[str, list[OutTensor]]) -> bool:
+    """Whether the output files are written in order around the page cache
+    (checkpoint/direct_io.py): where the output is laid out in the base's tensor order (the
+    loop then writes each file front to back) on a file system whose copy_file_range copies
+    (ext4; not btrfs/XFS, whose reflinks share the copied runs' extents instead), unless
+    MERGEPIPE_DIRECT_WRITES=0."""
+    if os.environ.get("MERGEPIPE_DIRECT_WRITES", "1") == "0" or shares_extents(out_dir):
+        return False
+    return [n for ts in layout.values() for n in map(itemgetter(0), ts)] == list(base.tensors.names)
+
+
 def _work_list(plan: dict, base: Checkpoint, base_index: ModelIndex, layout: dict[str, list[OutTensor]],
                writers: dict[str, SafetensorsWriter], out_of: _OutOf, per_expert: list[dict], sketched: dict,
-               rewrites: bool, rewrites_at) -> list[tuple]:
+               rewrites: bool, rewrites_at, *, copy_bytes: int = COPY_BYTES) -> list[tuple]:
     """(tensor, MERGE | COPY, blocks) or (Pack, PACK, ()) for every tensor, in base order:
     small single-block tensors in packs (engine/packs.py), the others in segments."""
     table = base.tensors
@@ -327,7 +361,7 @@ def _work_list(plan: dict, base: Checkpoint, base_index: ModelIndex, layout: dic
         planned = set().union(*(r.get(name, ()) for r in per_expert), *sketched.get(name, {}).values())
         ranges = base_index.tensors[name].ranges
         work.extend((name, kind, blocks) for kind, blocks in segments(table.info(i), ranges, planned,
-                                                                         copy_ok=copy_ok(i)))
+                                                                         copy_ok=copy_ok(i), copy_bytes=copy_bytes))
 
     kinds = _pack_kinds(plan, table, layout, grouped, rewrites, first_planned)
     if kinds is not None:  # a run of packs at a time (packs.pack_runs)

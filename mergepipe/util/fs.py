@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -103,6 +104,29 @@ _NO_KERNEL_COPY = frozenset((errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPN
 
 
 REFLINK_BLOCK = 4096  # file-system block: the unit btrfs and XFS share extents in
+# statfs f_type of the Linux file systems whose copy_file_range shares extents (reflinks)
+_REFLINK_FS = {0x9123683E: "btrfs", 0x58465342: "xfs", 0x2FC12FC1: "zfs", 0x6969: "nfs"}
+
+
+def file_system_type(path: str | Path) -> int | None:
+    """statfs(2)'s f_type of the file system holding `path` (Linux), else None."""
+    try:
+        import ctypes
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first word
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.statfs(os.fsencode(str(path)), buf) != 0:
+            return None
+        return int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_long)], sys.byteorder, signed=True) & 0xFFFFFFFF
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def shares_extents(path: str | Path) -> bool:
+    """Whether copy_file_range on the file system of `path` may share extents (btrfs, XFS,
+    ZFS; NFS 4.2 servers may clone too) rather than write the bytes again; unknown: True,
+    so that the kernel copy is kept where it is not known to be a plain copy."""
+    kind = file_system_type(path)
+    return kind is None or kind in _REFLINK_FS
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, *,
