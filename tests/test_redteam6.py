@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from mergepipe.cli import main
 from tests.helpers import write_config
 from tests.workflow_helpers import make_workspace, run
@@ -81,17 +83,23 @@ def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, t
     assert json.loads((out / "manifest.json").read_text())["plan"]["parameters"]["lambda"] == 0.9
 
 
-def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_path, capsys, monkeypatch):
-    """The base's unmerged regions are copied file to file and their hashes taken from its
-    index: a base rewritten in place while a merge ran (a shared folder, `cp` over a shard)
-    published other bytes under the index's hashes, and plain `verify` (and `run`) called it
-    OK. The inputs' stat keys are now checked again before publishing."""
+@pytest.mark.parametrize("direct", [False, True], ids=["kernel-copy", "direct-writes"])
+def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_path, capsys, monkeypatch, direct):
+    """The base's unmerged regions are copied file to file (or, with direct writes, read and
+    appended) and their hashes taken from its index: a base rewritten in place while a merge
+    ran (a shared folder, `cp` over a shard) published other bytes under the index's hashes,
+    and plain `verify` (and `run`) called it OK. The inputs' stat keys are now checked again
+    before publishing."""
+    import mergepipe.engine.merge as engine
     import mergepipe.util.fs as fs
+    monkeypatch.setenv("MERGEPIPE_DIRECT_WRITES", "1" if direct else "0")
     fam = tmp_path / "fam"
     shutil.copytree(tiny_family["root"], fam)
     cfg = write_config(tmp_path, {**tiny_family, "root": fam}, budget="10%")
     base = fam / "base" / "model.safetensors"
-    copy_range = fs.copy_range
+    # the kernel copy's entry point, or the direct writes' read of a copied run
+    module, attr = (engine, "read_run") if direct and not fs.shares_extents(tmp_path) else (fs, "copy_range")
+    real = getattr(module, attr)
 
     def racing(src_fd, src_offset, *args, **kw):
         if os.fstat(src_fd).st_ino == base.stat().st_ino:  # a user's in-place edit, now
@@ -99,14 +107,14 @@ def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_pa
             with open(base, "r+b") as f:
                 f.seek(src_offset)
                 f.write(bytes([b[0] ^ 0x5A]))
-            monkeypatch.setattr(fs, "copy_range", copy_range)
-        return copy_range(src_fd, src_offset, *args, **kw)
-    monkeypatch.setattr(fs, "copy_range", racing)
+            monkeypatch.setattr(module, attr, real)
+        return real(src_fd, src_offset, *args, **kw)
+    monkeypatch.setattr(module, attr, racing)
     capsys.readouterr()
     assert main(["run", str(cfg), "-q"]) == 3
     assert "changed while the merge ran" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    assert fs.copy_range is copy_range  # the edit happened
+    assert getattr(module, attr) is real  # the edit happened
     assert main(["run", str(cfg), "-q"]) == 0  # the next run indexes the edited base
     assert main(["verify", str(tmp_path / "out"), "--deep", "-q"]) == 0
 

@@ -3,8 +3,10 @@
 For each tensor in the base's order, for each block: where no expert block is
 planned and the output dtype is the base's, the output is the base's bytes: runs of
 such blocks are copied file to file in the kernel (util.fs.copy_range:
-copy_file_range, else pread/pwrite) on a thread of their own (engine/copies.py), and
-take their block hashes from the base index
+copy_file_range, else pread/pwrite) on a thread of their own (engine/copies.py), or,
+where the output is written around the page cache (checkpoint/direct_io.py: file systems
+without reflinks), read and appended in file order; either way they take their block
+hashes from the base index
 (trusted through the stat cache, like every cached index; `verify --deep` rereads).
 Elsewhere: read the base rows and only the planned expert rows (engine/prefetch.py:
 coalesced preads, blake3-checked against the index), merge in fp32 (the method's
@@ -72,7 +74,7 @@ class Inputs:
 @dataclass
 class Realized:
     base_bytes_read: int = 0
-    base_bytes_copied: int = 0  # base bytes the output keeps, copied file to file (never read into memory)
+    base_bytes_copied: int = 0  # base bytes the output keeps unmerged: copied file to file, or appended
     kernel_bytes_copied: int = 0  # of those, copied by the kernel (copy_file_range), not the fallback
     expert_bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
