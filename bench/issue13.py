@@ -93,6 +93,7 @@ def main() -> int:
                                                       for f in measure.model_files(family / f"expert_{i}")]
     res: dict = {"k": args.k, "family": str(family), "rounds": args.rounds, "model_bytes": sum(
         f.stat().st_size for f in files), "loadavg_start": os.getloadavg(),
+        "memory_start": measure.first_touch_rate(),
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=ROOT).stdout.strip(), "runs": [], "fixed": {}}
 
@@ -188,6 +189,7 @@ def main() -> int:
         res["verify_deep"] = m.to_json()
         print(f"verify --deep: {m.wall_s:.2f} s, rss {m.max_rss_bytes / 2**20:.0f} MiB", flush=True)
     res["loadavg_end"] = os.getloadavg()
+    res["memory_end"] = measure.first_touch_rate()
     (out / "results.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     (out / "report.md").write_text(report(res))
     print(report(res))
@@ -238,7 +240,10 @@ def report(res: dict) -> str:
                     f"ours ÷ mergekit {statistics.median(ours) / statistics.median(mk):.3f} |")
     return (f"K={res['k']}, {res['model_bytes'] / 1e9:.2f} GB of model files, git {res['git']}, "
             f"load average {res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end\n\n"
-            f"no-op `mergepipe run`: {med(fx['noop_run_s'])} s; cached `mergepipe index --base`: "
+            + "".join(f"memory first touch {m['first_touch_gib_s']:.1f} GiB/s against {m['reused_gib_s']:.1f} "
+                      f"reused ({when}; bench/measure.first_touch_rate)\n\n"
+                      for when, m in (("start", res.get("memory_start")), ("end", res.get("memory_end"))) if m)
+            + f"no-op `mergepipe run`: {med(fx['noop_run_s'])} s; cached `mergepipe index --base`: "
             f"{med(fx['cached_index_s'])} s (whole processes, {len(fx['noop_run_s'])} runs)\n\n"
             + "".join(f"{line}\n\n" for line in extra) + "\n".join(rows) + "\n")
 

@@ -209,3 +209,22 @@ def read_bandwidth(paths: list[Path], *, cold: bool, chunk: int = 8 << 20) -> di
 def self_rusage() -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {"max_rss_bytes": ru.ru_maxrss * 1024, "user_s": ru.ru_utime, "sys_s": ru.ru_stime}
+
+
+def first_touch_rate(nbytes: int = 256 << 20) -> dict:
+    """GiB/s of filling memory the process has never touched against refilling the same
+    memory. On a VM whose host takes freed guest memory back, every first touch of a page is
+    a fault in the host: here the two differed 17x (0.5 against 9.4 GiB/s), and each fresh
+    page-cache page a buffered write fills pays it. Recorded beside each run's walls."""
+    import mmap
+    import time
+    m = mmap.mmap(-1, nbytes)
+    chunk = b"\1" * (16 << 20)
+    rates = []
+    for _ in range(2):
+        t = time.perf_counter()
+        for off in range(0, nbytes, len(chunk)):
+            m[off:off + len(chunk)] = chunk
+        rates.append(nbytes / 2**30 / (time.perf_counter() - t))
+    m.close()
+    return {"first_touch_gib_s": rates[0], "reused_gib_s": rates[1]}
