@@ -76,6 +76,7 @@ class DirectAppender:
             self._hand_over(self._fill + pad)
         self._todo.put(None)
         self._thread.join()
+        self._release()
         self._raise()
 
     def abort(self) -> None:
@@ -83,6 +84,18 @@ class DirectAppender:
         self._error = self._error or OSError(errno.ECANCELED, "aborted")
         self._todo.put(None)
         self._thread.join()
+        self._release()
+
+    def _release(self) -> None:
+        """Unmap the buffers (the writer thread has ended, so every one is back)."""
+        bufs = [self._buf]
+        while not self._free.empty():
+            bufs.append(self._free.get_nowait())
+        for buf in bufs:
+            try:
+                buf.close()
+            except BufferError:  # a view still held (by an error's frames): freed with it
+                pass
 
     def _hand_over(self, nbytes: int) -> None:
         self._raise()
@@ -101,8 +114,8 @@ class DirectAppender:
             try:
                 if self._error is None:
                     self._write(memoryview(buf)[:nbytes], at)
-            except BaseException as e:  # raised in the appending thread
-                self._error = e
+            except BaseException as e:  # raised in the appending thread (without this thread's frames,
+                self._error = e.with_traceback(None)  # which hold views of the buffer)
             finally:
                 self._free.put(buf)
 

@@ -640,6 +640,7 @@ class SafetensorsWriter:
         self.data_start = len(self.header)
         self.size = self.data_start + offset
         self._appender = None
+        self._direct = direct
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
             self._fd = direct_open(self.path, flags)[0] if direct else os.open(self.path, flags, 0o644)
@@ -685,7 +686,7 @@ class SafetensorsWriter:
 
     @property
     def direct(self) -> bool:
-        return self._appender is not None
+        return self._direct
 
     def write_rows(self, name: str, row_start: int, data: bytes | memoryview) -> None:
         from mergepipe.util.fs import start_writeback
@@ -695,6 +696,8 @@ class SafetensorsWriter:
                 if offset != self._appender.position:  # a bug of the caller's, not a user error
                     raise AssertionError(f"{self.path}: tensor {name!r} row {row_start} written out of order")
                 self._appender.append(data)
+                if self._appender.position == self.size:  # the last byte: free the buffers now, not
+                    self._finish_direct()                 # at close (one output file after another)
             else:
                 self._pwrite(data, offset)
                 start_writeback(self._fd, offset, n)  # so that close()'s fsync has little left
@@ -702,11 +705,17 @@ class SafetensorsWriter:
             raise OutputError(f"{self.path}: write of tensor {name!r} failed: {e.strerror}") from None
         self.bytes_written += n
 
+    def _finish_direct(self) -> None:
+        """Write the appender's last chunk, padded to the sector, then cut the file back."""
+        appender, self._appender = self._appender, None
+        appender.close()
+        os.ftruncate(self._fd, self.size)
+
     def copy_rows(self, name: str, row_start: int, src_fd: int, src_offset: int, nbytes: int) -> int:
         """Copy rows of `name` from another file (base bytes the output keeps) without them
         passing through Python (util.fs.copy_range); returns the bytes the kernel copied."""
         from mergepipe.util.fs import copy_range, start_writeback
-        assert self._appender is None, "a direct writer takes its bytes in order (write_rows)"
+        assert not self._direct, "a direct writer takes its bytes in order (write_rows)"
         offset = self.offset_of(name, row_start)
         try:
             kernel = copy_range(src_fd, src_offset, self._fd, offset, nbytes)
@@ -718,14 +727,14 @@ class SafetensorsWriter:
     def close(self) -> None:
         """fsync and close; the caller publishes the folder."""
         if self._fd >= 0:
+            what = "fsync" if self._appender is None else "write"
             try:
                 if self._appender is not None:
-                    self._appender.close()  # its last chunk is padded to the sector: cut it back
-                    os.ftruncate(self._fd, self.size)
+                    self._finish_direct()
+                what = "fsync"
                 os.fsync(self._fd)
             except OSError as e:
-                raise OutputError(f"{self.path}: {'fsync' if self._appender is None else 'write'} failed: "
-                                  f"{e.strerror}") from None
+                raise OutputError(f"{self.path}: {what} failed: {e.strerror}") from None
             finally:
                 self._appender = None
                 os.close(self._fd)
