@@ -5,7 +5,8 @@
 Runs the same steps as `mergepipe run` in this process (config, plan from the
 cached index, merge, verify) with timers around the main thread's work: waiting
 for the reader threads, the method's math (the compiled bf16 kernels included),
-converting blocks (bf16 -> fp32 and back, deltas: torch path only), writing, fsync,
+converting blocks (bf16 -> fp32 and back, deltas: torch path only), writing (merged
+blocks; and copied runs where direct writes append them), fsync,
 hashing the output (a thread of its own: only what the main thread waits for at the
 end shows), verifying. Reader threads overlap the main thread, so their time shows
 only as "wait for reads". Prints a
@@ -81,13 +82,30 @@ def main() -> int:
         object.__setattr__(m, "fn", timed("method math", m.fn))
     compiled.CompiledCombine.__call__ = timed("method math", compiled.CompiledCombine.__call__)
     hashing.OutputHasher.finish = timed("wait for output hashing", hashing.OutputHasher.finish)
-    SafetensorsWriter.write_rows = timed("write (pwrite)", SafetensorsWriter.write_rows)
+    in_unit = [False]  # a write inside _merge_unit (merged blocks) or outside it (copied runs, direct writes)
+    real_write = SafetensorsWriter.write_rows
+
+    def write_rows(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return real_write(*a, **kw)
+        finally:
+            spent["write merged blocks" if in_unit[0] else "write outside units (packs, copied runs)"] += time.perf_counter() - t
+    SafetensorsWriter.write_rows = write_rows
+    real_unit = engine._merge_unit
+
+    def merge_unit(*a, **kw):
+        in_unit[0] = True
+        try:
+            return real_unit(*a, **kw)
+        finally:
+            in_unit[0] = False
     SafetensorsWriter.close = timed("fsync + close", SafetensorsWriter.close)
     engine.hash_file = timed("hash output files", engine.hash_file)
     engine.hash_weight_file = timed("hash output files", engine.hash_weight_file)
     manifest.hash_file = engine.hash_file
     pipeline.hash_file = engine.hash_file
-    engine._merge_unit = timed("_merge_unit (all)", engine._merge_unit)
+    engine._merge_unit = timed("_merge_unit (all)", merge_unit)
 
     out = Path(tempfile.mkdtemp(prefix="mergepipe-phases-"))
     try:
@@ -107,7 +125,7 @@ def main() -> int:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     spent["hash output files"] = hash_in_merge  # verify's own rehash is in its row
-    spent["convert blocks, deltas, cast"] = spent["_merge_unit (all)"] - spent["method math"] - spent["write (pwrite)"]
+    spent["convert blocks, deltas, cast"] = spent["_merge_unit (all)"] - spent["method math"] - spent["write merged blocks"]
     del spent["_merge_unit (all)"]
     accounted = sum(v for k, v in spent.items() if k not in ("plan (index from cache)", "verify (rehash output)"))
     spent["merge: other (loop, base-only blocks, manifest)"] = merge_total - accounted
