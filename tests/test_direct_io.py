@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import time
 
 import pytest
 
@@ -151,3 +152,23 @@ def test_a_direct_writer_frees_its_buffers_at_its_last_byte(tmp_path):
     w.close()
     data = (tmp_path / "m.safetensors").read_bytes()
     assert len(data) == w.size and data.endswith(bytes(range(32)) + bytes(8))
+
+
+def test_close_after_a_failed_write_ends_the_writer_thread(tmp_path, monkeypatch):
+    """An error found while the last chunk is handed over still ends the thread (it waited on
+    its queue forever) and unmaps the buffers."""
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        app = DirectAppender(fd)
+        monkeypatch.setattr(app, "_write", lambda view, at: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        app.append(b"x" * CHUNK)  # one chunk handed over: its write fails
+        app.append(b"y" * 10)
+        for _ in range(500):  # the writer thread has failed before close hands the tail over
+            if app._error is not None:
+                break
+            time.sleep(0.01)
+        with pytest.raises(OSError, match="I/O error"):
+            app.close()
+        assert not app._thread.is_alive()
+    finally:
+        os.close(fd)

@@ -70,13 +70,15 @@ class DirectAppender:
     def close(self) -> None:
         """Write what is left (padded with zeros to ALIGN) and wait for every write; raises
         the first write's error. The file is then ALIGN-padded: the caller truncates it."""
-        if self._fill:
-            pad = -self._fill % ALIGN
-            self._buf[self._fill:self._fill + pad] = bytes(pad)
-            self._hand_over(self._fill + pad)
-        self._todo.put(None)
-        self._thread.join()
-        self._release()
+        try:
+            if self._fill:
+                pad = -self._fill % ALIGN
+                self._buf[self._fill:self._fill + pad] = bytes(pad)
+                self._hand_over(self._fill + pad)
+        finally:  # the thread ends and the buffers go even when an earlier write failed
+            self._todo.put(None)
+            self._thread.join()
+            self._release()
         self._raise()
 
     def abort(self) -> None:
