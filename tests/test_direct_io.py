@@ -20,7 +20,7 @@ from tests.helpers import write_config
 
 
 def _append_all(path, pieces: list[bytes]) -> bytes:
-    fd, _ = direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         app = DirectAppender(fd)
         for p in pieces:

@@ -97,18 +97,32 @@ def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_pa
     shutil.copytree(tiny_family["root"], fam)
     cfg = write_config(tmp_path, {**tiny_family, "root": fam}, budget="10%")
     base = fam / "base" / "model.safetensors"
-    # the kernel copy's entry point, or the direct writes' read of a copied run
-    module, attr = (engine, "read_run") if direct and not fs.shares_extents(tmp_path) else (fs, "copy_range")
-    real = getattr(module, attr)
+    def edit(offset: int) -> None:  # a user's in-place edit, now
+        with open(base, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0x5A]))
 
-    def racing(src_fd, src_offset, *args, **kw):
-        if os.fstat(src_fd).st_ino == base.stat().st_ino:  # a user's in-place edit, now
-            b = os.pread(src_fd, 1, src_offset)
-            with open(base, "r+b") as f:
-                f.seek(src_offset)
-                f.write(bytes([b[0] ^ 0x5A]))
-            monkeypatch.setattr(module, attr, real)
-        return real(src_fd, src_offset, *args, **kw)
+    if direct and not fs.shares_extents(tmp_path):
+        module, attr = engine, "CheckpointReader"  # the engine's own reader: the copied runs' reads
+        real = engine.CheckpointReader
+
+        class racing(real):
+            def read_range(self, t, begin, end):
+                if engine.CheckpointReader is not real:
+                    edit(begin)
+                    monkeypatch.setattr(module, attr, real)
+                return super().read_range(t, begin, end)
+    else:
+        module, attr = fs, "copy_range"  # the kernel copy's entry point
+        real = fs.copy_range
+
+        def racing(src_fd, src_offset, *args, **kw):
+            if os.fstat(src_fd).st_ino == base.stat().st_ino:
+                edit(src_offset)
+                monkeypatch.setattr(module, attr, real)
+            return real(src_fd, src_offset, *args, **kw)
     monkeypatch.setattr(module, attr, racing)
     capsys.readouterr()
     assert main(["run", str(cfg), "-q"]) == 3

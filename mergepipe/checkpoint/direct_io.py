@@ -27,15 +27,15 @@ CHUNK = 8 << 20  # bytes per write
 BUFFERS = 3  # one being filled, one being written, one spare
 
 
-def direct_open(path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
-    """os.open with O_DIRECT where the file system takes it: (fd, whether direct)."""
+def direct_open(path, flags: int, mode: int = 0o644) -> int:
+    """os.open with O_DIRECT where the file system takes it, else without."""
     if hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, flags | os.O_DIRECT, mode), True
+            return os.open(path, flags | os.O_DIRECT, mode)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, mode), False
+    return os.open(path, flags, mode)
 
 
 class DirectAppender:

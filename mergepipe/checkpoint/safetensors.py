@@ -643,7 +643,7 @@ class SafetensorsWriter:
         self._direct = direct
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-            self._fd = direct_open(self.path, flags)[0] if direct else os.open(self.path, flags, 0o644)
+            self._fd = direct_open(self.path, flags) if direct else os.open(self.path, flags, 0o644)
             os.ftruncate(self._fd, self.size)
             if direct:
                 self._appender = DirectAppender(self._fd)
@@ -736,7 +736,6 @@ class SafetensorsWriter:
             except OSError as e:
                 raise OutputError(f"{self.path}: {what} failed: {e.strerror}") from None
             finally:
-                self._appender = None
                 os.close(self._fd)
                 self._fd = -1
 

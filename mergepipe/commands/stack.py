@@ -35,6 +35,7 @@ from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, open_
 from mergepipe.config.settings import LAYER_RE
 from mergepipe.errors import CheckpointError, ConfigError, IntegrityError, OutputError
 from mergepipe.output.publish import Publisher
+from mergepipe.util.fs import hash_file
 
 STACK_FILE = "stack.json"
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -149,13 +150,6 @@ def stack_sources(folder: str | Path) -> list[Path]:
         return []
 
 
-def _weight_key(path: Path) -> str:
-    """The blake3 of the stack's weights (the same for the same config and sources, so a rebuild
-    writes the same record): a fine-tune saved over them, in place too, changes it."""
-    from mergepipe.util.fs import hash_file
-    return hash_file(path)
-
-
 def _check_replaceable_stack(target: Path) -> None:
     """A previous stack is replaced (even by a re-import's --force, which params.yaml needs) only
     while it holds only a stack's files and the weights the import wrote (where it recorded their hash)."""
@@ -166,7 +160,7 @@ def _check_replaceable_stack(target: Path) -> None:
                           "move it out or remove the folder to rebuild the stack")
     try:
         want = json.loads((target / SOURCES_FILE).read_text(encoding="utf-8")).get("weights")
-        now = _weight_key(target / "model.safetensors")
+        now = hash_file(target / "model.safetensors")  # a fine-tune saved over them, in place too, changes it
     except (OSError, ValueError, AttributeError):
         want, now = None, None
     if want is not None and now != want:
@@ -235,7 +229,7 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
             if (first_root / name).is_file():
                 shutil.copyfile(first_root / name, tmp / name)
         (tmp / STACK_FILE).write_text(text)
-        record = {"sources": stats, "rerun": rerun, "weights": _weight_key(tmp / "model.safetensors")}
+        record = {"sources": stats, "rerun": rerun, "weights": hash_file(tmp / "model.safetensors")}
         (tmp / SOURCES_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return target

@@ -9,34 +9,16 @@ is copied: BENCHMARKS.md). Copies hold no memory in the process, so the queue is
 bounded; one thread, because every copy takes the output file's inode lock anyway.
 
 Where the output is written around the page cache (checkpoint/direct_io.py), the runs
-are instead read into memory by the reader threads (`read_run`, not hashed: their hashes
-are the index's, as for a kernel copy) and appended in order like merged blocks.
+are instead read by the reader threads (not hashed: their hashes are the index's, as for
+a kernel copy) and appended in order like merged blocks (engine/merge.py).
 """
 from __future__ import annotations
 
-import os
-import sys
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
-from mergepipe.errors import CheckpointError
 from mergepipe.util.progress import Progress
-
-
-def read_run(fd: int, offset: int, nbytes: int, path: Path) -> memoryview:
-    """Bytes [offset, offset + nbytes) of an open base file, into a fresh buffer (a numpy
-    array where numpy is loaded: uninitialised, the read fills it)."""
-    np = sys.modules.get("numpy")
-    view = memoryview(bytearray(nbytes) if np is None else np.empty(nbytes, dtype=np.uint8)).cast("B")
-    got = 0
-    while got < nbytes:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise CheckpointError(f"{path}: file truncated at byte {offset + got}")
-        got += n
-    return view
 
 
 class BackgroundCopies:

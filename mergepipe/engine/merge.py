@@ -31,11 +31,11 @@ from pathlib import Path
 from mergepipe.util.lazy import torch
 
 from mergepipe.checkpoint import safetensors as st
-from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoint, OutTensor,
+from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoint, CheckpointReader, OutTensor,
                                               SafetensorsWriter, TensorInfo, as_tensor, tensor_bytes)
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
-from mergepipe.engine.copies import BackgroundCopies, read_run
+from mergepipe.engine.copies import BackgroundCopies
 from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
 from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, pack_runs, packable, read_pack,
                                    slice_digests)
@@ -220,6 +220,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     hasher: OutputHasher | None = None
     copies: BackgroundCopies | None = None
     base_fds: dict[Path, int] = {}
+    # direct writes: the copied runs' reads (their counter is the bytes the output keeps unmerged)
+    copy_reader = CheckpointReader(base, random_access=False) if direct else None
     try:
         for h in base.files:
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
@@ -229,27 +231,25 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         if "tensor_parameters" in plan:
             m.variants = TensorVariants(plan, lambda state, p, es: _for_group(state, p, es, compiled))
 
-        def base_run(name: str, blocks: list[int]) -> tuple[Path, int, int, int]:
-            """(base file, offset, bytes, first row) of a run of a tensor's blocks."""
-            t = base.tensors[name]
+        def rows(name: str, blocks: list[int]) -> tuple[int, int]:
             ranges = inputs.base_index.tensors[name].ranges
-            r0, r1 = ranges[blocks[0]][0], ranges[blocks[-1]][1]
-            return t.file, t.begin + r0 * t.row_bytes(), (r1 - r0) * t.row_bytes(), r0
+            return ranges[blocks[0]][0], ranges[blocks[-1]][1]
 
         def load(name: str | Pack, kind: str, blocks: list[int]):
             if kind == PACK:
                 if name.kind == COPY:  # direct writes only: the bytes the output keeps
-                    return read_run(base_fds[name.file], name.begin, name.end - name.begin, name.file)
+                    return copy_reader.read_range(name.first, name.begin, name.end)
                 return read_pack(name, reader.base, reader.base_index, reader.base_reader, reader.experts,
                                  reader.expert_indexes, reader.readers, reader.reads)
             if kind == COPY:  # direct writes only
-                path, offset, nbytes, _ = base_run(name, blocks)
-                return read_run(base_fds[path], offset, nbytes, path)
+                return copy_reader.read_rows(name, *rows(name, blocks))
             return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
 
         def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
-            path, offset, nbytes, r0 = base_run(name, blocks)
-            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[path], offset, nbytes)
+            t, (r0, r1) = base.tensors[name], rows(name, blocks)
+            nbytes = (r1 - r0) * t.row_bytes()
+            return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file],
+                                                               t.begin + r0 * t.row_bytes(), nbytes)
 
         # Buffered writes: the reader window holds only what the merging thread waits for, and
         # copied runs go to the copier as the loop passes them. Direct writes take every byte
@@ -257,7 +257,6 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         # are the index's) and appended like merged blocks (engine/copies.py)
         to_read = work if direct else [w for w in work if not _is_copy(w)]
         copies = BackgroundCopies(prog)
-        copied = 0  # direct writes' copied bytes
         with ThreadPoolExecutor(max(1, threads)) as pool, _torch_threads(m):
             loaded = prefetched(pool, load, to_read, 2 * max(1, threads))
             for name, kind, blocks in work:
@@ -265,7 +264,6 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     if name.kind == COPY:
                         if direct:
                             writers[name.out_file].write_rows(name.names[0], 0, next(loaded)[1])
-                            copied += name.end - name.begin
                             prog.step(name.end - name.begin)
                         else:
                             copies.submit(_copy_pack, name, writers, base_fds)
@@ -285,7 +283,6 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     if direct:
                         buf = next(loaded)[1]
                         writers[out_of[name][0]].write_rows(name, entry.ranges[blocks[0]][0], buf)
-                        copied += len(buf)
                         prog.step(len(buf))
                     else:
                         copies.submit(copy_run, name, blocks)
@@ -294,7 +291,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     hasher.end_tensor(name)
                     m.cuts.drop(name)
             copies.finish()
-        realized.base_bytes_copied, realized.kernel_bytes_copied = copies.bytes + copied, copies.kernel_bytes
+        realized.base_bytes_copied = copies.bytes + (copy_reader.counter.total if copy_reader else 0)
+        realized.kernel_bytes_copied = copies.kernel_bytes
         file_hashes = hasher.finish()
         realized.tensors = hasher.tensors  # the hasher is done with it: no second 100k-entry dict
         for w in writers.values():
@@ -312,6 +310,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         raise
     finally:
         reader.close()
+        if copy_reader is not None:
+            copy_reader.close()
         for sk in inputs.sketches.values():
             sk.close()
         for fd in base_fds.values():

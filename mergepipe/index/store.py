@@ -91,33 +91,25 @@ def _delta_matches(delta: DeltaIndex, base_index: ModelIndex, expert_index: Mode
 
 
 def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
-    """Per file: blake3 over its header bytes and its blocks' hashes in offset order."""
-    out = {}
-    for h in ckpt.files:
-        fp = blake3(h.header_bytes)
-        for t in h.tensors:
-            for digest in index.tensors[t.name].hashes:
-                fp.update(bytes.fromhex(digest))
-        out[h.path.name] = fp.hexdigest()
-    return out
-
-
-def _fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
-    """file_fingerprints, from a decoded (columnar) index's digests without hex round trips."""
+    """Per file: blake3 over its header bytes and its blocks' hashes in offset order (from a
+    decoded, columnar index's raw digests without hex round trips)."""
     cols = index.tensors
-    if not isinstance(cols, ModelColumns):
-        return file_fingerprints(ckpt, index)
     out = {}
     for h in ckpt.files:
         fp = blake3(h.header_bytes)
-        names = list(h.table.names)  # data-offset order, as file_fingerprints hashes them
-        i = cols.index_of(names[0]) if names else 0
-        if cols.names[i:i + len(names)] == names:  # the file's tensors in a row of the index: one update
-            fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + len(names)]])
+        if not isinstance(cols, ModelColumns):
+            for t in h.tensors:
+                for digest in cols[t.name].hashes:
+                    fp.update(bytes.fromhex(digest))
         else:
-            for name in names:
-                i = cols.index_of(name)
-                fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + 1]])
+            names = list(h.table.names)  # data-offset order
+            i = cols.index_of(names[0]) if names else 0
+            if cols.names[i:i + len(names)] == names:  # the file's tensors in a row of the index: one update
+                fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + len(names)]])
+            else:
+                for name in names:
+                    i = cols.index_of(name)
+                    fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + 1]])
         out[h.path.name] = fp.hexdigest()
     return out
 
@@ -176,7 +168,7 @@ class Store:
             return None
         # another model's index of the same shapes copied under this key is self-consistent:
         # its block hashes must give the fingerprints recorded for these files
-        if _fingerprints(ckpt, index) != fingerprints:
+        if file_fingerprints(ckpt, index) != fingerprints:
             return None
         self.hits += 1
         return index

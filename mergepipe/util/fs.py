@@ -104,8 +104,9 @@ _NO_KERNEL_COPY = frozenset((errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPN
 
 
 REFLINK_BLOCK = 4096  # file-system block: the unit btrfs and XFS share extents in
-# statfs f_type of the Linux file systems whose copy_file_range shares extents (reflinks)
-_REFLINK_FS = {0x9123683E: "btrfs", 0x58465342: "xfs", 0x2FC12FC1: "zfs", 0x6969: "nfs"}
+# statfs f_type of the Linux file systems whose copy_file_range shares extents (reflinks):
+# btrfs, XFS, ZFS, NFS
+_REFLINK_FS = frozenset((0x9123683E, 0x58465342, 0x2FC12FC1, 0x6969))
 
 
 def file_system_type(path: str | Path) -> int | None:
