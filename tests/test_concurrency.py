@@ -216,3 +216,26 @@ def test_up_to_date_run_cleans_what_a_writer_killed_after_its_commit_left(small_
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_lock_names_its_owner_from_the_moment_it_exists(tmp_path):
+    """The lock is a symbolic link created with its owner as target (one system call), so a
+    writer killed at any moment leaves a lock that names a dead pid, removed by the next run
+    at once, never an empty one that blocks it (the CI flake of kill -9 between create and write)."""
+    target = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    pub = Publisher(target)
+    with pub:
+        assert lock.is_symlink() and os.readlink(lock) == f"{socket.gethostname()}:{os.getpid()}"
+        with pytest.raises(OutputError, match=f":{os.getpid()} \\(this host\\), still running"):
+            with Publisher(target):
+                pass
+    assert not os.path.lexists(lock)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.symlink(f"{socket.gethostname()}:{dead.pid}", lock)  # what kill -9 of a writer leaves
+    pub = Publisher(target)
+    with pub as tmp:
+        (tmp / "f").write_text("ok")
+        pub.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

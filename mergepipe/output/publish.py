@@ -35,7 +35,7 @@ from pathlib import Path
 from mergepipe.errors import OutputError
 
 _RENAME_EXCHANGE = 2
-_EMPTY_LOCK_GRACE_S = 10  # a live writer fills its lock within microseconds of creating it
+_EMPTY_LOCK_GRACE_S = 10  # a file lock (no-symlink folders) is filled microseconds after its creation
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
@@ -50,18 +50,37 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _owner(path: Path) -> tuple[str, int] | None:
-    try:
-        host, pid = path.read_text().strip().rsplit(":", 1)
+    try:  # a symbolic link whose target is the owner; a file holding it (older versions, no-symlink folders)
+        text = os.readlink(path) if path.is_symlink() else path.read_text()
+        host, pid = text.strip().rsplit(":", 1)
         return host, int(pid)
     except (OSError, ValueError):
         return None
+
+
+def _take_lock(lock: Path, me: str) -> None:
+    """Create `lock` naming its owner `me` in one step, or raise FileExistsError. A symbolic
+    link is created with its target (the owner) atomically, so a writer killed at any moment
+    never leaves a lock without an owner; where a folder has no symbolic links (FAT, some
+    FUSE), an exclusive file holds the owner, and one left empty is stale after a grace time."""
+    try:
+        os.symlink(me, lock)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(me)
 
 
 def _stale(path: Path) -> bool:
     owner = _owner(path)
     if owner is None:  # empty: its writer died between creating the lock and writing its pid
         try:
-            return time.time() - path.stat().st_mtime > _EMPTY_LOCK_GRACE_S
+            return time.time() - path.lstat().st_mtime > _EMPTY_LOCK_GRACE_S
         except OSError:
             return False
     return owner is not None and owner[0] == socket.gethostname() and not _pid_alive(owner[1])
@@ -171,12 +190,10 @@ def clean_dead_writer(target: str | Path) -> list[Path]:
             return []  # a live writer: its temp folder is its own
         lock.unlink(missing_ok=True)
     try:
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _take_lock(lock, f"{socket.gethostname()}:{os.getpid()}")
     except OSError:
         return []  # another writer got there first, or a read-only folder: leave it to them
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()}:{os.getpid()}")
         return _remove_leftovers(target) if os.path.isdir(target) else []
     finally:
         lock.unlink(missing_ok=True)
@@ -380,7 +397,7 @@ class Publisher:
         me = f"{socket.gethostname()}:{os.getpid()}"
         for attempt in range(2):
             try:
-                fd = os.open(self.lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                _take_lock(self.lock, me)
                 break
             except FileExistsError:
                 if attempt == 0 and _stale(self.lock):
@@ -390,8 +407,6 @@ class Publisher:
             except OSError as e:  # read-only folder, ...
                 raise OutputError(f"{self.target}: cannot create the lock {self.lock}: {e.strerror}") from None
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
             _recover_previous(self.target)  # a writer killed mid-commit: its previous version, back in place
             self._check_target()  # again under the lock: another writer may have changed it meanwhile
             _remove_leftovers(self.target)
