@@ -14,13 +14,12 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import CheckpointReader, TensorInfo
 from mergepipe.errors import CheckpointError
+from mergepipe.index import ckernels
 from mergepipe.index.ranks import requested_ranks
 from mergepipe.index.records import TensorDelta
 from mergepipe.util.progress import Progress
 
 HI_BINS = 1 << 15  # sign bit is 0 for |x|
-NONFINITE_BIN = 0x7F80  # upper 16 bits of +inf; NaNs sort above it
-NONFINITE_BITS = NONFINITE_BIN << 16
 SMALL_NUMEL = 4096  # tensors this small take DeltaTensorScan._run_small (a sort, not the histogram passes)
 
 
@@ -42,16 +41,14 @@ def _decode(buf: bytearray, dtype: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _add_sums(sums: list[float], b: np.ndarray, e: np.ndarray) -> None:
-    bb, ee, be = _kernels().slerp_sums(b, e)  # fixed summation order: the same on every CPU
-    sums[0] += bb
+def _add_sums(sums: list[float], bb: float, ee: float, be: float) -> None:
+    sums[0] += bb  # each a block's sum in a fixed order (ckernels): the same on every CPU
     sums[1] += ee
     sums[2] += be
 
 
 def _kernels():
-    from mergepipe.index import kernels as index_kernels  # numba: imported only when a delta is computed
-    return index_kernels
+    return ckernels.kernels()  # C, or numba where the library was not built
 
 
 class DeltaTensorScan:
@@ -66,24 +63,23 @@ class DeltaTensorScan:
         self.keep = t.numel * 4 <= cache_bytes
         self.cache: list[np.ndarray | None] = []
 
-    def _abs_bits(self, base_buf: bytearray, exp_buf: bytearray, sums: list[float] | None = None,
-                  keep: bool = False) -> np.ndarray:
+    def _delta(self, base_buf: bytearray, exp_buf: bytearray, hist: np.ndarray | None = None,
+               keep: bool = False) -> tuple[np.ndarray, tuple]:
         """int32 patterns of |expert - base| in fp32 (non-negative: integer order is float order),
-        in a scratch buffer, or a new array when `keep` (it is cached between passes)."""
+        in a scratch buffer, or a new array when `keep` (it is cached between passes), and the
+        block's statistics (nnz, nonfinite, sum b^2, sum e^2, sum b*e, finite sum d^2, sum d),
+        the upper 16 bits counted into `hist` unless None; one kernel pass."""
         n = len(exp_buf) // self.t.itemsize
         b, e, d = _scratch(n)
         if keep:
             d = np.empty(n, dtype=np.float32)
         if self.t.dtype == "BF16":
-            _kernels().bf16_abs_delta(np.frombuffer(base_buf, np.uint16), np.frombuffer(exp_buf, np.uint16), b, e, d)
+            stats = _kernels().delta_bf16(np.frombuffer(base_buf, np.uint16), np.frombuffer(exp_buf, np.uint16),
+                                          d, hist)
         else:
-            _decode(base_buf, self.t.dtype, b), _decode(exp_buf, self.t.dtype, e)
-            with np.errstate(over="ignore", invalid="ignore"):
-                np.subtract(e, b, out=d)
-            np.abs(d, out=d)
-        if sums is not None:
-            _add_sums(sums, b, e)
-        return d.view(np.int32)
+            stats = _kernels().delta_f32(_decode(base_buf, self.t.dtype, b), _decode(exp_buf, self.t.dtype, e),
+                                         d, hist)
+        return d.view(np.int32), stats
 
     def _read(self, i: int) -> tuple[bytearray, bytearray]:
         a, b = self.ranges[i]
@@ -105,7 +101,7 @@ class DeltaTensorScan:
         if self.keep:
             return self.cache[i]
         base_buf, exp_buf = self._read(i)
-        return self._abs_bits(base_buf, exp_buf)
+        return self._delta(base_buf, exp_buf)[0]
 
     def _nonidentical(self) -> Iterator[tuple[int, np.ndarray]]:
         for i in range(len(self.ranges)):
@@ -130,17 +126,15 @@ class DeltaTensorScan:
                 hist[0] += block_n[i]
                 self.cache.append(None)
                 base = _decode(base_buf, t.dtype, _scratch(block_n[i])[0])
-                _add_sums(sums, base, base)
+                _add_sums(sums, *_kernels().slerp_sums(base, base))
                 continue
-            bits = self._abs_bits(base_buf, exp_buf, sums, keep=self.keep)
+            bits, (nnz, bad, bb, ee, be, sq, block_l1) = self._delta(base_buf, exp_buf, hist, keep=self.keep)
             values = bits.view(np.float32)
-            finite_before = int(hist[NONFINITE_BIN:].sum())
-            block_nnz[i] = _kernels().hist_high(bits, hist)
-            bad = int(hist[NONFINITE_BIN:].sum()) - finite_before  # |x| >= inf in the bit order: Inf and NaN
-            nonfinite += bad
+            _add_sums(sums, bb, ee, be)
+            block_nnz[i] = nnz
+            nonfinite += bad  # |x| >= inf in the bit order: Inf and NaN
             # norms of the finite part (NaN/Inf are counted in `nonfinite`), so that a plan made
-            # with `nonfinite: allow` stays finite JSON; fp64 sums in a fixed order (kernels.py)
-            sq, block_l1 = _kernels().finite_norms(values)
+            # with `nonfinite: allow` stays finite JSON; fp64 sums in a fixed order (ckernels.py)
             block_l2[i] = math.sqrt(sq)
             block_max[i] = float(values.max()) if values.size else 0.0
             l1 += block_l1
@@ -193,14 +187,14 @@ class DeltaTensorScan:
                 identical[i] = True
                 self.cache.append(None)
                 base = _decode(base_buf, t.dtype, _scratch(block_n[i])[0])
-                _add_sums(sums, base, base)
+                _add_sums(sums, *kernels.slerp_sums(base, base))
                 parts.append(np.zeros(block_n[i], dtype=np.int32))
                 continue
-            bits = self._abs_bits(base_buf, exp_buf, sums, keep=True)
+            bits, (nnz, bad, bb, ee, be, sq, block_l1) = self._delta(base_buf, exp_buf, keep=True)
             values = bits.view(np.float32)
-            block_nnz[i] = int(np.count_nonzero(bits))
-            nonfinite += int(np.count_nonzero(bits >= NONFINITE_BITS))  # Inf and NaN patterns
-            sq, block_l1 = kernels.finite_norms(values)
+            _add_sums(sums, bb, ee, be)
+            block_nnz[i] = nnz
+            nonfinite += bad  # Inf and NaN patterns
             block_l2[i] = math.sqrt(sq)
             block_max[i] = float(values.max()) if values.size else 0.0
             l1 += block_l1
