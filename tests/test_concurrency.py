@@ -239,3 +239,20 @@ def test_a_lock_names_its_owner_from_the_moment_it_exists(tmp_path):
         (tmp / "f").write_text("ok")
         pub.commit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_folder_without_symlinks_gets_a_file_lock(tmp_path, monkeypatch):
+    """Where symlink() is refused (FAT, some FUSE), the lock is an exclusive file naming its owner."""
+    import errno
+    from mergepipe.output import publish
+
+    def refuse(*a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(publish.os, "symlink", refuse)
+    target, lock = tmp_path / "out", tmp_path / ".out.lock"
+    pub = Publisher(target)
+    with pub as tmp:
+        assert not lock.is_symlink() and lock.read_text() == f"{socket.gethostname()}:{os.getpid()}"
+        (tmp / "f").write_text("ok")
+        pub.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

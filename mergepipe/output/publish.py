@@ -72,8 +72,12 @@ def _take_lock(lock: Path, me: str) -> None:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
     fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+    except BaseException:  # a full disk: no empty lock left behind
+        lock.unlink(missing_ok=True)
+        raise
 
 
 def _stale(path: Path) -> bool:
