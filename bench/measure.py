@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import mmap
 import os
 import resource
@@ -224,22 +225,21 @@ def first_touch_rate(nbytes: int = 256 << 20) -> dict:
 
     Measured in a child process: touching `nbytes` here would raise this process's peak RSS,
     and every later child's ru_maxrss starts from it (see run_measured)."""
-    import json as _json
-    out = subprocess.run([sys.executable, "-c", _FIRST_TOUCH, str(nbytes)], capture_output=True, text=True,
-                         check=True)
-    return _json.loads(out.stdout)
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import measure; "
+            "print(json.dumps(measure._touch(int(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, str(nbytes)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
 
 
-_FIRST_TOUCH = """
-import json, mmap, sys, time
-nbytes = int(sys.argv[1])
-m = mmap.mmap(-1, nbytes)
-chunk = b"\\1" * (16 << 20)
-rates = []
-for _ in range(2):
-    t = time.perf_counter()
-    for off in range(0, nbytes, len(chunk)):
-        m[off:off + len(chunk)] = chunk
-    rates.append(nbytes / 2**30 / (time.perf_counter() - t))
-print(json.dumps({"first_touch_gib_s": rates[0], "reused_gib_s": rates[1]}))
-"""
+def _touch(nbytes: int) -> dict:
+    """first_touch_rate's measurement, in the process that calls it."""
+    m = mmap.mmap(-1, nbytes)
+    chunk = b"\1" * (16 << 20)
+    rates = []
+    for _ in range(2):
+        t = time.perf_counter()
+        for off in range(0, nbytes, len(chunk)):
+            m[off:off + len(chunk)] = chunk
+        rates.append(nbytes / 2**30 / (time.perf_counter() - t))
+    m.close()
+    return {"first_touch_gib_s": rates[0], "reused_gib_s": rates[1]}
