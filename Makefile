@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast venv clean-demo
+.PHONY: demo test test-fast test-no-avx512 venv clean-demo
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard mergepipe/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,workflow,bench]'
@@ -27,6 +27,13 @@ demo: venv
 
 test: venv .venv-mergekit/.installed
 	$(BIN)/python -m pytest -q
+
+# The whole suite as a CPU without AVX-512 runs it: the C kernels (util/cpu.py), torch, numba,
+# numpy and OpenBLAS each dispatch at most AVX2 (a test of the AVX-512 build skips, saying so).
+NO_AVX512 := MERGEPIPE_CPU_LEVEL=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 NUMBA_CPU_NAME=haswell \
+	NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" OPENBLAS_CORETYPE=Haswell
+test-no-avx512: venv .venv-mergekit/.installed
+	$(NO_AVX512) $(BIN)/python -m pytest -q
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"

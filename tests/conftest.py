@@ -15,6 +15,20 @@ settings.register_profile("dev", deadline=None, max_examples=40)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which C kernel builds this run exercised (tests of a wider build skip, saying why)."""
+    terminalreporter.write_line(_kernel_levels())
+
+
+def _kernel_levels() -> str:
+    from mergepipe.util import cpu
+    detected, allowed = cpu.detected_level(), cpu.allowed_level()
+    if detected == 0:
+        return "C kernels: not an x86-64 CPU (or not built): baseline build only"
+    cap = f", capped by {cpu.ENV}={os.environ[cpu.ENV]}" if allowed < detected else ""
+    return f"C kernels: CPU runs {cpu.NAMES[detected]}; kernels load {cpu.NAMES[allowed]}{cap}"
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory) -> dict:
     """base + 3 bf16 experts (expert_0 sharded), Llama layout, a few MB each."""

@@ -56,3 +56,23 @@ def synthetic_indexes(tensor_blocks: list[list[float]], n_experts: int, seed: in
                                      tuple(x == 0.0 for x in l2), (), (), (), (), {})
         deltas[name] = DeltaIndex(h, "b" * 64, 64, per)
     return base_index, experts, idx, deltas
+
+
+def kernel_build(module: str, level: int) -> Path:
+    """The installed build of the C library `module` for x86-64 `level` (util/cpu.py); skips,
+    saying why, where this CPU or MERGEPIPE_CPU_LEVEL does not run that level."""
+    import pytest
+
+    from mergepipe.util import cpu
+    name = cpu.NAMES[level]
+    if cpu.build_path(module, 1) is None:
+        pytest.skip(f"{module}: the C kernels were not built")
+    if cpu.detected_level() == 0:
+        pytest.skip(f"{name}: not an x86-64 CPU")
+    if level > cpu.detected_level():
+        pytest.skip(f"{name} not run: this CPU runs up to {cpu.NAMES[cpu.detected_level()]}")
+    if level > cpu.allowed_level():
+        pytest.skip(f"{name} not run: {cpu.ENV} caps the kernels at {cpu.NAMES[cpu.allowed_level()]}")
+    path = cpu.build_path(module, level)
+    assert path is not None, f"{module}: no {name} build beside the baseline one (setup.py builds it on x86-64)"
+    return path

@@ -79,8 +79,10 @@ NUMPY_SIMD = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
 SETTINGS = {
     "default": ({}, []),
     "torch-path-avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, ["--torch-path"]),
-    # OpenBLAS's generic SSE3 kernels: anything left on BLAS would sum in another order here
-    "scalar-1-thread": ({"ATEN_CPU_CAPABILITY": "default", "NUMBA_CPU_NAME": "generic", "OMP_NUM_THREADS": "1",
+    # the C kernels' baseline (SSE2) build, and OpenBLAS's generic SSE3 kernels: anything left on
+    # BLAS would sum in another order here
+    "scalar-1-thread": ({"MERGEPIPE_CPU_LEVEL": "x86-64", "ATEN_CPU_CAPABILITY": "default",
+                         "NUMBA_CPU_NAME": "generic", "OMP_NUM_THREADS": "1",
                          "NPY_DISABLE_CPU_FEATURES": NUMPY_SIMD, "OPENBLAS_CORETYPE": "Prescott"}, ["--threads", "1"]),
 }
 

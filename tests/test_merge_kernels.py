@@ -16,7 +16,8 @@ from mergepipe.methods._common import magnitude_rank
 from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
-from tests.helpers import write_config
+from mergepipe.util import cpu
+from tests.helpers import kernel_build, write_config
 
 # both builds of the kernels: C (what installs use) and numba (the fallback without a compiler)
 BACKENDS = pytest.mark.parametrize("merge_kernels", [_ckernels.load(), numba_kernels], ids=["c", "numba"])
@@ -202,23 +203,12 @@ def test_merges_from_a_cached_index_never_import_numba(tmp_path, tiny_family, me
     assert seen == [str(ckernels._open_c() is None), "False"]
 
 
-@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
-def test_every_vector_width_gives_the_same_bytes(tmp_path, march):
-    """The installed library picks a clone by CPU (SSE2, AVX2, AVX-512): build each one alone
-    and check it against the numba kernels on blocks with edge values, ties and NaN."""
-    import platform
-    import shutil
-    import subprocess
-    import sysconfig
-    from unittest import mock
-    if platform.machine() != "x86_64" or shutil.which("cc") is None:
-        pytest.skip("needs an x86-64 C compiler")
-    source = Path(_ckernels.__file__).with_name("_bf16c.c")
-    lib = tmp_path / f"bf16c-{march}.so"
-    subprocess.run(["cc", "-O3", "-ffp-contract=off", "-fno-fast-math", f"-march={march}", "-shared", "-fPIC",
-                    "-DMP_NO_CLONES", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(lib)], check=True)
-    with mock.patch("importlib.util.find_spec", return_value=mock.Mock(origin=str(lib))):
-        kernels = _ckernels._open()
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_every_vector_width_gives_the_same_bytes(level):
+    """Each installed build (SSE2, AVX2, AVX-512), where this CPU runs it, against the numba
+    kernels on blocks with edge values, ties and NaN."""
+    import ctypes
+    kernels = _ckernels._bind(ctypes.CDLL(str(kernel_build(_ckernels.MODULE, level))), cpu.NAMES[level])
     for seed, n, k in [(1, 4099, 1), (2, 3000, 3), (3, 2048, 4), (4, 517, 5)]:
         g, base, experts = _family(seed, n, k)
         b, es = _u16(base), tuple(_u16(e) for e in experts)

@@ -16,12 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(MP_NO_CLONES) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-
 #define LANES 8
 #define CHUNK 1024 /* elements per chunk: its fp32 values stay in L1 between the loops */
 #define NONFINITE_BITS 0x7F800000u /* |x| patterns at or above +inf: Inf and NaN */
@@ -95,7 +89,7 @@ static inline __attribute__((always_inline)) void norms4(const float *x, v4d *sq
  * for the finite norms and the counts (two short loops keep the accumulators in registers),
  * then the histogram; the last n % 8 elements lane by lane. */
 #define DELTA_STATS(NAME, T, LOAD4, LOAD1)                                                      \
-    CLONES void NAME(const T *base, const T *expert, int64_t n, float *d, int64_t *hist,       \
+    void NAME(const T *base, const T *expert, int64_t n, float *d, int64_t *hist,       \
                      double *out, int64_t *counts) {                                            \
         v4d bb0 = {0}, bb1 = {0}, ee0 = {0}, ee1 = {0}, be0 = {0}, be1 = {0};                   \
         v4d sq0 = {0}, sq1 = {0}, l10 = {0}, l11 = {0};                                         \
@@ -150,7 +144,7 @@ DELTA_STATS(mp_delta_stats_bf16, uint16_t, load4, LOAD_BF16)
 DELTA_STATS(mp_delta_stats_f32, float, load4f, LOAD_F32)
 
 /* sum b^2, sum e^2, sum b*e of two fp32 arrays (an identical block: base twice). */
-CLONES void mp_slerp_sums_f32(const float *b, const float *e, int64_t n, double *out) {
+void mp_slerp_sums_f32(const float *b, const float *e, int64_t n, double *out) {
     double bb[LANES] = {0}, ee[LANES] = {0}, be[LANES] = {0};
     for (int64_t i = 0; i < n; i++) {
         double x = b[i], y = e[i];
@@ -170,7 +164,7 @@ CLONES void mp_slerp_sums_f32(const float *b, const float *e, int64_t n, double 
  * target bins, and skipping the others by a branch or counting them into spare entries was
  * 2-3x slower. Each entry's first use is appended to `occupied`. Returns the new count. */
 #define COUNT_LOW(NAME, TT)                                                                     \
-    CLONES int64_t NAME(const int32_t *bits, int64_t n, const int64_t *slot_of_bin, int64_t m,  \
+    int64_t NAME(const int32_t *bits, int64_t n, const int64_t *slot_of_bin, int64_t m,  \
                         TT *table, int64_t *occupied, int64_t n_occupied) {                     \
         int64_t stride = m + 1, k = n_occupied;                                                 \
         for (int64_t i = 0; i < n; i++) {                                                       \
@@ -189,7 +183,7 @@ COUNT_LOW(mp_count_low_i64, int64_t)
  * counter (k = n_counts - 1) is the ignored one. Eight lanes per counter, so that runs of
  * elements on the same counter do not wait on each other's stores. Returns -1 without
  * memory. */
-CLONES int mp_count_equal(const int32_t *bits, int64_t n, const int64_t *index_of_bin, const int32_t *wanted,
+int mp_count_equal(const int32_t *bits, int64_t n, const int64_t *index_of_bin, const int32_t *wanted,
                           int64_t *counts, int64_t n_counts) {
     int64_t *lanes = calloc((size_t)n_counts * LANES, sizeof *lanes);
     if (!lanes) return -1;
@@ -207,6 +201,15 @@ CLONES int mp_count_equal(const int32_t *bits, int64_t n, const int64_t *index_o
     return 0;
 }
 
-/* An importable (empty) module, so the build and the loader can find this library. */
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_indexc", NULL, -1, NULL};
-PyMODINIT_FUNC PyInit__indexc(void) { return PyModule_Create(&module); }
+/* An importable (empty) module, so the build and the loader can find this library. setup.py
+ * builds this file once per x86-64 level, as _indexc, _indexc_v3 and _indexc_v4 (MP_MODULE):
+ * util/cpu.py picks the build the CPU runs. */
+#ifndef MP_MODULE
+#define MP_MODULE _indexc
+#endif
+#define MP_CAT(a, b) a##b
+#define MP_INIT(m) MP_CAT(PyInit_, m)
+#define MP_STR(m) MP_XSTR(m)
+#define MP_XSTR(m) #m
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, MP_STR(MP_MODULE), NULL, -1, NULL};
+PyMODINIT_FUNC MP_INIT(MP_MODULE)(void) { return PyModule_Create(&module); }

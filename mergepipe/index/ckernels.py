@@ -1,5 +1,5 @@
 """The delta index's kernels, compiled: the C build (index/_indexc.c, the extension module
-`_indexc`) loaded with ctypes, or, where it was not built, the numba kernels of
+`_indexc`, the build for this CPU's x86-64 level: util/cpu.py) loaded with ctypes, or, where it was not built, the numba kernels of
 index/kernels.py behind the same calls. Both give the same results
 (tests/test_index_kernels.py); ctypes releases the GIL during each call, as numba's nogil,
 so index threads run them in parallel.
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
 
+from mergepipe.util import cpu
+
+MODULE = "mergepipe.index._indexc"  # one build per x86-64 level (setup.py)
 HI_BINS = 1 << 15
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _loaded: SimpleNamespace | None = None
@@ -35,13 +37,12 @@ def kernels() -> SimpleNamespace:
 
 
 def _open_c() -> SimpleNamespace | None:
-    spec = importlib.util.find_spec("mergepipe.index._indexc")
-    if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
-        return None
-    return _bind(ctypes.CDLL(spec.origin))
+    """The highest build of the library this CPU may run (util/cpu.py), or None if none was built."""
+    build = cpu.best_build(MODULE)
+    return None if build is None else _bind(ctypes.CDLL(str(build[0])), build[1])
 
 
-def _bind(lib: ctypes.CDLL) -> SimpleNamespace:
+def _bind(lib: ctypes.CDLL, level: str) -> SimpleNamespace:
     for name in ("mp_delta_stats_bf16", "mp_delta_stats_f32"):
         getattr(lib, name).argtypes = [_P, _P, _I64, _P, _P, _P, _P]
         getattr(lib, name).restype = None
@@ -98,7 +99,7 @@ def _bind(lib: ctypes.CDLL) -> SimpleNamespace:
             raise MemoryError("count_equal: no memory for its lanes")
 
     return SimpleNamespace(delta_bf16=delta_bf16, delta_f32=delta_f32, slerp_sums=slerp_sums,
-                           count_low=count_low, count_equal=count_equal, backend="c")
+                           count_low=count_low, count_equal=count_equal, backend="c", level=level)
 
 
 def _canonical(sums) -> tuple[float, ...]:
@@ -143,4 +144,4 @@ def _numba() -> SimpleNamespace:
         return _canonical(nk.slerp_sums(b, e))
 
     return SimpleNamespace(delta_bf16=delta_bf16, delta_f32=delta_f32, slerp_sums=slerp_sums,
-                           count_low=nk.count_low, count_equal=nk.count_equal, backend="numba")
+                           count_low=nk.count_low, count_equal=nk.count_equal, backend="numba", level=None)

@@ -21,15 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One build per vector width, picked at load time by the CPU (GCC's ifunc dispatch): the
- * install may be built on another machine than the one that runs it. The arithmetic is
- * the same in every clone, so the bytes are too (MP_NO_CLONES builds one width, for tests). */
-#if !defined(MP_NO_CLONES) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-
 #define CHUNK 1024 /* elements per chunk: up to 16 experts' fp32 terms stay in L1/L2 */
 enum { KEEP_ALL = 0, DROP_ALL = 1, CUT = 2 };
 
@@ -59,7 +50,7 @@ static inline void finish_chunk(const float *b, float *acc, int64_t m, float div
     for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + acc[j]);
 }
 
-CLONES void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const *experts, int64_t p,
+void mp_task_arithmetic_bf16(const uint16_t *base, const uint16_t *const *experts, int64_t p,
                              const float *weights, float divisor, int normalize, float lambda_,
                              int apply_lambda, uint16_t *out, int64_t n) {
     float b[CHUNK], acc[CHUNK];
@@ -124,7 +115,7 @@ static inline void sketch_decode(const uint8_t *c, float a, float *d, int64_t m)
  * alphas[k] * code_k (code 1 = +1, 2 = -1, else 0; element i of the block in bits 2*(i % 4)
  * of byte i / 4 of codes[k]), the values the torch path gets from index/sketch.unpack.
  * One expert per pass, left to right, the same operations as mp_task_arithmetic_bf16. */
-CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const *experts,
+void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const *experts,
                                            const uint8_t *const *codes, const float *alphas, int64_t p,
                                            const float *weights, float divisor, int normalize, float lambda_,
                                            int apply_lambda, uint16_t *out, int64_t n) {
@@ -150,7 +141,7 @@ CLONES void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t 
     }
 }
 
-CLONES int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float value, int64_t eq_keep, int64_t n) {
+int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float value, int64_t eq_keep, int64_t n) {
     /* flat position just past the eq_keep-th element with |E - B| == value, or n */
     if (eq_keep <= 0) return 0;
     int64_t count = 0;
@@ -164,7 +155,7 @@ CLONES int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float v
 /* Returns 0, or -1 when p < 1 or the per-expert chunk buffer cannot be allocated.
  * codes (may be NULL): where experts[k] is NULL, expert k is the ternary sketch codes[k] with
  * scale alphas[k] (as in mp_task_arithmetic_sketch_bf16), untrimmed: term = (alpha * code) * w. */
-CLONES int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, const uint8_t *const *codes,
+int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, const uint8_t *const *codes,
                  const float *alphas, int64_t p, const float *weights,
                  const int64_t *modes, const float *values, const int64_t *limits, int normalize,
                  float lambda_, int apply_lambda, uint16_t *out, int64_t n) {
@@ -236,7 +227,7 @@ CLONES int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, co
  * 2 where d < 0; sums[e] += the integer mantissa of |d| (implicit bit added for normals) for
  * its biased exponent e, exact in uint64 for any block below 2^40 elements; returns the
  * number of nonzero d. Python turns sums into S1 with one exactly rounded fsum. */
-CLONES int64_t mp_sketch_bf16(const uint16_t *base, const uint16_t *expert, int64_t n, uint8_t *codes,
+int64_t mp_sketch_bf16(const uint16_t *base, const uint16_t *expert, int64_t n, uint8_t *codes,
                               uint64_t *sums) {
     /* four sum tables, one per element of a code byte: consecutive elements mostly share an
      * exponent, and one table would chain every add through the same memory slot */
@@ -262,6 +253,15 @@ CLONES int64_t mp_sketch_bf16(const uint16_t *base, const uint16_t *expert, int6
     return nnz;
 }
 
-/* An importable (empty) module, so the build and the loader can find this library. */
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16c", NULL, -1, NULL};
-PyMODINIT_FUNC PyInit__bf16c(void) { return PyModule_Create(&module); }
+/* An importable (empty) module, so the build and the loader can find this library. setup.py
+ * builds this file once per x86-64 level, as _bf16c, _bf16c_v3 and _bf16c_v4 (MP_MODULE):
+ * util/cpu.py picks the build the CPU runs. */
+#ifndef MP_MODULE
+#define MP_MODULE _bf16c
+#endif
+#define MP_CAT(a, b) a##b
+#define MP_INIT(m) MP_CAT(PyInit_, m)
+#define MP_STR(m) MP_XSTR(m)
+#define MP_XSTR(m) #m
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, MP_STR(MP_MODULE), NULL, -1, NULL};
+PyMODINIT_FUNC MP_INIT(MP_MODULE)(void) { return PyModule_Create(&module); }

@@ -4,19 +4,22 @@ methods/_kernels.py.
 
 Why both: importing numba and loading its cached kernels costs ~0.7 s per process, more than
 a small budget's whole merge; the C library loads in about a millisecond. It is compiled when
-the package is installed (pyproject's ext-modules); where it was not built (a checkout
-without a compiler), `load()` returns None and methods/_compiled.py falls back to numba.
+the package is installed, once per x86-64 level (setup.py; util/cpu.py picks the build);
+where it was not built (a checkout without a compiler), `load()` returns None and
+methods/_compiled.py falls back to numba.
 The two give the same bytes (tests/test_merge_kernels.py). ctypes releases the GIL during
 each call, so reader and hashing threads keep running, as with numba's nogil.
 """
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
 
+from mergepipe.util import cpu
+
+MODULE = "mergepipe.methods._bf16c"  # one build per x86-64 level (setup.py)
 KEEP_ALL, DROP_ALL, CUT = 0, 1, 2  # the trim modes, as in methods/_kernels.py
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -33,10 +36,12 @@ def load() -> SimpleNamespace | None:
 
 
 def _open() -> SimpleNamespace | None:
-    spec = importlib.util.find_spec("mergepipe.methods._bf16c")
-    if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
-        return None
-    lib = ctypes.CDLL(spec.origin)
+    """The highest build of the library this CPU may run (util/cpu.py), or None if none was built."""
+    build = cpu.best_build(MODULE)
+    return None if build is None else _bind(ctypes.CDLL(str(build[0])), build[1])
+
+
+def _bind(lib: ctypes.CDLL, level: str) -> SimpleNamespace:
     lib.mp_task_arithmetic_bf16.argtypes = [_P, _P, _I64, _P, _F32, _INT, _F32, _INT, _P, _I64]
     lib.mp_task_arithmetic_bf16.restype = None
     lib.mp_ties_bf16.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _F32, _INT, _P, _I64]
@@ -99,7 +104,7 @@ def _open() -> SimpleNamespace | None:
     return SimpleNamespace(task_arithmetic_bf16=task_arithmetic_bf16, ties_bf16=ties_bf16, eq_limit=eq_limit,
                            task_arithmetic_sketch_bf16=task_arithmetic_sketch_bf16, sketch_bf16=sketch_bf16,
                            ties_sketch_bf16=ties_sketch_bf16,
-                           KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c")
+                           KEEP_ALL=KEEP_ALL, DROP_ALL=DROP_ALL, CUT=CUT, backend="c", level=level)
 
 
 def _length(base: np.ndarray, out: np.ndarray | None, experts) -> int:
