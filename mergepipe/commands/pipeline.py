@@ -26,6 +26,7 @@ from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, buil
 from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
+from mergepipe.output.hf_config import output_config
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
 from mergepipe.commands.stack import check_fresh, stack_sources
@@ -217,7 +218,10 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                                           "file); the output would be published without it; fix the base folder")
                 # a base weight shard may be named config.json (legal in a weight_map): never a config
                 if src.is_file() and os.path.realpath(src) not in weight_files:
-                    shutil.copyfile(src, tmp / name)
+                    if name == "config.json":  # its dtype fields name the dtype the weights are in
+                        (tmp / name).write_bytes(output_config(src, plan["output"].get("dtype")))
+                    else:
+                        shutil.copyfile(src, tmp / name)
                     aux[name] = hash_file(tmp / name)
             (tmp / "README.md").write_text(_model_card(plan))
             aux["README.md"] = hash_file(tmp / "README.md")
