@@ -42,3 +42,26 @@ def test_a_lookup_imports_one_method():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "['task_arithmetic']"
+
+
+def test_method_facts_live_on_the_registration():
+    """What the plan and import-mergekit need comes from each method's registration."""
+    from mergepipe.methods.registry import Mergekit, every_method, mergekit_names
+    methods = every_method()
+    assert {m.name for m in methods if m.sketch_by_default} <= {m.name for m in methods if m.sketchable}
+    assert {m.name for m in methods if m.sketchable} == {"linear", "task_arithmetic", "ties", "dare_linear",
+                                                          "dare_ties", "breadcrumbs", "breadcrumbs_ties"}
+    names = mergekit_names()
+    assert names["model_breadcrumbs"] == "breadcrumbs" and names["ties"] == "ties"
+    assert set(names.values()) == set(NAMES)
+    with pytest.raises(ValueError, match="sketch_by_default needs sketchable"):
+        register("ties", params=None, additive=False, paper="", sketch_by_default=True)
+    with pytest.raises(ValueError, match="no_base 'last'"):
+        register("ties", params=None, additive=False, paper="", mergekit=Mergekit(no_base="last"))
+
+
+def test_a_sketched_strategy_names_the_methods_that_take_it():
+    from mergepipe.plan.sketch_reads import check_method
+    check_method("dare_ties", "sketch")
+    with pytest.raises(ConfigError, match="method 'slerp' does not merge per-element deltas.*breadcrumbs, "):
+        check_method("slerp", "sketch")

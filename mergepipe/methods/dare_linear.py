@@ -28,7 +28,8 @@ class DareLinearParams(DensityParams):
     rescale: bool = True
 
 
-@register("dare_linear", params=DareLinearParams, additive=False,
+@register("dare_linear", sketchable=True,
+          params=DareLinearParams, additive=False,
           paper="Yu et al. 2024, Language Models are Super Mario: Absorbing Abilities from "
                 "Homologous Models as a Free Lunch, arXiv:2311.03099")
 def merge(block: BlockInputs, p: DareLinearParams) -> torch.Tensor:

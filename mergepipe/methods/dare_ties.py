@@ -29,7 +29,8 @@ class DareTiesParams(DareLinearParams):
     pass
 
 
-@register("dare_ties", params=DareTiesParams, additive=False,
+@register("dare_ties", sketchable=True,
+          params=DareTiesParams, additive=False,
           paper="Yu et al. 2024, Language Models are Super Mario: Absorbing Abilities from "
                 "Homologous Models as a Free Lunch, arXiv:2311.03099")
 def merge(block: BlockInputs, p: DareTiesParams) -> torch.Tensor:

@@ -17,14 +17,15 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import combine
 from mergepipe.methods._della import L1_SUMS, MagPruneParams, pruned_deltas
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class DellaParams(MagPruneParams):
     normalize: bool = True
 
 
-@register("della", params=DellaParams, additive=False, joint=L1_SUMS,
+@register("della", mergekit=Mergekit(shared_model_keys=("epsilon",)),
+          params=DellaParams, additive=False, joint=L1_SUMS,
           paper="Deep et al. 2024, DELLA-Merging: Reducing Interference in Model Merging through "
                 "Magnitude-Based Sampling, arXiv:2406.11617")
 def merge(block: BlockInputs, p: DellaParams) -> torch.Tensor:

@@ -15,14 +15,15 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import combine
 from mergepipe.methods._della import L1_SUMS, MagPruneParams, pruned_deltas
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class DellaLinearParams(MagPruneParams):
     normalize: bool = False
 
 
-@register("della_linear", params=DellaLinearParams, additive=False, joint=L1_SUMS,
+@register("della_linear", mergekit=Mergekit(shared_model_keys=("epsilon",)),
+          params=DellaLinearParams, additive=False, joint=L1_SUMS,
           paper="Deep et al. 2024, DELLA-Merging: Reducing Interference in Model Merging through "
                 "Magnitude-Based Sampling, arXiv:2406.11617")
 def merge(block: BlockInputs, p: DellaLinearParams) -> torch.Tensor:

@@ -28,7 +28,7 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods._gram import canonical_block, gram_spec, matvec, quad, tensor_gram, weighted_sum
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class KarcherParams(BaseModel):
@@ -100,7 +100,8 @@ def karcher_coefficients(gram: np.ndarray, max_iter: int, tol: float) -> np.ndar
     return out
 
 
-@register("karcher", params=KarcherParams, additive=False, joint=gram_spec(), rewrites_base=lambda p: True,
+@register("karcher", mergekit=Mergekit(no_base="member", unweighted=True),
+          params=KarcherParams, additive=False, joint=gram_spec(), rewrites_base=lambda p: True,
           effective_weights=lambda params, weights: {name: 1.0 / max(1, len(weights) + bool(
               params.get("include_base", True))) for name in weights},
           paper="Karcher 1977, Riemannian center of mass and mollifier smoothing, CPAM 30(5); "

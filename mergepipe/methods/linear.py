@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, changed_mask
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class LinearParams(BaseModel):
@@ -37,7 +37,8 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(lam * w) for name, w in weights.items()}
 
 
-@register("linear", params=LinearParams, additive=True, effective_weights=effective_weights,
+@register("linear", sketchable=True, sketch_by_default=True, mergekit=Mergekit(no_base="first"),
+          params=LinearParams, additive=True, effective_weights=effective_weights,
           paper="Wortsman et al. 2022, Model soups: averaging weights of multiple fine-tuned "
                 "models improves accuracy without increasing inference time, arXiv:2203.05482")
 def merge(block: BlockInputs, p: LinearParams) -> torch.Tensor:

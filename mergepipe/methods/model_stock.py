@@ -29,7 +29,7 @@ from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods._gram import block_rows, canonical_block, gram_spec, tensor_gram
 from mergepipe.methods._joint_kernels import gram_rows, pair_index
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 SINGULAR = 1e-6  # |1 + (k-1) cos| below this keeps the base (mergekit 0.1.5)
 NORM_FLOOR = 1e-6  # |d_i| |d_j| is clamped to at least this
@@ -68,7 +68,8 @@ def _row_gram(block: BlockInputs) -> np.ndarray:
     return dd
 
 
-@register("model_stock", params=ModelStockParams, additive=False, joint=gram_spec(lambda p: not p.filter_wise),
+@register("model_stock", mergekit=Mergekit(unweighted=True),
+          params=ModelStockParams, additive=False, joint=gram_spec(lambda p: not p.filter_wise),
           paper="Jang et al. 2024, Model Stock: All we need is just a few fine-tuned models, arXiv:2403.19522")
 def merge(block: BlockInputs, p: ModelStockParams) -> torch.Tensor:
     block = canonical_block(block)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG, scaled_delta
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 MIN_DISTANCE = 1e-6  # mergekit's clamp on |a - b|
 
@@ -36,7 +36,8 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: w for name in weights}
 
 
-@register("nearswap", params=NearswapParams, additive=False, max_experts=1,
+@register("nearswap", mergekit=Mergekit(unweighted=True),
+          params=NearswapParams, additive=False, max_experts=1,
           effective_weights=effective_weights,
           paper="alchemonaut 2024, QuartetAnemoi-70B-t0.0001 (NearSwap), "
                 "https://huggingface.co/alchemonaut/QuartetAnemoi-70B-t0.0001")

@@ -40,7 +40,7 @@ from mergepipe.methods._common import PARAMS_CONFIG, canonical, scaled_delta
 from mergepipe.checkpoint.blocks import num_rows, row_numel
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec, TensorContext
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 NORM_EPS = 1e-7  # mergekit's clamp on each norm
 COLINEAR_EPS = 1e-8  # mergekit: colinear where 1 - cos^2 <= eps^2
@@ -179,7 +179,8 @@ def rewrites_base(p: NuslerpParams) -> bool:
     return p.base_weight is not None and (p.nuslerp_flatten or p.nuslerp_row_wise)
 
 
-@register("nuslerp", params=NuslerpParams, additive=False, max_experts=2, joint=NUSLERP_SUMS,
+@register("nuslerp", mergekit=Mergekit(no_base="first"),
+          params=NuslerpParams, additive=False, max_experts=2, joint=NUSLERP_SUMS,
           effective_weights=effective_weights, rewrites_base=rewrites_base,
           paper="Shoemake 1985 (slerp); mergekit nuslerp (Goddard et al. 2024, arXiv:2403.13257)")
 def merge(block: BlockInputs, p: NuslerpParams) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG, scaled_delta
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class PassthroughParams(BaseModel):
@@ -43,7 +43,8 @@ def rewrites_base(p: PassthroughParams) -> bool:
     return p.scale is not None and p.scale != 1.0
 
 
-@register("passthrough", params=PassthroughParams, additive=True, max_experts=1,
+@register("passthrough", mergekit=Mergekit(no_base="self", unweighted=True, shared_model_keys=("scale",)),
+          params=PassthroughParams, additive=True, max_experts=1,
           effective_weights=effective_weights, rewrites_base=rewrites_base,
           paper="mergekit passthrough (Goddard et al. 2024, Arcee's MergeKit, arXiv:2403.13257)")
 def merge(block: BlockInputs, p: PassthroughParams) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, scaled_delta
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class RamParams(BaseModel):
@@ -48,7 +48,8 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: 1.0 for name in weights}
 
 
-@register("ram", params=RamParams, additive=False, effective_weights=effective_weights,
+@register("ram", mergekit=Mergekit(unweighted=True),
+          params=RamParams, additive=False, effective_weights=effective_weights,
           paper="Reinforced Agent Merging 2026, arXiv:2601.13572")
 def merge(block: BlockInputs, p: RamParams) -> torch.Tensor:
     base = block.base

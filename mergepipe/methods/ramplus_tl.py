@@ -25,7 +25,7 @@ from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec
 from mergepipe.methods.ram import contributions
 from mergepipe.methods.ram import effective_weights as ram_weights
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class RamplusTlParams(BaseModel):
@@ -74,7 +74,8 @@ def _counts(block: BlockInputs, experts, p: RamplusTlParams) -> np.ndarray:
     return shared_unique_counts(deltas, p.epsilon)
 
 
-@register("ramplus_tl", params=RamplusTlParams, additive=False, effective_weights=ram_weights, joint=COUNTS,
+@register("ramplus_tl", mergekit=Mergekit(unweighted=True),
+          params=RamplusTlParams, additive=False, effective_weights=ram_weights, joint=COUNTS,
           paper="Reinforced Agent Merging 2026 (RAM+), arXiv:2601.13572")
 def merge(block: BlockInputs, p: RamplusTlParams) -> torch.Tensor:
     base = block.base

@@ -1,11 +1,13 @@
 """Method registry: one decorator per method file; a duplicate name is an error.
 
-A Method carries everything the plan and the engine need to know about it, so neither
-names a method: its params model (defaults), its torch `fn`, what it needs from the
-index (`magnitude`, `cosine`), how it scales each delta for the plan's bound
-(`effective_weights`), optionally a compiled bf16 kernel (`compiled`), and, for a
-method that couples experts over whole tensors, its joint statistics (`joint`,
-methods/joint.py: then every block is read for all experts or none).
+A Method carries everything the plan, the engine and import-mergekit need to know about
+it, so none of them names a method: its params model (defaults), its torch `fn`, what it
+needs from the index (`magnitude`, `cosine`), how it scales each delta for the plan's bound
+(`effective_weights`), optionally a compiled bf16 kernel (`compiled`), for a method that
+couples experts over whole tensors its joint statistics (`joint`, methods/joint.py: then
+every block is read for all experts or none), whether a delta sketch can stand in for a
+delta (`sketchable`) and is the default below the full budget (`sketch_by_default`), and
+how mergekit names and reads it (`mergekit`). docs/adding-a-method.md walks through one.
 """
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ def scaled_weights(params: dict[str, Any], weights: dict[str, float]) -> dict[st
 
 
 @dataclass(frozen=True, slots=True)
+class Mergekit:
+    """How mergekit 0.1.5 spells and reads the method (config/mergekit.py imports by these)."""
+
+    aliases: tuple[str, ...] = ()  # other mergekit names for it (older spellings)
+    # what an absent `base_model` means: None = a base is required; "first" = the first model
+    # plays the base and its weight becomes parameters.base_weight (mergekit averages it in);
+    # "member" = the first model plays the base and stays one of the averaged inputs
+    # (karcher's include_base); "self" = the one model is base and expert
+    no_base: str | None = None
+    unweighted: bool = False  # its models take no weight (1.0 unless one is given)
+    # per-model parameters that are method parameters here: every model must give the same value
+    shared_model_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Method:
     name: str
     params: type[BaseModel]
@@ -57,6 +74,15 @@ class Method:
     rewrites_base: Callable[[BaseModel], bool] | None = None
     # whole-tensor statistics coupling the experts (methods/joint.py); None: block-local
     joint: JointSpec | None = None
+    # the output is a (sign-consensus) weighted sum of per-element sparsified deltas
+    # (methods/_common.combine), so a delta sketch (index/sketch.py) can stand in for a delta:
+    # a magnitude trim leaves a sketch as it is (ExpertBlock.sketched), DARE drops its
+    # elements like any delta's. Not cosine, joint or per-tensor-statistics methods.
+    sketchable: bool = False
+    # a config without `plan:` gets the `sketch` strategy below the full budget (needs
+    # sketchable; plan/default_strategy.py; EVAL.md "Delta sketches" measured which)
+    sketch_by_default: bool = False
+    mergekit: Mergekit = Mergekit()
 
 
 # Every method, by the module that registers it (mergepipe/methods/<name>.py). A module is
@@ -101,14 +127,33 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
              effective_weights: EffectiveWeights = scaled_weights,
              compiled: KernelFactory | None = None,
              rewrites_base: Callable[[BaseModel], bool] | None = None,
-             joint: JointSpec | None = None) -> Callable[[MergeFn], MergeFn]:
+             joint: JointSpec | None = None, sketchable: bool = False, sketch_by_default: bool = False,
+             mergekit: Mergekit = Mergekit()) -> Callable[[MergeFn], MergeFn]:
+    if sketch_by_default and not sketchable:
+        raise ValueError(f"merge method {name!r}: sketch_by_default needs sketchable")
+    if mergekit.no_base not in (None, "first", "member", "self"):
+        raise ValueError(f"merge method {name!r}: mergekit.no_base {mergekit.no_base!r} is not first/member/self")
+
     def wrap(fn: MergeFn) -> MergeFn:
         if name in _registered or name not in NAMES:
             raise ValueError(f"merge method {name!r} registered twice, or missing from registry.NAMES")
-        _registered[name] = Method(name, params, fn, additive, magnitude, paper, max_experts, cosine,
-                                   effective_weights, compiled, rewrites_base, joint)
+        _registered[name] = Method(name=name, params=params, fn=fn, additive=additive, magnitude=magnitude,
+                                   paper=paper, max_experts=max_experts, cosine=cosine,
+                                   effective_weights=effective_weights, compiled=compiled,
+                                   rewrites_base=rewrites_base, joint=joint, sketchable=sketchable,
+                                   sketch_by_default=sketch_by_default, mergekit=mergekit)
         return fn
     return wrap
+
+
+def every_method() -> list[Method]:
+    """All registered methods, by name (imports every method module: ~0.1-0.2 s)."""
+    return [METHODS[name] for name in sorted(METHODS)]
+
+
+def mergekit_names() -> dict[str, str]:
+    """mergekit method name (and alias) -> our method name."""
+    return {mk: m.name for m in every_method() for mk in (m.name, *m.mergekit.aliases)}
 
 
 def get_method(name: str) -> Method:

@@ -37,7 +37,7 @@ from mergepipe.methods._joint_kernels import (count_bits, expert_variance, hist_
 from mergepipe.methods._gram import block_rows, canonical_block
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec, TensorContext
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 HEAD = 4  # k, v bits, count above v, equal ones to keep
 BINS = 1 << 16
@@ -172,7 +172,8 @@ def block_mask(deltas: np.ndarray, stats: np.ndarray, row_start: int) -> np.ndar
     return _mask(deltas, stats[:HEAD], stats[HEAD + k + row_start] if stats[0] >= 0 else None)
 
 
-@register("sce", params=SceParams, additive=False, joint=SPEC,
+@register("sce", mergekit=Mergekit(unweighted=True),
+          params=SceParams, additive=False, joint=SPEC,
           paper="Wan et al. 2024, FuseChat: Knowledge Fusion of Chat Models, arXiv:2408.07990")
 def merge(block: BlockInputs, p: SceParams) -> torch.Tensor:
     block = canonical_block(block)

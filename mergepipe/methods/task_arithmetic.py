@@ -24,7 +24,8 @@ class TaskArithmeticParams(BaseModel):
     int8_mask: bool = False
 
 
-@register("task_arithmetic", params=TaskArithmeticParams, additive=True, compiled=task_arithmetic_kernel,
+@register("task_arithmetic", sketchable=True, sketch_by_default=True,
+          params=TaskArithmeticParams, additive=True, compiled=task_arithmetic_kernel,
           paper="Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089")
 def merge(block: BlockInputs, p: TaskArithmeticParams) -> torch.Tensor:
     experts = canonical(block.experts)

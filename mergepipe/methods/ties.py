@@ -27,7 +27,8 @@ class TiesParams(MagnitudeParams):
     normalize: bool = True
 
 
-@register("ties", params=TiesParams, additive=False, magnitude=True, compiled=ties_kernel,
+@register("ties", sketchable=True, sketch_by_default=True,
+          params=TiesParams, additive=False, magnitude=True, compiled=ties_kernel,
           paper="Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
                 "arXiv:2306.01708")
 def merge(block: BlockInputs, p: TiesParams) -> torch.Tensor:

@@ -14,6 +14,8 @@ import math
 from mergepipe.checkpoint.safetensors import ITEMSIZE
 from mergepipe.errors import ConfigError
 from mergepipe.index.sketch import Sketch, residual_sq, sketch_cost
+from mergepipe.methods import get_method
+from mergepipe.methods.registry import every_method
 from mergepipe.plan.strategies.registry import Candidate
 
 
@@ -31,19 +33,12 @@ def sketch_context(items: list[Candidate], sketches: dict[str, Sketch], dtypes: 
     return out
 
 
-# methods whose output is a (sign-consensus) weighted sum of per-element sparsified deltas
-# (methods/_common.combine): a sketch stands in for a delta there. A magnitude trim leaves a
-# sketch as it is (its zeros are its trim: ExpertBlock.sketched), DARE drops its elements
-# like any delta's. Not slerp/cosine, joint or per-tensor-statistics methods.
-SKETCHABLE = frozenset({"linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
-                        "breadcrumbs_ties"})
-
-
 def check_method(method: str, strategy: str) -> None:
-    if method not in SKETCHABLE:
+    """A sketched strategy needs a method a sketch can stand in for (Method.sketchable)."""
+    if not get_method(method).sketchable:
+        names = ", ".join(m.name for m in every_method() if m.sketchable)
         raise ConfigError(f"plan: strategy {strategy!r} feeds sketched deltas to the method; method {method!r} "
-                          f"does not merge per-element deltas (use one of {', '.join(sorted(SKETCHABLE))}, or "
-                          "another strategy)")
+                          f"does not merge per-element deltas (use one of {names}, or another strategy)")
 
 
 def residual_score(it: Candidate, r2: float) -> float:

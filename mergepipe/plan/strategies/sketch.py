@@ -18,8 +18,8 @@ must compete on the same scale; with equal costs both orders agree.
 
 The plan records the sketched blocks and each expert's sketch artifact; the engine feeds a
 sketched block to the method as delta = alpha * code. Sketch bytes count against the budget
-like expert bytes. Only for methods that merge per-element deltas (plan/sketch_reads.py
-SKETCHABLE: linear, task arithmetic, TIES, DARE, Breadcrumbs); a magnitude trim leaves a
+like expert bytes. Only for methods that merge per-element deltas (registered `sketchable`:
+linear, task arithmetic, TIES, DARE, Breadcrumbs); a magnitude trim leaves a
 sketch as it is, since its elements share one magnitude (its zeros are its trim).
 """
 from __future__ import annotations
