@@ -10,22 +10,21 @@ from pathlib import Path
 from mergepipe.calibrate import artifact
 from mergepipe.calibrate.fisher import read_calibration_text
 from mergepipe.checkpoint.safetensors import Checkpoint
-from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.errors import IntegrityError
 from mergepipe.index import weighted
 from mergepipe.index.records import ModelIndex
-from mergepipe.index.store import Store
+from mergepipe.index.store import Store, cache_write_error
 
 RECIPE = "fisher-rank1"
 
 
 def _cache_write(path: Path, write, *args) -> None:
     """`write(path, *args)`, an OSError (disk full, file-size limit, calibration/ or weighted/ not a
-    folder) one line naming the entry, as the index store's (index/store.py)."""
+    folder) the store's one line naming the entry."""
     try:
         write(path, *args)
     except OSError as e:
-        raise OutputError(f"{path}: cannot write to the cache: {e.strerror or e}; free space or set cache_dir "
-                          "elsewhere") from None
+        raise cache_write_error(path, e) from None
 
 
 def calibration_inputs(options: dict, text_path: Path, store: Store, base: Checkpoint, base_index: ModelIndex,

@@ -26,8 +26,9 @@ from blake3 import blake3
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES
 from mergepipe.engine.prefetch import UnitReader, prefetched, units
-from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.errors import IntegrityError
 from mergepipe.index import joint as artifact
+from mergepipe.index.store import cache_write_error
 from mergepipe.methods.base import expert_knobs
 from mergepipe.methods.joint import JointExpert, JointSpec, TensorContext, as_rows, run_passes, statistics_key
 from mergepipe.methods.registry import Method
@@ -76,8 +77,7 @@ def joint_statistics(plan: dict, inputs, method: Method, params, *, threads: int
         try:
             atomic_write_bytes(path, data)
         except OSError as e:
-            raise OutputError(f"{path}: cannot write to the cache: {e.strerror}; free space or set cache_dir "
-                              "elsewhere") from None
+            raise cache_write_error(path, e) from None
     return JointStatistics(key, blake3(data).hexdigest(), tensors, nbytes)
 
 

@@ -42,7 +42,8 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, Checkpoin
 from mergepipe.errors import IntegrityError
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
-from mergepipe.util.fs import canonical_json
+from mergepipe.index.store import cache_write_error
+from mergepipe.util.fs import FILE_MODE, canonical_json, fsync_dir
 from mergepipe.util.progress import Progress
 
 SKETCH_FORMAT = 1
@@ -142,20 +143,80 @@ def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | s
     return root / "sketch" / f"{key}.sk"
 
 
+class _TempFile:
+    """The temp file a sketch is written to, beside its cache path; renamed over it only when
+    complete, removed otherwise. Every OSError of the writes, the fsync and the rename (disk
+    full, quota, file size limit, read-only cache) is the store's one-line cache error."""
+
+    BUFFER_BYTES = 1 << 20  # small blocks' codes are written in runs of this size, not one call each
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+        except OSError as e:
+            raise cache_write_error(path, e) from None
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.done = False
+
+    def write(self, data: bytes) -> None:
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+        if self.pending_bytes >= self.BUFFER_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        view = memoryview(b"".join(self.pending))
+        self.pending, self.pending_bytes = [], 0
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            raise cache_write_error(self.path, e) from None
+
+    def publish(self) -> None:
+        self._flush()
+        try:
+            os.fchmod(self.fd, FILE_MODE)  # readable by every user of a shared cache, as the index files
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            raise cache_write_error(self.path, e) from None
+        self.done = True
+        fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        """Close and remove the temp file: after a failed write nothing half-written is left."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
 def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
           delta: DeltaIndex, *, counter=None, progress: Progress | None = None, bf16_scan=None) -> None:
     """Scan base and expert once and write the sketch file atomically (temp file, fsync, rename).
     `bf16_scan`: the compiled scan of a bf16 block (methods/_ckernels.py sketch_bf16, passed in:
     the index layer does not import methods), else numpy. Blocks are sketched on a few threads
     (preads and the C scan release the GIL) and written in the base index's order, so the file
-    is the same whatever the thread count or backend."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    is the same whatever the thread count or backend.
+
+    Raises:
+        OutputError: the cache cannot take the file (index/store.py cache_write_error); no
+            file, temp or partial, is left.
+    """
+    out = _TempFile(path)
     try:
         tensors: dict[str, list] = {}
         offset = 0
-        with os.fdopen(fd, "wb") as f, \
-                CheckpointReader(base, counter=counter, random_access=False) as br, \
+        with CheckpointReader(base, counter=counter, random_access=False) as br, \
                 CheckpointReader(expert, counter=counter, random_access=False) as er, \
                 ThreadPoolExecutor(max_workers=SCAN_THREADS) as pool:
 
@@ -176,27 +237,23 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
                 for b, (r0, r1) in enumerate(entry.ranges):
                     jobs.append((name, None if same[b] else pool.submit(one, name, t, r0, r1)))
                     if len(jobs) >= IN_FLIGHT:  # bounded memory: write the oldest first
-                        offset = _write_done(f, jobs, tensors, offset, IN_FLIGHT // 2)
-            _write_done(f, jobs, tensors, offset, 0)
-            if progress:
-                progress.step(progress.total - progress.done)  # identical blocks were not read: end the line
-            header = canonical_json({"format": SKETCH_FORMAT, "expert": expert_index.content_hash,
-                                     "base": base_index.content_hash, "layout": base_index.layout.key,
-                                     "tensors": tensors})
-            f.write(header)
-            f.write(struct.pack("<Q", len(header)) + MAGIC)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+                        offset = _write_done(out, jobs, tensors, offset, IN_FLIGHT // 2)
+            _write_done(out, jobs, tensors, offset, 0)
+        if progress:
+            progress.step(progress.total - progress.done)  # identical blocks were not read: end the line
+        header = canonical_json({"format": SKETCH_FORMAT, "expert": expert_index.content_hash,
+                                 "base": base_index.content_hash, "layout": base_index.layout.key,
+                                 "tensors": tensors})
+        out.write(header)
+        out.write(struct.pack("<Q", len(header)) + MAGIC)
+        out.publish()
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if not out.done:
+            out.discard()
         raise
 
 
-def _write_done(f, jobs: list, tensors: dict[str, list], offset: int, keep: int) -> int:
+def _write_done(out: _TempFile, jobs: list, tensors: dict[str, list], offset: int, keep: int) -> int:
     """Write the oldest sketches until `keep` jobs are left; returns the next code offset."""
     while len(jobs) > keep:
         name, fut = jobs.pop(0)
@@ -204,7 +261,7 @@ def _write_done(f, jobs: list, tensors: dict[str, list], offset: int, keep: int)
             tensors[name].append(None)
             continue
         codes, alpha, s1, nnz = fut.result()
-        f.write(codes)
+        out.write(codes)
         tensors[name].append([offset, len(codes), alpha, s1, nnz, blake3(codes).hexdigest()])
         offset += len(codes)
     return offset

@@ -33,12 +33,19 @@ from mergepipe.util.fs import atomic_write_bytes
 # a cached `mergepipe index` and run's plan from cached indexes do not pay for it
 
 
+def cache_write_error(path: Path, e: OSError) -> OutputError:
+    """The one-line error (exit 7) of a cache entry that cannot be written: disk full, quota,
+    file size limit, read-only cache, a folder where a file goes. Every cache writer raises
+    this one (index entries, sketches, joint statistics, calibration artifacts)."""
+    return OutputError(f"{path}: cannot write to the cache: {e.strerror or e}; free space or set cache_dir "
+                       "elsewhere")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     try:
         atomic_write_bytes(path, data)
-    except OSError as e:  # disk full, file size limit, read-only cache
-        raise OutputError(f"{path}: cannot write to the cache: {e.strerror}; free space or set cache_dir "
-                          "elsewhere") from None
+    except OSError as e:
+        raise cache_write_error(path, e) from None
 
 
 def _read_index(path: Path, decode):
