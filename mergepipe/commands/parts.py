@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mergepipe.engine.layout import base_alignment, output_layout
+from mergepipe.engine.layout import one_file_record, plan_layout
 from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output.manifest import load_manifest
@@ -35,7 +35,6 @@ from mergepipe.index.store import Store
 from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
-ONE_FILE = 1 << 62  # shard_bytes that keeps a part's tensors in one file
 COPY_BYTES = 64 << 20  # gather copies tensors in chunks of about this many bytes
 _PART_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
@@ -153,7 +152,8 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
         else:
             base = inputs.base
             sub = Checkpoint(base.root, base.files, subset(base.tensors, names))
-            sub_plan = {**plan, "output": {**plan["output"], "shard_bytes": ONE_FILE}}
+            # one part file of these tensors in base order (the gather writes the plan's layout)
+            sub_plan = {**plan, "output": {**plan["output"], "layout": one_file_record(names)}}
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
                                 cache_dir=inputs.cache_dir, sketches=inputs.sketches)
             realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
@@ -207,10 +207,8 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
             if sorted(info["tensors"]) != sorted(names):
                 raise IntegrityError(f"{part_paths(parts_dir, i, n)[1]}: holds other tensors than part {i}/{n} "
                                      "of this base; rerun the part jobs")
-        layout = output_layout(inputs.base, dtype=plan["output"].get("dtype"),
-                               shard_bytes=plan["output"].get("shard_bytes"))
+        layout, align = plan_layout(plan, inputs.base.tensors)  # the files a one-process merge writes
         file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
-        align = base_alignment(inputs.base, layout)  # the same headers as a one-process merge
         writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
                    for fname, ts in layout.items()}
         realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})

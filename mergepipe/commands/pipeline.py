@@ -18,6 +18,7 @@ from mergepipe.commands import uptodate
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
+from mergepipe.engine.layout import layout_record
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
@@ -101,16 +102,20 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
-                     output=_plan_output(cfg, norm),
+                     output=_plan_output(cfg, norm, base),
                      nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
                      tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration, sketches=sketches)
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                         tokenizer_dir=cfg.output.tokenizer_source, sketches=sketches or {})
 
 
-def _plan_output(cfg, norm: dict) -> dict:
-    """The plan's `output`: dtype, shard_bytes and, only when set, the tokenizer source (hashed)."""
+def _plan_output(cfg, norm: dict, base) -> dict:
+    """The plan's `output`: dtype, shard_bytes and, only when set, the tokenizer source (hashed)
+    and the base-mirroring file layout (engine/layout.py: absent where it is the canonical one)."""
     out = {"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]}
+    layout = layout_record(base, dtype=out["dtype"], shard_bytes=out["shard_bytes"])
+    if layout is not None:
+        out["layout"] = layout
     if cfg.output.tokenizer_source is not None:
         out["tokenizer_source"] = plan_tokenizer(cfg.output.tokenizer_source,
                                                  norm["output"]["tokenizer_source"], cfg.base)

@@ -1,4 +1,13 @@
-"""The output's file layout: which weight file each tensor goes to, and the shard index json.
+"""The output's file layout: which weight file each tensor goes to, in which order, where
+each file's data starts, and the shard index json.
+
+The layout is a function of the plan (`plan_layout`), never of how the base is laid out on
+disk when the plan is merged: the plan's `output.layout` where it has one, else the canonical
+layout of its tensors (`canonical_layout`). The planner records `output.layout`
+(`layout_record`) exactly where mirroring the base's files (their names, which tensors each
+holds and in which order, and each file's data start, for reflinks) differs from the
+canonical layout. So the same plan hash gives the same files, whether or not the base was
+re-sharded since, and two bases of one content laid out differently give two plans.
 
 Kept apart from the engine (merge.py) so that the writer of a split merge
 (commands/parts.py) and the engine share one definition of where tensors go.
@@ -11,12 +20,18 @@ from itertools import accumulate, repeat
 from math import prod
 from operator import itemgetter, mul, sub
 
-from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE, Checkpoint, OutTensor, TensorInfo
+from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, FS_BLOCK, ITEMSIZE, Checkpoint, OutTensor, TensorInfo,
+                                              _header_json)
+from mergepipe.checkpoint.tensor_table import TensorTable
+from mergepipe.errors import ConfigError
 
-__all__ = ["OUT_DTYPES", "OutTensor", "base_alignment", "output_layout", "shard_index_json", "usable_shard_names"]
+__all__ = ["OUT_DTYPES", "Layout", "OutTensor", "base_alignment", "canonical_layout", "layout_record",
+           "mirror_layout", "one_file_record", "plan_layout", "shard_index_json", "usable_shard_names"]
 
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+ONE_FILE = "model.safetensors"
 
+Layout = dict[str, list[OutTensor]]  # output file name -> its tensors, in file order
 
 _SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
 
@@ -30,7 +45,48 @@ def usable_shard_names(names: list[str]) -> bool:
     return len(set(names)) == len(names) and all(_SHARD_NAME.fullmatch(n) for n in names)
 
 
-def base_alignment(base: Checkpoint, layout: dict[str, list[OutTensor]]) -> dict[str, int]:
+def _out_tensors(table: TensorTable, dtype: str | None) -> list[OutTensor]:
+    """The table's tensors as output tensors, in table order, cast to `dtype` where float."""
+    if not dtype:  # each OutTensor(name, dtype, shape) from the columns, without a Python call each
+        return list(map(tuple.__new__, repeat(OutTensor), zip(table.names, table.dtypes, table.shapes)))
+    d = OUT_DTYPES[dtype]
+    return [OutTensor(t.name, d if t.dtype in FLOAT_DTYPES else t.dtype, t.shape) for t in table.values()]
+
+
+def _split(tensors: list[OutTensor], shard_bytes: int | None) -> Layout:
+    """`tensors` in order, cut into shards of at most shard_bytes (a larger tensor alone);
+    one file `model.safetensors`, else `model-0000i-of-0000n.safetensors`."""
+    if shard_bytes is None:
+        return {ONE_FILE: tensors}
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for o in tensors:
+        nbytes = ITEMSIZE[o.dtype] * prod(o.shape)
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(o)
+        size += nbytes
+    if len(groups) == 1:
+        return {ONE_FILE: groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def mirror_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> Layout:
+    """The layout that mirrors the base: its files (and its shard names, where
+    `usable_shard_names`) and tensor order, unless shard_bytes is set (then the base's
+    tensor order cut by `_split`). What the planner records, where it is not canonical."""
+    if shard_bytes is not None or len(base.files) == 1:
+        return _split(_out_tensors(base.tensors, dtype), shard_bytes)
+    names = [h.path.name for h in base.files]
+    if not usable_shard_names(names):  # README.md, config.json, a/x + b/x, ...: names of our own
+        n = len(names)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return {name: _out_tensors(h.table, dtype) for name, h in zip(names, base.files)}
+
+
+def base_alignment(base: Checkpoint, layout: Layout) -> dict[str, int]:
     """Output file -> data start of the base file it mirrors byte for byte in its data section
     (same tensors, dtypes and shapes at the same data offsets), for SafetensorsWriter's
     `align_like`; files that mirror none (resharded, cast) are absent."""
@@ -61,43 +117,99 @@ def _mirrors(tensors: list[OutTensor], h) -> bool:
     return list(map(sub, table.begins, repeat(h.data_start))) == [0, *accumulate(sizes)][:-1]
 
 
-def output_layout(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict[str, list[OutTensor]]:
-    """Output file name -> tensors, mirroring the base's sharding (and its shard names, where
-    `usable_shard_names`) unless shard_bytes is set."""
-    def out(t: TensorInfo) -> OutTensor:
-        d = OUT_DTYPES[dtype] if dtype and t.dtype in FLOAT_DTYPES else t.dtype
-        return OutTensor(t.name, d, t.shape)
-
-    def outs(table) -> list[OutTensor]:  # a TensorTable's tensors (checkpoint/tensor_table.py)
-        if not dtype:  # each OutTensor(name, dtype, shape) from the columns, without a Python call each
-            return list(map(tuple.__new__, repeat(OutTensor), zip(table.names, table.dtypes, table.shapes)))
-        return [out(t) for t in table.values()]
-
-    if shard_bytes is None:
-        if len(base.files) == 1:
-            return {"model.safetensors": outs(base.tensors)}
-        names = [h.path.name for h in base.files]
-        if not usable_shard_names(names):  # README.md, config.json, a/x + b/x, ...: names of our own
-            n = len(names)
-            names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        return {name: outs(h.table) for name, h in zip(names, base.files)}
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in base.tensors.values():
-        o = out(t)
-        nbytes = ITEMSIZE[o.dtype] * t.numel
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(o)
-        size += nbytes
-    if len(groups) == 1:
-        return {"model.safetensors": groups[0]}
-    n = len(groups)
-    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+def _data_starts(aligned: dict[str, int]) -> dict[str, int]:
+    """`align_like` values as the writer uses them: modulo FS_BLOCK, only 8-byte aligned ones."""
+    return {f: ds % FS_BLOCK for f, ds in aligned.items() if ds % 8 == 0}
 
 
-def shard_index_json(layout: dict[str, list[OutTensor]]) -> bytes:
+def _plain_data_start(tensors: list[OutTensor]) -> int:
+    """Where the data of one file of `tensors` starts as `safetensors.save_file` writes it
+    without metadata: 8 + its compact header JSON padded with spaces to a multiple of 8."""
+    sizes = [ITEMSIZE[t.dtype] * prod(t.shape) for t in tensors]
+    offsets = [0, *accumulate(sizes)]
+    raw = _header_json([t.name for t in tensors], [t.dtype for t in tensors], [tuple(t.shape) for t in tensors],
+                       offsets[:-1], offsets[1:], None)
+    return 8 + len(raw) + (-len(raw) % 8)
+
+
+def canonical_layout(tensors: TensorTable, *, dtype: str | None,
+                     shard_bytes: int | None) -> tuple[Layout, dict[str, int]]:
+    """The layout of a plan without `output.layout`, and each file's data start modulo FS_BLOCK:
+    the tensors in name order (the content hash's), cut by `_split`; a single file whose
+    tensors keep their dtypes starts its data where `_plain_data_start` puts it (the data
+    start of a base written that way, so its runs can be reflinked), others right after
+    their headers. A function of the plan's content only."""
+    outs = _out_tensors(tensors, dtype)
+    layout = _split(sorted(outs, key=itemgetter(0)), shard_bytes)
+    starts: dict[str, int] = {}
+    if len(layout) == 1 and all(o.dtype == d for o, d in zip(outs, tensors.dtypes)):
+        starts[ONE_FILE] = _plain_data_start(layout[ONE_FILE]) % FS_BLOCK
+    return layout, starts
+
+
+def _names(layout: Layout) -> list[tuple[str, list[str]]]:
+    return [(f, list(map(itemgetter(0), ts))) for f, ts in layout.items()]
+
+
+def layout_record(base: Checkpoint, *, dtype: str | None, shard_bytes: int | None) -> dict | None:
+    """The plan's `output.layout`: the base-mirroring layout, or None where it is the
+    canonical one (so plans of single-file bases in name order keep the hash they had).
+
+    {"files": [{"name", "tensors": how many, "data_start": modulo FS_BLOCK or null}, ...],
+    "order": every tensor name in output order, only where that is not name order}."""
+    layout = mirror_layout(base, dtype=dtype, shard_bytes=shard_bytes)
+    starts = _data_starts(base_alignment(base, layout))
+    canonical, canonical_starts = canonical_layout(base.tensors, dtype=dtype, shard_bytes=shard_bytes)
+    if (starts, _names(layout)) == (canonical_starts, _names(canonical)):
+        return None
+    record: dict = {"files": [{"name": f, "tensors": len(ts), "data_start": starts.get(f)}
+                              for f, ts in layout.items()]}
+    order = [n for _, names in _names(layout) for n in names]
+    if order != sorted(order):
+        record["order"] = order
+    return record
+
+
+def one_file_record(names: list[str]) -> dict:
+    """An `output.layout` of one file holding `names` in this order (a split merge's part file)."""
+    return {"files": [{"name": ONE_FILE, "tensors": len(names), "data_start": None}], "order": list(names)}
+
+
+def plan_layout(plan: dict, tensors: TensorTable, *, where: str = "plan") -> tuple[Layout, dict[str, int]]:
+    """The plan's output layout over the base's `tensors` (their dtypes and shapes; the content
+    hash fixes them), and each file's data start modulo FS_BLOCK (SafetensorsWriter's
+    `align_like`; absent: none).
+
+    Raises:
+        ConfigError: `output.layout` does not name each of the base's tensors exactly once.
+    """
+    output = plan["output"]
+    record = output.get("layout")
+    if record is None:
+        return canonical_layout(tensors, dtype=output.get("dtype"), shard_bytes=output.get("shard_bytes"))
+    outs = _out_tensors(tensors, output.get("dtype"))
+    order = record.get("order")
+    if order is None:
+        outs.sort(key=itemgetter(0))
+    else:
+        row, listed = tensors.row_map, set(order)
+        if len(order) != len(outs) or len(listed) != len(order) or not listed <= row.keys():
+            odd = next((n for n in order if n not in row), None) or next(
+                (n for n in tensors.names if n not in listed), None)
+            raise ConfigError(f"{where}: output.layout.order does not list each tensor of the base once"
+                              + (f" ({odd!r})" if odd is not None else "") + "; make the plan again")
+        outs = [outs[row[n]] for n in order]
+    files = record["files"]
+    counts = [f["tensors"] for f in files]
+    if sum(counts) != len(outs) or len({f["name"] for f in files}) != len(files):
+        raise ConfigError(f"{where}: output.layout.files name {len(files)} files of {sum(counts)} tensors in all "
+                          f"(each name once; the base has {len(outs)} tensors); make the plan again")
+    bounds = list(accumulate(counts, initial=0))
+    layout = {f["name"]: outs[a:b] for f, a, b in zip(files, bounds, bounds[1:])}
+    return layout, {f["name"]: f["data_start"] for f in files if f["data_start"] is not None}
+
+
+def shard_index_json(layout: Layout) -> bytes:
     """model.safetensors.index.json for a sharded layout (sorted, stable bytes)."""
     total = sum(prod(t.shape) * ITEMSIZE[t.dtype] for ts in layout.values() for t in ts)
     weight_map = {t.name: fname for fname, ts in layout.items() for t in ts}

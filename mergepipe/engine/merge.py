@@ -36,7 +36,7 @@ from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, Checkpoi
 from mergepipe.engine.cuts import CutTable
 from mergepipe.engine.hashing import OutputHasher
 from mergepipe.engine.copies import BackgroundCopies
-from mergepipe.engine.layout import base_alignment, output_layout, shard_index_json
+from mergepipe.engine.layout import plan_layout, shard_index_json
 from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, pack_runs, packable, read_pack,
                                    slice_digests)
 from mergepipe.engine.tensor_variants import TensorVariants
@@ -197,9 +197,9 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                for e in plan_experts]
     reads = {e["name"]: _read_sets(plan["reads"][e["name"]]) for e in plan_experts}
     base = inputs.base
-    layout = output_layout(base, dtype=plan["output"].get("dtype"), shard_bytes=plan["output"].get("shard_bytes"))
+    # the plan's layout, not the base's files: the same plan gives the same files (engine/layout.py)
+    layout, align = plan_layout(plan, base.tensors)
     realized = Realized()
-    align = base_alignment(base, layout)  # so that copied base runs can be reflinked
     direct = _direct_writes(out_dir, base, layout)
     writers = {fname: SafetensorsWriter(out_dir / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname),
                                         direct=direct) for fname, ts in layout.items()}

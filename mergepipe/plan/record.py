@@ -61,11 +61,31 @@ class TokenizerRecord(BaseModel):
     files: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], Hash]
 
 
+class LayoutFileRecord(BaseModel):
+    """One output weight file of output.layout (engine/layout.py): its name, how many tensors
+    of the layout's order it holds, its data start modulo 4 KiB (null: right after its header)."""
+
+    model_config = _STRICT
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")]
+    tensors: Count
+    data_start: Annotated[int, Field(strict=True, ge=0, lt=4096, multiple_of=8)] | None
+
+
+class LayoutRecord(BaseModel):
+    """output.layout, only where the base's file layout is not the canonical one; `order`
+    (every tensor once, checked against the base by engine/layout.py) only where not name order."""
+
+    model_config = _STRICT
+    files: Annotated[list[LayoutFileRecord], Field(min_length=1)]
+    order: list[StrictStr] | None = None
+
+
 class OutputRecord(BaseModel):
     model_config = _STRICT
     dtype: Literal["bfloat16", "float16", "float32"] | None
     shard_bytes: Annotated[int, Field(strict=True, ge=MIN_SHARD_BYTES)] | None
     tokenizer_source: TokenizerRecord | None = None
+    layout: LayoutRecord | None = None
 
 
 class BytesRecord(BaseModel):
