@@ -144,11 +144,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mergepipe.index.store import Store
     if args.o:
         _check_overwrite(Path(args.o), args, key="plan_hash", what="plan", inputs=(args.config,))
-    cfg = _load(args)
+    from mergepipe.commands.made_from import loaded_with_record
+    from mergepipe.plan.record import MADE_FROM
+    cfg, made_from = loaded_with_record(args.config, lambda: _load(args), budget=args.budget)
     if args.o:
         _refuse_inside_inputs(Path(args.o), _input_paths(cfg))
     plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads, quiet=args.quiet)
-    data = canonical_json(plan) + b"\n"
+    data = canonical_json({**plan, MADE_FROM: made_from}) + b"\n"  # beside the plan, outside its hash
     if args.o:
         out = Path(args.o)
         if not (out.is_file() and out.read_bytes() == data):  # unchanged content: keep the mtime
@@ -179,9 +181,11 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
                f"  manifest {out_dir / 'manifest.json'}")
 
 
-def _load_plan(path: str) -> dict:
+def _load_plan(path: str, params: str | None = None) -> dict:
+    """The plan in a plan file, checked; `params`: also refuse it unless it was made from
+    that file's current bytes (commands/made_from.py)."""
     from mergepipe.plan.planner import plan_hash
-    from mergepipe.plan.record import loads_plan
+    from mergepipe.plan.record import loads_plan, split_plan_file
     try:
         from mergepipe.util.fs import read_json_object_text
         plan = loads_plan(read_json_object_text(path))  # a model file given as the plan is not read whole
@@ -191,8 +195,12 @@ def _load_plan(path: str) -> dict:
     if not intact:  # hand-edited or truncated: its fields cannot be trusted
         raise ConfigError(f"{path}: plan_hash does not match the plan's content (edited, or not made by "
                           "`mergepipe plan`); make it again with `mergepipe plan`")
+    plan, made_from = split_plan_file(plan, path)  # the plan as hashed, stored and put in the manifest
     from mergepipe.plan.record import validate_plan
     validate_plan(plan, path)  # the hash has no key: an edit with a recomputed hash is checked field by field
+    if params is not None:
+        from mergepipe.commands.made_from import check_made_from
+        check_made_from(made_from, params, path)
     return plan
 
 
@@ -200,7 +208,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import merge_plan, open_inputs
     from mergepipe.index.store import Store
     from mergepipe.output.publish import check_output_path
-    plan = _load_plan(args.plan)
+    plan = _load_plan(args.plan, args.params)
     check_output_path(args.o, what="-o")
     if args.part:
         return _merge_part(args, plan)
@@ -235,7 +243,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import open_inputs
     from mergepipe.index.store import Store
     from mergepipe.output.publish import check_output_path
-    plan = _load_plan(args.plan)
+    plan = _load_plan(args.plan, args.params)
     check_output_path(args.o, what="-o")
     from mergepipe.commands.parts import check_parts
     check_parts(args.parts, what=f"--parts {args.parts}")
@@ -483,12 +491,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "not write it (never /, home, the current folder or one above it, or an input)")
     s.add_argument("--part", metavar="I/N", help="merge only part I of N (tensor groups) into folder -o; "
                    "`mergepipe gather` assembles the parts")
+    s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
+                   "this file as it is now (not an earlier edit of it)")
     s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("gather", parents=[common], help="assemble `merge --part` outputs, publish like merge")
     s.add_argument("plan")
     s.add_argument("parts_dir", help="the folder the part jobs wrote to")
     s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
+    s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
+                   "this file as it is now (not an earlier edit of it)")
     s.add_argument("-o", required=True, help="output folder")
     s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
                    "not write it (never /, home, the current folder or one above it, or an input)")

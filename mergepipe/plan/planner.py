@@ -327,8 +327,9 @@ def _tensor_effective_weights(method: str, params: dict, experts: list[PlanInput
 
 def plan_hash(plan: dict) -> str:
     """Covers inputs' content hashes, method, parameters, budget, block size, version
-    and the access set itself (everything but the hash field)."""
-    return hash_json({k: v for k, v in plan.items() if k != "plan_hash"})
+    and the access set itself (everything but the hash field and a plan file's
+    `made_from`, plan/record.py MADE_FROM: which bytes of params.yaml it came from)."""
+    return hash_json({k: v for k, v in plan.items() if k not in ("plan_hash", "made_from")})
 
 
 def _input_json(e: PlanInput) -> dict:

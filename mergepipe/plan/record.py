@@ -14,6 +14,9 @@ plan completely before a byte of weights is read.
    float tensor and differs from the base; the bytes of the planned reads,
    recomputed from the index, equal the plan's counts and fit in budget_bytes.
 
+A plan file may also hold `made_from` (`split_plan_file`): the params bytes it was made
+from, beside the plan and outside its hash.
+
 Every failure is a ConfigError naming the plan file and the key.
 """
 from __future__ import annotations
@@ -171,6 +174,34 @@ class PlanRecord(BaseModel):
     joint: JointRecord | None = None  # joint methods only (plan/joint_reads.py)
     tensor_parameters: dict[StrictStr, object] | None = None  # checked by plan/tensor_params.py
     plan_hash: Hash
+
+
+MADE_FROM = "made_from"  # a plan file's key beside the plan's: outside plan_hash (planner.plan_hash)
+
+
+class MadeFromRecord(BaseModel):
+    """What `mergepipe plan -o` made a plan file from: the blake3 of the params file's bytes.
+
+    Kept beside the plan, not in it: the plan (and so its hash, the store and the manifest)
+    is a function of the config's content, while this names the bytes, so `merge --params`
+    can refuse a plan made from an earlier edit of the file (commands/made_from.py)."""
+
+    model_config = _STRICT
+    params: Hash
+    budget: StrictStr | None = None  # `plan --budget`: the plan's budget is not the file's
+
+
+def split_plan_file(doc: object, where: str) -> tuple[object, MadeFromRecord | None]:
+    """A plan file's plan (without `made_from`) and its made_from record (None when absent)."""
+    if not isinstance(doc, dict) or MADE_FROM not in doc:
+        return doc, None
+    plan = {k: v for k, v in doc.items() if k != MADE_FROM}
+    try:
+        return plan, MadeFromRecord.model_validate(doc[MADE_FROM])
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in (MADE_FROM, *err["loc"]))
+        raise ConfigError(f"{where}: plan key {key}: {err['msg']}; make the plan again with `mergepipe plan`") from None
 
 
 def _loc(err: dict) -> str:
