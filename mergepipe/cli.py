@@ -360,6 +360,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from mergepipe.commands.audit import audit
+    report = audit(Path(args.outdir), search=[Path(d) for d in args.search], cache_dir=Path(args.cache_dir),
+                   recursive=args.recursive, threads=args.threads)
+    sys.stdout.write(report.text())
+    report.raise_if_failed(Path(args.outdir))
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from mergepipe.commands.explain import explain
     print(explain(Path(args.target), cache_dir=args.cache_dir, root=args.root, budget=args.budget,
@@ -535,6 +544,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replay", action="store_true", help="also rebuild and compare output hashes")
     s.add_argument("--root", default=".")
     s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("audit", parents=[common], help="prove how an output was built, anywhere: find its inputs "
+                       "by content hash, rehash them, replay the merge and compare; walk its lineage")
+    s.add_argument("outdir")
+    s.add_argument("--search", action="append", default=[], metavar="DIR", help="a folder to search, "
+                   "recursively, for the inputs (repeatable); the Hugging Face cache is searched too")
+    s.add_argument("--recursive", "-r", action="store_true", help="also audit each input that is a mergepipe "
+                   "output, down to inputs that are not merges")
+    s.add_argument("--cache-dir", default=".mergepipe", help="index cache for the searched folders")
+    s.set_defaults(fn=cmd_audit)
 
     s = sub.add_parser("explain", parents=[common], help="readable table of a plan, output or params.yaml: "
                        "bytes, update energy kept per expert, rescale factors, bound")

@@ -45,3 +45,10 @@ class OutputError(MergepipeError):
     """The output location is unusable (is an input, is a file, is locked, disk full)."""
 
     exit_code = 7
+
+
+class MissingInputError(MergepipeError):
+    """`audit`: an input the manifest records was found nowhere it looked (the merge is neither
+    proven nor disproven; a found input that differs is an IntegrityError)."""
+
+    exit_code = 8

@@ -28,6 +28,7 @@ from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.hf_config import output_config
+from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
 from mergepipe.index.store import Store
 from mergepipe.commands.stack import check_fresh, stack_sources
@@ -199,9 +200,11 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     check_output_path(out_dir)
     _check_output_target(out_dir, inputs, store, tuple(Path(p) for p in protect))
     cached = store.root / "merges" / plan["plan_hash"]
+    lineage = input_lineage((inputs.base, inputs.base_index),
+                            {n: (inputs.experts[n], inputs.expert_indexes[n]) for n in inputs.experts})
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
-        if _restore(cached, tmp, plan):
+        if _restore(cached, tmp, plan, lineage):
             man = json.loads((tmp / MANIFEST).read_text())
             run_info = {"restored_from": str(cached)}
         else:
@@ -230,7 +233,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                     aux[name] = hash_file(tmp / name)
             (tmp / "README.md").write_text(_model_card(plan))
             aux["README.md"] = hash_file(tmp / "README.md")
-            man = build_manifest(plan, realized, aux)
+            man = build_manifest(plan, realized, aux, lineage=lineage)
             write_manifest(tmp / MANIFEST, man)  # dumps(man), a batch at a time
             run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
@@ -246,14 +249,16 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     return man
 
 
-def _restore(cached: Path, tmp: Path, plan: dict) -> bool:
-    """Hard-link a previously built merge of this exact plan into tmp, if intact."""
+def _restore(cached: Path, tmp: Path, plan: dict, lineage: dict | None = None) -> bool:
+    """Hard-link a previously built merge of this exact plan into tmp, if intact and with this
+    `lineage` (the same input bytes, once plain, may now hold a mergepipe manifest)."""
     try:
         man = load_manifest(cached)
     except IntegrityError:
         return False
-    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan or man.get("schema") != MANIFEST_SCHEMA:
-        return False  # another plan, or a manifest format of an earlier version: merge again
+    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan or man.get("schema") != MANIFEST_SCHEMA \
+            or man.get("lineage", {}) != (lineage or {}):
+        return False  # another plan or lineage, or a manifest format of an earlier version: merge again
     try:
         for name in [*man["outputs"]["files"], MANIFEST]:
             _link_or_copy(cached / name, tmp / name)

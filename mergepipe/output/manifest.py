@@ -36,8 +36,10 @@ def versions() -> dict[str, str]:
     return {"mergepipe": __version__, "torch": version("torch"), "safetensors": version("safetensors")}
 
 
-def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
-    """Args: plan dict; engine.Realized; aux file name -> blake3 (config.json, README.md, ...)."""
+def build_manifest(plan: dict, realized, aux_files: dict[str, str], *, lineage: dict | None = None) -> dict:
+    """Args: plan dict; engine.Realized; aux file name -> blake3 (config.json, README.md, ...);
+    `lineage`: the links to inputs that are mergepipe outputs (output/lineage.py), recorded only
+    when there is one, so a merge of plain models has the manifest it always had."""
     planned = plan["bytes"]
     man = {
         "schema": MANIFEST_SCHEMA,
@@ -66,6 +68,8 @@ def build_manifest(plan: dict, realized, aux_files: dict[str, str]) -> dict:
     if "planned_sketch_bytes" in planned:  # strategy sketch: sketches read in place of expert blocks
         man["bytes"]["planned_sketch_bytes"] = planned["planned_sketch_bytes"]
         man["bytes"]["sketch_bytes_read"] = realized.sketch_bytes_read
+    if lineage:
+        man["lineage"] = lineage
     man["manifest_hash"] = manifest_hash(man)
     return man
 
