@@ -275,3 +275,25 @@ def test_audit_catches_a_lineage_link_to_another_manifest(merges, capsys):
     assert rc == 6, out + err
     assert f"is the output of merge {decoy['manifest_hash'][:16]}: the manifest in {tree / 'merges' / 'other-merge'}" \
            " does not record this input's tensors as its outputs" in err, err
+
+
+def test_audit_finds_a_moved_tokenizer_source_by_its_files(tiny_family, tmp_path, capsys):
+    root = Path(tiny_family["root"])
+    site = tmp_path / "site"
+    site.mkdir()
+    tok = site / "tok"
+    tok.mkdir()
+    shutil.copyfile(root / "base" / "config.json", tok / "config.json")
+    tokenizer = json.loads((root / "base" / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [*tokenizer.get("added_tokens", []), {"id": 0, "content": "<mine>"}]
+    (tok / "tokenizer.json").write_text(json.dumps(tokenizer))
+    cfg = write_config(site, tiny_family, output={"dir": str(site / "out"), "tokenizer_source": str(tok)})
+    assert main(["run", str(cfg), "-q"]) == 0
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
+    shutil.move(tok, tmp_path / "elsewhere" / "deep" / "tokenizer-files")
+    args = (site / "out", "--cache-dir", tmp_path / "audit-cache")
+    rc, out, err = _audit(capsys, *args)
+    assert rc == 8 and "tokenizer source (recorded as" in err, out + err
+    rc, out, err = _audit(capsys, *args, "--search", tmp_path / "elsewhere")
+    assert rc == 0, out + err
+    assert f"tokenizer source: found {tmp_path / 'elsewhere' / 'deep' / 'tokenizer-files'}; files match" in out, out

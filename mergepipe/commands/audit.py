@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from itertools import chain
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,8 +145,8 @@ class _Audit:
         tok = plan["output"].get("tokenizer_source")
         if tok is None:
             return None
-        folders = [Path(tok["path"]).expanduser(), *(i.found.folder for i in inputs if i.found is not None),
-                   *(f for f, _ in self.finder.searched())]
+        folders = chain([Path(tok["path"]).expanduser()], (i.found.folder for i in inputs if i.found is not None),
+                        self.finder.holding(sorted(tok["files"])))
         for folder in folders:
             try:
                 if all(hash_file(folder / n) == h for n, h in tok["files"].items()):

@@ -45,8 +45,8 @@ def is_model_folder(folder: Path) -> bool:
         return False
 
 
-def model_folders(root: Path) -> Iterator[Path]:
-    """Model folders at or under `root`, in name order; a linked folder is followed once."""
+def folders(root: Path) -> Iterator[Path]:
+    """`root` and every folder under it, in name order; a linked folder is followed once."""
     seen: set[str] = set()
     stack = [root]
     while stack:
@@ -55,13 +55,16 @@ def model_folders(root: Path) -> Iterator[Path]:
         if real in seen:
             continue
         seen.add(real)
-        if is_model_folder(folder):
-            yield folder
+        yield folder
         try:
             subs = sorted((p for p in folder.iterdir() if p.is_dir()), reverse=True)
         except OSError:
             continue
         stack.extend(subs)
+
+
+def model_folders(root: Path) -> Iterator[Path]:
+    return filter(is_model_folder, folders(root))
 
 
 def hub_snapshots(model_id: str) -> list[Path]:
@@ -146,6 +149,11 @@ class Finder:
             if self.content_hash(folder, layout.block_bytes) == content_hash:
                 return Found(folder, how)
         return None
+
+    def holding(self, names: list[str]) -> Iterator[Path]:
+        """Folders under the --search folders that hold files of all these names."""
+        for d in self.search:
+            yield from (f for f in folders(d) if all((f / n).is_file() for n in names))
 
     def manifest(self, manifest_hash: str, first: Path | None = None) -> tuple[Path, dict] | None:
         """A folder holding the mergepipe manifest with this hash: `first` if it does, else a
