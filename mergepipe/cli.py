@@ -13,12 +13,11 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from mergepipe import __version__
-from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
+from mergepipe.errors import ConfigError, MergepipeError
 
 # numpy's OpenBLAS starts a thread per core at import, and they spin before they sleep:
 # on two cores that took ~0.15 CPU-s from every command (perf, BENCHMARKS.md). No result
@@ -326,37 +325,9 @@ def _calibration_text(cfg) -> list[Path]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from mergepipe.output.manifest import verify_outputs
-    out_dir = Path(args.outdir)
-    man = verify_outputs(out_dir, deep=args.deep)
-    checked = [f"{len(man['outputs']['files'])} files" + (" reread" if args.deep else "")]
-    if args.inputs or args.replay:
-        from mergepipe.commands.pipeline import open_inputs
-        from mergepipe.index.store import Store
-        from mergepipe.plan.planner import plan_hash
-        from mergepipe.plan.record import validate_plan
-        plan = man["plan"]
-        where = f"{out_dir / 'manifest.json'}: plan"
-        if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) or plan_hash(plan) != man.get(
-                "plan_hash"):
-            raise IntegrityError(f"{where}: plan_hash does not match the recorded plan")
-        validate_plan(plan, where)
-        with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
-            store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
-            inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=where,
-                                 check_stacks=False)  # verify compares with the record, which names the stack
-            checked.append(f"{1 + len(plan['experts'])} inputs")
-            if args.replay:
-                from mergepipe.commands.pipeline import merge_plan
-                replay_dir = Path(tmp) / "replay"
-                again = merge_plan(plan, inputs, replay_dir, store, threads=args.threads, progress=False)
-                if again["outputs"] != man["outputs"]:
-                    bad = sorted(n for n, h in man["outputs"]["tensors"].items()
-                                 if again["outputs"]["tensors"].get(n) != h)
-                    raise IntegrityError(f"{out_dir}: replay produced different outputs"
-                                         + (f" (first tensor {bad[0]!r})" if bad else ""))
-                checked.append("replay identical")
-    print(f"{out_dir}: OK ({', '.join(checked)}; manifest {man['manifest_hash'][:16]})")
+    from mergepipe.commands.verify import verify
+    print(verify(Path(args.outdir), deep=args.deep, inputs=args.inputs, replay=args.replay, root=Path(args.root),
+                 threads=args.threads))
     return 0
 
 
