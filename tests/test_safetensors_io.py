@@ -90,6 +90,27 @@ def test_folder_rules(tmp_path):
         open_checkpoint(shard)
 
 
+def test_a_hub_snapshot_of_a_sharded_model_opens(tmp_path):
+    """Its shards link into the repo's blob store; a link anywhere else still leaves the folder."""
+    repo = tmp_path / "models--org--name"
+    snap, blobs = repo / "snapshots" / "abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    weight_map = {}
+    for i, name in enumerate(("a", "b")):
+        save_file({name: torch.full((3,), float(i))}, blobs / f"h{i}")
+        os.symlink(f"../../blobs/h{i}", snap / f"s{i}.safetensors")
+        weight_map[name] = f"s{i}.safetensors"
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert sorted(open_checkpoint(snap).names) == ["a", "b"]
+    (tmp_path / "elsewhere").mkdir()
+    save_file({"b": torch.zeros(3)}, tmp_path / "elsewhere" / "x")
+    (snap / "s1.safetensors").unlink()
+    os.symlink(tmp_path / "elsewhere" / "x", snap / "s1.safetensors")
+    with pytest.raises(CheckpointError, match="leaves the model folder"):
+        open_checkpoint(snap)
+
+
 def _rchar() -> int:
     for line in open("/proc/self/io"):
         if line.startswith("rchar:"):

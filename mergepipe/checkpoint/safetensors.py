@@ -369,11 +369,20 @@ def _inside(root: Path, rel: str) -> Path:
     candidate = (root / rel)
     real_root = root.resolve()
     real = candidate.resolve()
-    if real_root not in real.parents:
+    if real_root not in real.parents and not _hub_blob(real_root, real):
         raise CheckpointError(f"{root / INDEX_JSON}: weight_map file {rel!r} leaves the model folder")
     if not candidate.is_file():
         raise CheckpointError(f"{root / INDEX_JSON}: weight_map names missing file {rel!r}")
     return candidate
+
+
+def _hub_blob(real_root: Path, real: Path) -> bool:
+    """A Hugging Face cache snapshot (`models--org--name/snapshots/<rev>/`) links each file to
+    the same repo's blob store (`models--org--name/blobs/<hash>`): the one place outside the
+    folder a shard may resolve to."""
+    repo = real_root.parent.parent
+    return (real_root.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--"))
+            and real.parent == repo / "blobs" and real.is_file())
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -479,6 +488,12 @@ class CheckpointReader:
     `random_access` sets POSIX_FADV_RANDOM so the kernel does not read ahead
     into regions the plan skips (experts); the base is read sequentially.
     """
+
+    def __new__(cls, ckpt: Checkpoint, **options: object) -> CheckpointReader:
+        # A virtual checkpoint (checkpoint/lora.py) names the reader that makes its bytes, so
+        # that every reader opened on it, wherever, returns those and not its files' own.
+        own = getattr(type(ckpt), "reader_class", None)
+        return object.__new__(own if own is not None and issubclass(own, cls) else cls)
 
     def __init__(self, ckpt: Checkpoint, *, counter: ReadCounter | None = None,
                  random_access: bool = True) -> None:
