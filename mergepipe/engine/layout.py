@@ -125,26 +125,29 @@ def _data_starts(aligned: dict[str, int]) -> dict[str, int]:
 def _plain_data_start(tensors: list[OutTensor]) -> int:
     """Where the data of one file of `tensors` starts as `safetensors.save_file` writes it
     without metadata: 8 + its compact header JSON padded with spaces to a multiple of 8."""
-    sizes = [ITEMSIZE[t.dtype] * prod(t.shape) for t in tensors]
-    offsets = [0, *accumulate(sizes)]
-    raw = _header_json([t.name for t in tensors], [t.dtype for t in tensors], [tuple(t.shape) for t in tensors],
-                       offsets[:-1], offsets[1:], None)
+    names, dtypes, shapes = (list(map(itemgetter(i), tensors)) for i in range(3))
+    offsets = [0, *accumulate(map(mul, map(ITEMSIZE.__getitem__, dtypes), map(prod, shapes)))]
+    raw = _header_json(names, dtypes, shapes, offsets[:-1], offsets[1:], None)
     return 8 + len(raw) + (-len(raw) % 8)
+
+
+def _canonical_starts(layout: Layout, tensors: TensorTable, dtype: str | None) -> dict[str, int]:
+    """A single canonical file whose tensors keep their dtypes starts its data where
+    `_plain_data_start` puts it (where a base written so starts its data: reflinkable);
+    other files right after their headers."""
+    cast = dtype is not None and any(d in FLOAT_DTYPES and d != OUT_DTYPES[dtype] for d in set(tensors.dtypes))
+    if cast or len(layout) != 1:
+        return {}
+    return {ONE_FILE: _plain_data_start(layout[ONE_FILE]) % FS_BLOCK}
 
 
 def canonical_layout(tensors: TensorTable, *, dtype: str | None,
                      shard_bytes: int | None) -> tuple[Layout, dict[str, int]]:
-    """The layout of a plan without `output.layout`, and each file's data start modulo FS_BLOCK:
-    the tensors in name order (the content hash's), cut by `_split`; a single file whose
-    tensors keep their dtypes starts its data where `_plain_data_start` puts it (the data
-    start of a base written that way, so its runs can be reflinked), others right after
-    their headers. A function of the plan's content only."""
-    outs = _out_tensors(tensors, dtype)
-    layout = _split(sorted(outs, key=itemgetter(0)), shard_bytes)
-    starts: dict[str, int] = {}
-    if len(layout) == 1 and all(o.dtype == d for o, d in zip(outs, tensors.dtypes)):
-        starts[ONE_FILE] = _plain_data_start(layout[ONE_FILE]) % FS_BLOCK
-    return layout, starts
+    """The layout of a plan without `output.layout`, and each file's data start modulo FS_BLOCK
+    (`_canonical_starts`): the tensors in name order (the content hash's), cut by `_split`.
+    A function of the plan's content only."""
+    layout = _split(sorted(_out_tensors(tensors, dtype), key=itemgetter(0)), shard_bytes)
+    return layout, _canonical_starts(layout, tensors, dtype)
 
 
 def _names(layout: Layout) -> list[tuple[str, list[str]]]:
@@ -159,8 +162,8 @@ def layout_record(base: Checkpoint, *, dtype: str | None, shard_bytes: int | Non
     "order": every tensor name in output order, only where that is not name order}."""
     layout = mirror_layout(base, dtype=dtype, shard_bytes=shard_bytes)
     starts = _data_starts(base_alignment(base, layout))
-    canonical, canonical_starts = canonical_layout(base.tensors, dtype=dtype, shard_bytes=shard_bytes)
-    if (starts, _names(layout)) == (canonical_starts, _names(canonical)):
+    canonical = _split(sorted((t for ts in layout.values() for t in ts), key=itemgetter(0)), shard_bytes)
+    if _names(layout) == _names(canonical) and starts == _canonical_starts(canonical, base.tensors, dtype):
         return None
     record: dict = {"files": [{"name": f, "tensors": len(ts), "data_start": starts.get(f)}
                               for f, ts in layout.items()]}
