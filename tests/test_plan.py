@@ -1,10 +1,12 @@
 """Planner properties, on synthetic indexes (no files) and on real merges."""
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mergepipe.cli import main
+from mergepipe.errors import BudgetError
 from mergepipe.plan.planner import PlanInput, make_plan
 from mergepipe.units import parse_budget
 from tests.helpers import load_model, synthetic_indexes, write_config
@@ -46,8 +48,12 @@ def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, se
     full_read = full["bytes"]["full_read_expert_bytes"]
     assert full_read == full["bytes"]["planned_expert_bytes"] == full["budget_bytes"]
     assert full_read == full["bytes"]["total_expert_bytes"] - sum(full["bytes"]["skipped_identical_by_expert"].values())
-    plan = make_plan(**kw, budget=budget)
     share = parse_budget(budget)
+    if full_read and share.resolve(full_read) < 64:  # below one 64-byte block: nothing to read
+        with pytest.raises(BudgetError, match="smaller than any expert block"):  # plan/budget_floor.py
+            make_plan(**kw, budget=budget)
+        return
+    plan = make_plan(**kw, budget=budget)
     assert plan["budget"] == str(share)
     assert plan["budget_bytes"] == share.resolve(full_read)
     assert plan["budget_bytes"] == (full_read if share.kind == "full" else int(share.fraction * full_read))

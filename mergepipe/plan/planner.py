@@ -30,6 +30,7 @@ from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import statistics_key
 from mergepipe.plan import joint_reads, sketch_reads
+from mergepipe.plan.budget_floor import check_budget_floor, smallest_read
 from mergepipe.checkpoint.blocks import BlockLayout, is_vocabulary_tensor, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
@@ -80,7 +81,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     scores use its own effective weights.
 
     Raises:
-        BudgetError: budget_bytes < 0.
+        BudgetError: budget_bytes < 0, or a budget too small for any read (plan/budget_floor.py).
         CheckpointError: an expert delta has NaN/Inf and nonfinite == "error".
         ConfigError: unknown strategy, bad options, or a rescaling strategy with a
             method that does not merge weighted deltas (slerp).
@@ -145,14 +146,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
                 items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score, block_l2[b]))
     items.sort(key=itemgetter(0, 1, 2, 3))  # it[:4], compared in C
     full_read_bytes = sum(it[6] for it in items)
+    floored = budget_bytes is None  # a budget_bytes given by the caller is taken as it is
     if budget_bytes is None:
         budget_bytes = budget.resolve(full_read_bytes)
-        smallest = min((it[6] for it in items), default=0)
-        if budget.kind == "bytes" and 0 < budget_bytes < smallest:
-            # "budget: 10" is 10 bytes: a merge that reads nothing and publishes the base as merged
-            raise BudgetError(f"budget {budget} is smaller than any expert block ({smallest} bytes), so the merge "
-                              f"would read nothing; for a share write a percentage (e.g. '{budget_bytes}%') "
-                              "or a size like '2GiB'")
     if tensor_parameters is not None:  # strategies' shares: each expert's largest per-tensor weight
         for g in range(len(tensor_parameters["groups"])):
             for k, v in eff_of(None, eff, g).items():
@@ -167,6 +163,9 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
     sk_ctx = None
     if strat.sketched:
         sk_ctx = sketch_reads.sketch_context(items, sketches, {n: e.dtype for n, e in base_index.tensors.items()})
+    if floored:
+        check_budget_floor(budget, budget_bytes, full_read_bytes,
+                           smallest_read(items, grouped=m.joint is not None, sketch=sk_ctx))
     ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale, vocabulary,
                       sketch=sk_ctx)
     if m.joint is not None:  # per-tensor parameters must not change the statistics

@@ -1107,8 +1107,9 @@ def c_output_symlink_to_a_users_folder(ctx, work):
 
 @case
 def c_byte_budget_below_one_block(ctx, work):
-    """`budget: 10` (meant 10%) is 10 bytes: a merge that reads nothing would publish the base as merged."""
-    return run(work, ctx, None, ("budget", "10B", "smaller than any expert block"), BUDGET, budget=10)
+    """`budget: 10` (meant 10%) is 10 bytes: a merge that reads nothing would publish the base as merged
+    (the default strategy here, sketch, reads 196-byte sketches at least)."""
+    return run(work, ctx, None, ("budget", "10B", "smaller than any expert sketch"), BUDGET, budget=10)
 
 
 # ------------------------------------------------------------- third red-team pass (issue 15): other inputs, the cache

@@ -38,6 +38,12 @@ class SketchParams(BaseModel):
     strategy: Literal["sketch"] = "sketch"
 
 
+def sketchable(c: Candidate, sketch: tuple[float, int] | None) -> bool:
+    """Whether candidate c can be read as its sketch (residual energy, bytes): it has one, the
+    sketch keeps some of the update, and it costs less than the block."""
+    return sketch is not None and c.l2 * c.l2 - sketch[0] > 0 and sketch[1] < c.cost
+
+
 @register("sketch", params=SketchParams, sketched=True)
 def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: SketchParams) -> Selection:
     """Greedy by update energy per byte over three levels: skip, ternary sketch, full read."""
@@ -49,11 +55,10 @@ def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: Sketc
         l2sq = c.l2 * c.l2
         options.append((-(e2 * l2sq) / c.cost, i, 1, c.cost))  # exact
         sk = ctx.sketch.get((c.expert, c.tensor, c.block))
-        if sk is not None:
+        if sketchable(c, sk):
             r2, cs = sk
-            if l2sq - r2 > 0 and cs < c.cost:
-                options.append((-(e2 * (l2sq - r2)) / cs, i, 0, cs))  # sketch
-                options.append((-(e2 * r2) / (c.cost - cs), i, 2, c.cost - cs))  # upgrade
+            options.append((-(e2 * (l2sq - r2)) / cs, i, 0, cs))  # sketch
+            options.append((-(e2 * r2) / (c.cost - cs), i, 2, c.cost - cs))  # upgrade
     options.sort()
     state = [NONE] * len(cands)
     used = 0
