@@ -161,10 +161,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     strategy = (plan.get("strategy") or {}).get("name", "energy")
     sketches = f" + {_mib(b['planned_sketch_bytes'])} of sketches" if b.get("planned_sketch_bytes") else ""
     _log(args, f"plan {plan['plan_hash'][:16]} ({strategy}): read {_mib(b['planned_expert_bytes'])}{sketches} of "
-               f"{_mib(b['total_expert_bytes'])} expert bytes (budget {plan['budget']}); "
-               f"{plan['bound']['kind']} bound {plan['bound']['omitted_mass']:.4g} "
-               f"(relative {plan['bound']['relative']:.3%})")
+               f"{_mib(b['total_expert_bytes'])} expert bytes (budget {plan['budget']})"
+               + _bound_suffix(plan["bound"], "; "))
     return 0
+
+
+def _bound_suffix(bound: dict, sep: str) -> str:
+    from mergepipe.plan.bound_text import bound_line
+    line = bound_line(bound)
+    return "" if line is None else sep + line
 
 
 def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) -> None:
@@ -174,10 +179,8 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
                + (f" + {_mib(b['sketch_bytes_read'])} of sketches" if b.get("sketch_bytes_read") else "")
                + f" of {_mib(b['total_expert_bytes'])} "
                f"(budget {man['budget']['spec']} = {_mib(man['budget']['bytes'])}); "
-               f"base read {_mib(b['base_bytes_read'])}; written {_mib(b['bytes_written'])}\n"
-               f"  {man['bound']['kind']} bound: omitted mass {man['bound']['omitted_mass']:.4g} "
-               f"(relative {man['bound']['relative']:.3%})\n"
-               f"  manifest {out_dir / 'manifest.json'}")
+               f"base read {_mib(b['base_bytes_read'])}; written {_mib(b['bytes_written'])}"
+               + _bound_suffix(man["bound"], "\n  ") + f"\n  manifest {out_dir / 'manifest.json'}")
 
 
 def _load_plan(path: str, params: str | None = None) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
+from mergepipe.plan.bound_text import bound_line
 from mergepipe.util.fs import read_json_object_text
 
 
@@ -218,11 +219,7 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
                          f"{imp:.2%}")
     elif note:
         lines.append(note)
-    bound = plan["bound"]
-    lines.append(f"{bound['kind']} bound: ||M_S - M||_F <= {bound['omitted_mass']:.6g} "
-                 f"(relative to estimated ||M - W0||: {bound['relative']:.4%})" if bound["kind"] == "certified" else
-                 f"heuristic omitted mass {bound['omitted_mass']:.6g} (relative {bound['relative']:.4%}); "
-                 "not a bound for this method")
+    lines.append(bound_line(plan["bound"]) or "nothing left out: this plan gives the full merge")
     lines += _scales_summary(plan)
     lines += joint_reads.describe(plan)
     tensors: dict[str, dict[str, int]] = {}
