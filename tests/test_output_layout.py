@@ -17,6 +17,8 @@ from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.cli import main
 from mergepipe.engine.layout import canonical_layout, layout_record, plan_layout
 from mergepipe.errors import ConfigError
+from mergepipe.plan.planner import plan_hash
+from mergepipe.util.fs import canonical_json
 
 SHAPES = {"model.embed_tokens.weight": (256, 32), "model.norm.weight": (32,), "lm_head.weight": (256, 32),
           **{f"model.layers.{i}.{part}": shape for i in range(2) for part, shape in [
@@ -190,6 +192,26 @@ def test_a_layout_that_does_not_name_the_base_tensors_is_refused(family, tmp_pat
                       ({**record, "files": [{**record["files"][0], "tensors": 3}]}, "tensors")]:
         with pytest.raises(ConfigError, match=what):
             plan_layout({"output": {**plan["output"], "layout": bad}}, tensors, where="p.json")
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda rec: rec["files"][0].update(name="manifest.json"), "output.layout.files.0.name"),
+    (lambda rec: rec["files"][0].update(data_start=5), "output.layout.files.0.data_start"),
+    (lambda rec: rec["files"][0].update(tensors=-1), "output.layout.files.0.tensors"),
+    (lambda rec: rec.update(order=[*rec["order"][1:], "model.norm.weightx"]), "output.layout.order"),
+])
+def test_an_edited_layout_in_a_plan_file_is_refused_in_one_line(family, tmp_path, capsys, edit, key):
+    write_model(tmp_path / "base", family["base"], files=[NAMES[::-1]])
+    path = _plan(tmp_path, _params(tmp_path, family), "plan.json")
+    plan = json.loads(path.read_text())
+    edit(plan["output"]["layout"])
+    plan["plan_hash"] = plan_hash(plan)  # the hash has no key: an edit can recompute it
+    path.write_bytes(canonical_json(plan))
+    capsys.readouterr()
+    assert main(["merge", str(path), "-o", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and key in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_canonical_layout_is_the_name_order_in_one_file(family, tmp_path):

@@ -18,7 +18,7 @@ from mergepipe.commands import uptodate
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.tensor_params import resolve_tensor_parameters
-from mergepipe.engine.layout import layout_record
+from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
@@ -63,6 +63,8 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
+    if "layout" in plan["output"]:  # one naming other tensors is refused before any weight is read
+        plan_layout(plan, base.tensors, where=where)
     tokenizer = plan["output"].get("tokenizer_source")
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                   tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root),
