@@ -313,7 +313,8 @@ def run_contender(env: Env, c: Contender, *, cache: str, section: str, round_: i
         env.say(f"  FAILED {c.name}: rc={m.returncode}: {m.stderr_tail[-500:]}")
     elif c.tool == "mergepipe":
         man = json.loads((out_dir / "manifest.json").read_text())
-        run_info = json.loads((out_dir / "run.json").read_text())
+        from mergepipe.output.run_record import record_path
+        run_info = json.loads(record_path(out_dir).read_text())
         rec.update({k: man["bytes"][k] for k in ("expert_bytes_read", "base_bytes_read", "bytes_written",
                                                  "planned_expert_bytes", "total_expert_bytes")})
         rec.update(budget_bytes=man["budget"]["bytes"], bound=man["bound"], merge_s=run_info.get("seconds"),

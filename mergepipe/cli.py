@@ -277,7 +277,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mergepipe.commands import uptodate
     t0 = time.monotonic()
     cli_overrides = {"budget": args.budget, "output": args.output}
-    # no-op check first, by run.json's record: no config model, index, plan or torch
+    # no-op check first, by the output's run record: no config model, index, plan or torch
     done = uptodate.fast_up_to_date(args.config, cli_overrides, args.output)
     if done is not None:
         from mergepipe.output.publish import clean_dead_writer

@@ -20,6 +20,7 @@ from mergepipe.commands.uptodate import RECORD
 from mergepipe.errors import OutputError
 from mergepipe.output.manifest import load_manifest
 from mergepipe.output.publish import Publisher
+from mergepipe.output.run_record import record_path
 from tests.corpus.procs import Warm, leftovers, params, published
 
 
@@ -196,11 +197,11 @@ def test_up_to_date_run_cleans_what_a_writer_killed_after_its_commit_left(small_
     assert main(["run", str(cfg), "-q"]) == 0
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    for drop_record in (False, True):  # the fast check by run.json, then the full check
-        if drop_record:  # run.json without its make-style record: the full check decides
-            info = json.loads((target / "run.json").read_text())
+    for drop_record in (False, True):  # the fast check by the run record, then the full check
+        if drop_record:  # the run record without its make-style record: the full check decides
+            info = json.loads(record_path(target).read_text())
             info.pop(RECORD, None)
-            (target / "run.json").write_text(json.dumps(info))
+            record_path(target).write_text(json.dumps(info))
         (tmp_path / "pub" / ".out.lock").write_text(f"{socket.gethostname()}:{dead.pid}")
         (tmp_path / "pub" / ".out.tmp-0123456789ab").mkdir()
         (tmp_path / "pub" / ".out.tmp-0123456789ab" / "model.safetensors").write_bytes(b"x")

@@ -229,7 +229,7 @@ def test_disk_full_on_a_small_tmpfs(tiny_family, tiny_cache, tmp_path):
     results = json.loads(proc.stdout.splitlines()[-1])
     errors = [line for line in proc.stderr.splitlines() if line]
     *failing, ok = results
-    assert ok["rc"] == 0 and ok["left"] == ["out"]
+    assert ok["rc"] == 0 and ok["left"] == [".out.run.json", "out"]  # the output and its run record
     for r in failing:
         assert r["rc"] == 7 and r["left"] == [], r
     assert len(errors) == len(failing) and all(e.startswith("mergepipe: error: ") for e in errors), errors

@@ -24,6 +24,7 @@ from mergepipe.index.store import Store
 from mergepipe.methods import get_method
 from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
 from mergepipe.plan.planner import plan_hash
+from mergepipe.output.run_record import record_path
 from tests._joint import run_joint
 from tests.helpers import load_model, write_config
 
@@ -48,7 +49,7 @@ def _run(tmp: Path, family: dict, method: str, params: dict, *, budget: str = "f
     assert main(["run", str(cfg_path), "-q", "--threads", str(threads)]) == 0
     out = tmp / "out"
     return {"manifest": json.loads((out / "manifest.json").read_text()),
-            "run": json.loads((out / "run.json").read_text()), "out": out, "config": cfg_path}
+            "run": json.loads(record_path(out).read_text()), "out": out, "config": cfg_path}
 
 
 def _groups(plan: dict) -> dict[tuple[str, int], set[str]]:

@@ -92,8 +92,7 @@ def test_packed_engine_gives_the_per_tensor_bytes(family, tmp_path, monkeypatch,
     names = sorted(p.name for p in plain.iterdir())
     assert names == sorted(p.name for p in packed.iterdir())
     for name in names:
-        if name != "run.json":  # timings
-            assert (packed / name).read_bytes() == (plain / name).read_bytes(), name
+        assert (packed / name).read_bytes() == (plain / name).read_bytes(), name
 
 
 def test_small_tensors_are_written_in_packs(family, tmp_path, monkeypatch):
@@ -161,7 +160,7 @@ def test_content_hash_rows_are_the_json_text(row):
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "run.json"}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def test_split_merge_of_packs_is_byte_identical(family, tmp_path):

@@ -4,6 +4,7 @@ host- or inode-specific file sits beside the weights (the run record lives besid
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from transformers import AutoConfig
 
 from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.cli import main
+from mergepipe.commands import uptodate
 from mergepipe.errors import CheckpointError
 from mergepipe.output.hf_config import output_config
+from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
 
 
@@ -67,3 +70,50 @@ def test_every_dtype_field_and_sub_config_is_set(tmp_path):
     src.write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="config.json: not a JSON object"):
         output_config(src, "float16")
+
+
+PUBLISHABLE = {"model.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md",
+               "manifest.json", "mergekit_config.yml"}
+
+
+def test_the_output_folder_holds_only_what_the_hub_gets(tiny_family, tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_family)
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "-q"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert names <= PUBLISHABLE | {n for n in names if n.endswith(".safetensors")}, names
+    host = os.uname().nodename
+    for p in out.iterdir():
+        if not p.name.endswith(".safetensors"):
+            text = p.read_text()
+            assert host not in text and str((out / "manifest.json").stat().st_ino) not in text, p.name
+    record = json.loads(record_path(out).read_text())  # beside the folder: .out.run.json
+    assert record_path(out) == tmp_path / ".out.run.json" and record["host"] == host
+    capsys.readouterr()
+    assert main(["run", str(cfg)]) == 0  # the no-op: answered from the record beside the folder
+    assert "up to date" in capsys.readouterr().err
+    assert uptodate.fast_up_to_date(cfg, {"budget": None, "output": None}, None) is not None
+    assert main(["verify", str(out), "-q"]) == 0
+
+
+def test_a_file_where_the_run_record_goes_is_never_replaced(tiny_family, tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_family)
+    record_path(tmp_path / "out").write_text("my notes\n")
+    for force in ([], ["--force"]):
+        capsys.readouterr()
+        assert main(["run", str(cfg), "-q", *force]) == 7
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ".out.run.json" in err and "not a mergepipe run record" in err
+        assert record_path(tmp_path / "out").read_text() == "my notes\n" and not (tmp_path / "out").exists()
+
+
+def test_an_earlier_versions_run_json_inside_the_output_is_dropped(tiny_family, tmp_path):
+    cfg = write_config(tmp_path, tiny_family)
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "-q"]) == 0
+    (out / "run.json").write_text(json.dumps({"host": "h", "seconds": 1.0}))  # as earlier versions wrote it
+    record_path(out).unlink()
+    assert main(["run", str(cfg), "-q"]) == 0  # republished (restored from the store), without it
+    assert not (out / "run.json").exists() and record_path(out).is_file()
+    assert main(["verify", str(out), "-q"]) == 0

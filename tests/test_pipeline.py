@@ -9,6 +9,7 @@ import yaml
 from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.cli import main
 from mergepipe.checkpoint.safetensors import open_checkpoint
+from mergepipe.output.run_record import record_path
 from tests.helpers import load_model, write_config
 
 
@@ -67,7 +68,7 @@ def test_run_is_a_noop_then_store_restores_earlier_budget(tmp_path, tiny_family,
     assert (tmp_path / "out" / "manifest.json").read_bytes() != first
     assert main(["run", str(cfg)]) == 0
     assert (tmp_path / "out" / "manifest.json").read_bytes() == first
-    assert "restored_from" in json.loads((tmp_path / "out" / "run.json").read_text())
+    assert "restored_from" in json.loads(record_path(tmp_path / "out").read_text())
 
 
 def test_verify_detects_tampering(tmp_path, tiny_family, capsys):

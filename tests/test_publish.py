@@ -164,11 +164,12 @@ def test_terminate_unwinds_restores_handlers():
 
 def test_an_output_whose_manifest_a_build_tool_removed_is_replaced(tmp_path):
     """Snakemake deletes a job's declared outputs (weights, manifest) before rerunning it: the
-    rest of our output (run record, card, config) is still recognised; a user's look-alike is not."""
+    rest of our output (card, config; an earlier version's run.json) is still recognised; a
+    user's look-alike is not."""
     out = tmp_path / "merged"
     out.mkdir()
     (out / "run.json").write_text('{"host": "h", "seconds": 1.0}')
-    (out / "README.md").write_text("card")
+    (out / "README.md").write_text("---\ntags: [merge, mergepipe]\n---\n\n# Merged with mergepipe (ties)\n")
     (out / "config.json").write_text("{}")
     _publish(out)
     assert sorted(p.name for p in out.iterdir()) == ["f"]
@@ -178,7 +179,10 @@ def test_an_output_whose_manifest_a_build_tool_removed_is_replaced(tmp_path):
     (mine / "README.md").write_text("my notes")
     with pytest.raises(OutputError, match="did not write"):
         _publish(mine)
-    (mine / "run.json").write_text('{"host": "h"}')
+    (mine / "run.json").write_text('{"host": "h"}')  # a run record is no evidence: the card is
+    with pytest.raises(OutputError, match="did not write"):
+        _publish(mine)
+    (mine / "README.md").write_text("# Merged with mergepipe (ties)\n")  # our card, but:
     (mine / "thesis.tex").write_text("x")  # not a kind of file an output holds
     with pytest.raises(OutputError, match="did not write"):
         _publish(mine)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
+from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
 from tests.workflow_helpers import make_workspace, run
 
@@ -47,7 +48,7 @@ def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, t
     """A folder holding a user's model.safetensors and a manifest.json copied from another
     output (`cp -r merged mine` and then new weights moved in, or the manifest copied over)
     passed as a complete mergepipe output: `run` replaced it, weights lost. A weight file is
-    ours only at the inode and size run.json recorded, or if it matches the manifest."""
+    ours only at the inode and size the run record holds, or if it matches the manifest."""
     def config(name: str, out: Path, **kw) -> Path:
         (tmp_path / name).mkdir()
         return write_config(tmp_path / name, tiny_family, output={"dir": str(out)},
@@ -70,12 +71,12 @@ def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, t
         assert "not the weight file mergepipe published" in capsys.readouterr().err
         assert _tree(folder) == before
     # what stays replaceable: a flipped byte in place (damage) and the same bytes under a new
-    # inode without run.json (a folder DVC restored)
+    # inode without its run record (a folder DVC restored)
     weights = out / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     assert main(["run", str(cfg), "-q"]) == 0 and weights.read_bytes() == good
-    (out / "run.json").unlink()
+    record_path(out).unlink()
     weights.unlink()
     weights.write_bytes(good)
     lam = config("c-lambda", out, parameters={"lambda": 0.9})

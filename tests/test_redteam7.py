@@ -10,6 +10,7 @@ from pathlib import Path
 from mergepipe.cli import main
 from mergepipe.index import binfmt, sketch
 from mergepipe.util.fs import canonical_json
+from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
 
 
@@ -35,7 +36,7 @@ def test_another_models_index_copied_under_this_key_is_rebuilt(tiny_family, tmp_
     shutil.rmtree(out)
     shutil.rmtree(tmp_path / "cache" / "merges")
     assert _merge(cfg, out) == want
-    assert json.loads((out / "run.json").read_text())["index_builds"] >= 1
+    assert json.loads(record_path(out).read_text())["index_builds"] >= 1
 
 
 def test_a_sketch_scale_edited_alone_is_rebuilt(tiny_family, tmp_path):

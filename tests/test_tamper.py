@@ -21,6 +21,7 @@ from mergepipe.cli import main
 from mergepipe.output.manifest import MANIFEST, dumps, load_manifest, manifest_hash
 from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.index.store import Store
+from mergepipe.output.run_record import record_path
 from tests.corpus.procs import leftovers, params
 
 BB = 16 << 10
@@ -142,7 +143,7 @@ def test_every_flipped_byte_in_an_output_is_detected(published_out, capsys):
     rng = random.Random(12)
     positions = [(model, rng.randrange(0, header_end)) for _ in range(16)]
     positions += [(model, rng.randrange(header_end, model.stat().st_size)) for _ in range(48)]
-    aux = sorted(p for p in out.iterdir() if p.name not in ("model.safetensors", "run.json"))
+    aux = sorted(p for p in out.iterdir() if p.name != "model.safetensors")
     positions += [(p, rng.randrange(0, p.stat().st_size)) for p in rng.choices(aux, k=8)]
     assert main(["verify", str(out)]) == 0
     detected = named = 0
@@ -259,7 +260,7 @@ def test_input_changed_after_indexing_is_reindexed(fam, tmp_path, capsys):
             os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert main(["run", str(cfg), "-q"]) == 0
         now = load_manifest(tmp_path / "out")
-        assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+        assert json.loads(record_path(tmp_path / "out").read_text())["index_builds"] >= 1
         assert now["inputs"] != first["inputs"] and now["outputs"] != first["outputs"]
         first = now
     fresh = params(tmp_path / "fresh.yaml", fam, tmp_path / "fresh", tmp_path / "cache-fresh")
@@ -312,7 +313,7 @@ def test_poisoned_index_cache_is_caught(fam, tmp_path, capsys, recompute):
     assert victim
     rc, err = _run(["run", str(cfg), "-q"], capsys)
     assert rc == 0, err
-    assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+    assert json.loads(record_path(tmp_path / "out").read_text())["index_builds"] >= 1
     assert main(["verify", str(tmp_path / "out")]) == 0
 
 
@@ -354,7 +355,7 @@ def test_in_place_edit_with_mtime_restored_is_reindexed(fam, tmp_path, capsys):
         (st.st_size, st.st_mtime_ns, st.st_ino)
     assert main(["run", str(cfg), "-q"]) == 0
     now = load_manifest(tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "run.json").read_text())["index_builds"] >= 1
+    assert json.loads(record_path(tmp_path / "out").read_text())["index_builds"] >= 1
     assert now["inputs"] != first["inputs"] and now["outputs"] != first["outputs"]
     fresh = params(tmp_path / "fresh.yaml", fam, tmp_path / "fresh", tmp_path / "cache-fresh")
     assert main(["run", str(fresh), "-q"]) == 0
@@ -424,7 +425,7 @@ def test_damaged_store_entry_is_not_restored(tiny_family, tiny_cache, tmp_path, 
     data[-50] ^= 0xFF
     stored.write_bytes(bytes(data))
     assert main(["run", str(cfg), "-q", "-o", str(tmp_path / "second")]) == 0
-    assert "restored_from" not in json.loads((tmp_path / "second" / "run.json").read_text())
+    assert "restored_from" not in json.loads(record_path(tmp_path / "second").read_text())
     assert main(["verify", str(tmp_path / "second")]) == 0
     assert load_manifest(tmp_path / "second")["outputs"] == good["outputs"]
 
@@ -435,8 +436,7 @@ def test_copied_base_region_is_trusted_by_stat_and_caught_by_verify_deep(fam, tm
     cache cannot see (forged here) is copied into the output; plain `verify` accepts what run
     recorded, `verify --deep` rereads the output and names the tensor, `verify --inputs` names
     the base; tampering with the copied region of a published output is caught by `--deep`
-    even when run.json's stat keys are forged to match."""
-    from mergepipe.output.manifest import RUN_INFO
+    even when the run record's stat keys are forged to match."""
     target = tmp_path / "out"
     cfg = params(tmp_path / "p.yaml", fam, target, tmp_path / "cache", budget="10%")
     assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
@@ -461,15 +461,15 @@ def test_copied_base_region_is_trusted_by_stat_and_caught_by_verify_deep(fam, tm
     shutil.rmtree(target)
     assert main(["run", str(cfg), "-q"]) == 0
     assert main(["verify", str(target), "--deep"]) == 0
-    # the output's copied region edited in place, run.json's stat keys forged to match
+    # the output's copied region edited in place, the run record's stat keys forged to match
     data = (target / "model.safetensors").read_bytes()
     (target / "model.safetensors").unlink()  # a private copy: the store holds a hard link
     (target / "model.safetensors").write_bytes(data)
     out_t = open_checkpoint(target / "model.safetensors").tensors[tensor]
     flip(target / "model.safetensors", out_t.begin + (begin - t.begin) + 3)
-    info = json.loads((target / RUN_INFO).read_text())
+    info = json.loads(record_path(target).read_text())
     info["stat"]["model.safetensors"] = list(_stat(target / "model.safetensors"))
-    (target / RUN_INFO).write_text(json.dumps(info))
+    record_path(target).write_text(json.dumps(info))
     assert main(["verify", str(target)]) == 0  # the stat keys say "as published"
     rc, err = _run(["verify", str(target), "--deep"], capsys)
     assert rc == 6 and repr(tensor) in err, err

@@ -1,5 +1,5 @@
 """`mergepipe run`'s no-op check (commands/uptodate.py, issue 13): with nothing to do it
-answers from run.json's record without importing torch or planning; anything that may
+answers from the output's run record without importing torch or planning; anything that may
 change the plan or the output (the config's bytes, an override, an input file edited in
 place, an entry added to a model folder, an output file touched, a damaged record) sends
 it to the full check, which decides."""
@@ -17,6 +17,7 @@ import pytest
 from mergepipe.cli import main
 from mergepipe.commands import uptodate
 from mergepipe.output.manifest import load_manifest
+from mergepipe.output.run_record import record_path
 from tests.corpus.procs import params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +84,9 @@ def test_changes_send_run_to_the_full_check(setup, change):
     elif change == "extra_output":
         (out / "extra.txt").write_text("x")
     else:
-        info = json.loads((out / "run.json").read_text())
+        info = json.loads(record_path(out).read_text())
         info[uptodate.RECORD]["inputs"] = {"x": [1]}
-        (out / "run.json").write_text(json.dumps(info))
+        record_path(out).write_text(json.dumps(info))
     assert _fast(cfg) is None
     if change == "edit_in_place":  # the expert's bytes changed: a new merge
         before = load_manifest(out)["outputs"]
@@ -100,6 +101,6 @@ def test_changes_send_run_to_the_full_check(setup, change):
 def test_garbage_run_json_is_a_miss_not_a_crash(setup):
     cfg, out, _ = setup
     for garbage in (b"", b"[]", b"{\"up_to_date\": 3, \"stat\": []}", b"\xff\x00", b"{\"up_to_date\": {}}"):
-        (out / "run.json").write_bytes(garbage)
+        record_path(out).write_bytes(garbage)
         assert _fast(cfg) is None
     assert main(["run", str(cfg), "-q"]) == 0

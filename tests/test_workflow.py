@@ -16,7 +16,8 @@ import pytest
 
 from mergepipe.cli import main
 from mergepipe.commands.demo import make_family
-from mergepipe.output.manifest import RUN_INFO, verify_outputs
+from mergepipe.output.manifest import verify_outputs
+from mergepipe.output.run_record import record_path
 from tests.workflow_helpers import MODEL, job_counts, make_workspace, manifest, output_bytes, pending_jobs, set_budget, smk
 
 
@@ -49,7 +50,7 @@ def test_budget_change_reruns_plan_and_merge_and_revert_restores(built):
     set_budget(built, "25%")
     assert job_counts(smk(built, MODEL)) == {"plan": 1, "merge": 1}
     assert output_bytes(built / "merged") == first
-    run_info = json.loads((built / "merged" / RUN_INFO).read_text())
+    run_info = json.loads(record_path(built / "merged").read_text())
     assert run_info["restored_from"].endswith(manifest(built)["plan_hash"])  # from the store, not recomputed
 
 
@@ -61,7 +62,7 @@ def test_touched_model_reruns_nothing_costly(built):
     assert job_counts(smk(built, MODEL)) == {"index_expert": 1, "plan": 1, "merge": 1}
     assert (built / "index" / "experts" / "expert_1.json").read_bytes() == record
     assert output_bytes(built / "merged") == first
-    assert "restored_from" in json.loads((built / "merged" / RUN_INFO).read_text())
+    assert "restored_from" in json.loads(record_path(built / "merged").read_text())
     assert pending_jobs(built, MODEL) == {}  # and the next call has nothing to do
 
 

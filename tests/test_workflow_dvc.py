@@ -13,6 +13,7 @@ from mergepipe.config.params import load_config
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
+from mergepipe.output.run_record import record_path
 from tests.workflow_helpers import MODEL, job_counts, make_workspace, run, set_budget, smk
 
 GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
@@ -81,7 +82,7 @@ def test_budget_change_then_revert_comes_from_the_store(repo, tmp_path):
     # off DVC's run-cache for it: Snakemake reruns and the merge comes from mergepipe's store
     assert "Running stage 'build'" in out and "skipping run" not in out
     assert check_output_matches_params(repo, tmp_path)["budget"]["spec"] == "25%"
-    assert "restored_from" in json.loads((repo / "merged" / "run.json").read_text())
+    assert "restored_from" in json.loads(record_path(repo / "merged").read_text())
 
 
 def test_alternating_snakemake_and_dvc_never_gives_a_stale_output(repo, tmp_path):

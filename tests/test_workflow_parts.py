@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.output.manifest import RUN_INFO
+from mergepipe.output.run_record import record_path
 from mergepipe.commands.parts import parse_part, partition
 from mergepipe.errors import ConfigError
 from mergepipe.checkpoint.safetensors import open_checkpoint
@@ -13,7 +13,7 @@ from tests.helpers import write_config
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != RUN_INFO}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def _plan(tmp_path: Path, family: dict, **overrides) -> Path:
@@ -47,7 +47,7 @@ def test_split_merge_is_byte_identical_to_one_job(tmp_path, tiny_family, n, over
     assert main(["gather", str(plan), str(tmp_path / "parts"), "--parts", str(n), "-o", str(tmp_path / "again"),
                  "--cache-dir", cache, "-q"]) == 0
     assert _files(tmp_path / "again") == single
-    assert "restored_from" in json.loads((tmp_path / "again" / RUN_INFO).read_text())
+    assert "restored_from" in json.loads(record_path(tmp_path / "again").read_text())
 
 
 def test_parts_of_a_stored_plan_merge_nothing_and_gather_restores(tmp_path, tiny_family):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.output.manifest import RUN_INFO
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -82,4 +81,4 @@ def manifest(ws: Path) -> dict:
 
 
 def output_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != RUN_INFO}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}

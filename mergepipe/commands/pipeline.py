@@ -17,13 +17,16 @@ from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
+from mergepipe.config.paths import check_expert_kinds
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
-from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, RUN_INFO, build_manifest, load_manifest,
-                                      verify_outputs, write_manifest)
+from mergepipe.output import run_record as records
+from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, build_manifest, load_manifest, verify_outputs,
+                                      write_manifest)
+from mergepipe.output.run_record import stat_key
 from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
@@ -57,7 +60,7 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
     experts, expert_indexes, deltas = {}, {}, {}
     for e in plan["experts"]:
         experts[e["name"]], expert_indexes[e["name"]] = store.model_index(
-            resolve(e["path"], root), block_bytes=bb, threads=threads)
+            resolve(e["path"], root), block_bytes=bb, threads=threads, base=(base, base_index))
     check_plan_inputs(plan, base_index, expert_indexes)
     for e in plan["experts"]:
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
@@ -75,10 +78,13 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool = False) -> tuple[dict, Inputs]:
     """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`:
     the calibration pass's libraries print nothing but errors (-q)."""
+    from mergepipe.config.paths import check_models_exist
+    check_models_exist(cfg)  # a missing one named by its key and expert, not only its folder
     norm = cfg.normalized()
     bb = cfg.block_layout
     for folder in {cfg.base, *(e.path for e in cfg.experts)}:
         check_fresh(folder)  # a stacked folder whose source models changed is refused
+    check_expert_kinds(cfg)  # an adapter folder is listed as adapter:, a model folder as path:
     base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):
@@ -86,7 +92,8 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
         experts[e.name], expert_indexes[e.name], deltas[e.name] = store.expert_index(
             e.path, base, base_index, threads=threads)
         # a per-tensor weight/density/gamma is in the plan's tensor_parameters, not here
-        plan_inputs.append(PlanInput(e.name, e_norm["path"], expert_indexes[e.name].content_hash,
+        plan_inputs.append(PlanInput(e.name, e_norm.get("path", e_norm.get("adapter")),
+                                     expert_indexes[e.name].content_hash,
                                      float(_scalar_or(e.weight, 0.0)), _scalar_or(e_norm.get("density"), None),
                                      _scalar_or(e_norm.get("gamma"), None)))
     budget = budget if budget is not None else cfg.budget
@@ -195,11 +202,13 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
     split merge, mergepipe.commands.parts); everything else is the same, so the bytes are too.
-    `run_record` is added to run.json (`run`'s no-op record, commands/uptodate.py).
+    `run_record` is added to the output's run record (`run`'s no-op record, commands/uptodate.py;
+    output/run_record.py: beside the folder, never in it).
     `protect`: the command's other inputs (params.yaml, plan file, parts folder), which the
     output folder must not hold.
     """
     check_output_path(out_dir)
+    records.check_writable(out_dir)
     _check_output_target(out_dir, inputs, store, tuple(Path(p) for p in protect))
     cached = store.root / "merges" / plan["plan_hash"]
     lineage = input_lineage((inputs.base, inputs.base_index),
@@ -246,8 +255,10 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
         # `up_to_date` compares them, so an output edited in place is rebuilt
         run_info["stat"] = {name: stat_key(tmp / name) for name in [*man["outputs"]["files"], MANIFEST]}
         run_info.update(run_record or {})
-        (tmp / RUN_INFO).write_text(json.dumps(run_info, sort_keys=True, indent=1) + "\n")
         publisher.commit()
+        # under the lock still; a run killed before this leaves the previous folder's record,
+        # whose stat keys the new files do not have (the next run rehashes them)
+        records.update(out_dir, lambda _old: run_info)
     return man
 
 
@@ -278,7 +289,7 @@ def _save_to_store(tmp: Path, cached: Path) -> None:
     try:
         staging.mkdir(parents=True)
         for p in tmp.iterdir():
-            if p.is_file() and p.name != RUN_INFO:
+            if p.is_file():
                 _link_or_copy(p, staging / p.name)
         if cached.exists():
             shutil.rmtree(cached, ignore_errors=True)  # a damaged entry that _restore refused
@@ -296,17 +307,10 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def stat_key(path: Path) -> list[int]:
-    """What changes whenever a file's bytes may have: size, mtime_ns, ctime_ns (which
-    os.utime cannot set back), inode, device."""
-    st = os.stat(path, follow_symlinks=False)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
 def up_to_date(out_dir: Path, plan: dict) -> bool:
     """The published output is this plan's, and its files are untouched since publication.
 
-    Fast path: every file's stat key equals the one recorded in run.json when it was
+    Fast path: every file's stat key equals the one the run record holds from when it was
     published, and no file was added. A stat key also changes when a file only gains or
     loses a hard link (the store, `gc`), so a mismatch is settled by rehashing every file
     against the manifest (`verify_outputs`): an edited output is rebuilt, a relinked one is not,
@@ -318,11 +322,10 @@ def up_to_date(out_dir: Path, plan: dict) -> bool:
         if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
             return False
         files = [*man["outputs"]["files"], MANIFEST]
-        present = {p.name for p in out_dir.iterdir()} - {RUN_INFO}
-        if present != set(files):
+        if {p.name for p in out_dir.iterdir()} != set(files):  # an earlier version's run.json too
             return False
         try:
-            recorded = json.loads((out_dir / RUN_INFO).read_text()).get("stat")
+            recorded = (records.read(out_dir) or {}).get("stat")
             if all(stat_key(out_dir / name) == recorded[name] for name in files):
                 return True
         except (OSError, ValueError, TypeError, AttributeError, KeyError):

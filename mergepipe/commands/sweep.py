@@ -33,6 +33,7 @@ from mergepipe.errors import ConfigError, OutputError
 from mergepipe.commands.pipeline import merge_plan, plan_config
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.index.store import Store
+from mergepipe.output import run_record
 from mergepipe.units import Budget
 
 CHUNK_BYTES = 16 << 20
@@ -83,7 +84,7 @@ def check_sweep_folder(out: Path, *, force: bool = False) -> None:
     for p in entries:
         if p.name == "models" and p.is_dir() and not p.is_symlink():
             for m in sorted(p.iterdir()):
-                why = None if leftover_of(m) else replaceable(m)
+                why = None if leftover_of(m) or run_record.is_record(m) else replaceable(m)
                 if why is not None:
                     raise OutputError(f"{out}: sweep folder's models/{m.name} {why}; refusing to write the sweep "
                                       "there (choose a new folder, or pass --force)")
@@ -235,7 +236,7 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
         # the sketches this budget's strategy reads (the default strategy may differ by budget)
         man = merge_plan(plan, replace(inputs, sketches=planned.sketches), target, store, threads=threads,
                          progress=progress, protect=protect)
-        restored = "restored_from" in (target / "run.json").read_text()
+        restored = "restored_from" in (run_record.read(target) or {})
         merged[budget] = (plan, man, t_merge - t_plan, time.monotonic() - t_merge, restored, target)
         b = man["bytes"]
         log(f"sweep: {budget}: read {b['expert_bytes_read'] / 2**20:,.1f} of "

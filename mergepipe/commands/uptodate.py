@@ -1,21 +1,20 @@
 """`mergepipe run`'s no-op check without planning, indexing or importing torch.
 
-A make-style record, kept in the output's run.json (outside the manifest hash) when
-`run` publishes: a key over what the plan is a function of that is not a file's bytes
-(the params.yaml's bytes and absolute path, the command-line overrides, the working
-folder and the mergepipe version), and the stat keys (size, mtime_ns, ctime_ns, inode,
-device) of each input folder (the models, the tokenizer source) and of every entry
-directly in it, and of each input file (the calibration text), taken before the inputs
-were read. The next `run` with the same key, whose input folders and entries
-have the same stat keys and whose output files have the stat keys recorded at
-publication, has nothing to do. This trusts stat keys exactly as the index's stat cache
-and the up-to-date check after planning already do (as git and DVC do). Any
-difference, a missing or damaged record, or a checkpoint file outside its model
-folder's top level, is not an error: `run` takes the full path (index, plan, compare
-with the manifest), which decides.
+A make-style record, kept in the output's run record (output/run_record.py: beside the
+output folder, outside the manifest hash) when `run` publishes: a key over what the plan is
+a function of that is not a file's bytes (the params.yaml's bytes and absolute path, the
+command-line overrides, the working folder and the mergepipe version), and the stat keys
+(size, mtime_ns, ctime_ns, inode, device) of each input folder (the models, the tokenizer
+source) and of every entry directly in it, and of each input file (the calibration text),
+taken before the inputs were read. The next `run` with the same key, whose input folders and
+entries have the same stat keys and whose output files have the stat keys recorded at
+publication, has nothing to do. This trusts stat keys exactly as the index's stat cache and
+the up-to-date check after planning already do (as git and DVC do). Any difference, a
+missing or damaged record, or a checkpoint file outside its model folder's top level, is not
+an error: `run` takes the full path (index, plan, compare with the manifest), which decides.
 
-Only the standard library, yaml and blake3 are imported here: this check must stay a
-fraction of the interpreter's start-up.
+Only the standard library, yaml, blake3 and output/run_record.py are imported here: this
+check must stay a fraction of the interpreter's start-up.
 """
 from __future__ import annotations
 
@@ -25,15 +24,12 @@ from pathlib import Path
 
 from blake3 import blake3
 
-RECORD = "up_to_date"  # the key of this record in run.json
+from mergepipe.output import run_record
+
+RECORD = "up_to_date"  # the key of this record in the run record
 RECORD_FORMAT = 2  # 2: the tokenizer source and calibration text are inputs too (records of 1 lacked them)
-RUN_INFO = "run.json"  # output.manifest.RUN_INFO (not imported: that module pulls in more)
-MANIFEST = "manifest.json"
-
-
-def _stat_key(path: str) -> list[int]:
-    st = os.stat(path, follow_symlinks=False)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+MANIFEST = run_record.MANIFEST
+_stat_key = run_record.stat_key
 
 
 def config_key(config_path: str | os.PathLike[str], overrides: dict) -> str:
@@ -109,13 +105,13 @@ def _out_dir(config_path: str | os.PathLike[str], output: str | None) -> Path | 
 
 def fast_up_to_date(config_path: str | os.PathLike[str], overrides: dict,
                     output: str | None) -> tuple[Path, str] | None:
-    """(output folder, plan hash) if `run` has nothing to do by the record in the output's
-    run.json; None when that cannot be told this way (the full check decides)."""
+    """(output folder, plan hash) if `run` has nothing to do by the output's run record;
+    None when that cannot be told this way (the full check decides)."""
     try:
         out_dir = _out_dir(config_path, output)
         if out_dir is None:
             return None
-        info = json.loads((out_dir / RUN_INFO).read_bytes())
+        info = run_record.read(out_dir) or {}
         rec = info.get(RECORD)
         stats = info.get("stat")
         if not isinstance(rec, dict) or not isinstance(stats, dict) or MANIFEST not in stats:
@@ -125,7 +121,7 @@ def fast_up_to_date(config_path: str | os.PathLike[str], overrides: dict,
         folders, inputs = rec.get("folders"), rec.get("inputs")
         if not isinstance(folders, list) or not folders or folder_stats(folders) != inputs:
             return None
-        if {p.name for p in out_dir.iterdir()} - {RUN_INFO} != set(stats):
+        if {p.name for p in out_dir.iterdir()} != set(stats):
             return None
         if any(_stat_key(str(out_dir / name)) != key for name, key in stats.items()):
             return None
@@ -135,45 +131,27 @@ def fast_up_to_date(config_path: str | os.PathLike[str], overrides: dict,
         return None
 
 
-
 def record_output_stats(out_dir: str | os.PathLike[str], stats: dict[str, list[int]]) -> None:
     """After a rehash proved an output's files, keep `stats` (their stat keys, taken before the
-    rehash) as the ones recorded at publication, if the files still have them. Best effort,
-    like `refresh`; the make-style record is dropped, since it vouched for the old keys."""
+    rehash) as the ones recorded at publication, if the files still have them (a record is
+    made where there was none: a folder DVC restored). Best effort, like `refresh`; the
+    make-style record is dropped, since it vouched for the old keys."""
     out_dir = Path(out_dir)
     if any(_stat_key(str(out_dir / n)) != k for n, k in stats.items()):
         return  # changed during the rehash: the next run rehashes again
-    _rewrite_run_info(out_dir, lambda info: {**{k: v for k, v in info.items() if k != RECORD}, "stat": stats})
+    run_record.update(out_dir, lambda info: {**{k: v for k, v in info.items() if k != RECORD}, "stat": stats})
 
 
 def refresh(out_dir: str | os.PathLike[str], record: dict | None) -> None:
-    """Keep `record` in the run.json of an output that the full check found up to date,
+    """Keep `record` in the run record of an output that the full check found up to date,
     when its files still have the stat keys recorded at publication (else the next run
-    rehashes them anyway). Best effort: the temp file is written beside the output folder
-    (never inside it) and renamed over run.json; any failure leaves things as they were."""
+    rehashes them anyway). Best effort (output/run_record.py `update`)."""
     if record is None:
         return
 
-    def update(info: dict) -> dict | None:
+    def change(info: dict) -> dict | None:
         stats = info.get("stat")
         if not isinstance(stats, dict) or any(_stat_key(str(Path(out_dir) / n)) != k for n, k in stats.items()):
             return None
         return {**info, RECORD: record}
-    _rewrite_run_info(Path(out_dir), update)
-
-
-def _rewrite_run_info(out_dir: Path, update) -> None:
-    """Replace run.json by update(its content) unless that is None; the temp file is written
-    beside the output folder (never inside it); any failure leaves things as they were."""
-    tmp = out_dir.parent / f".{out_dir.name}.run-{os.urandom(6).hex()}"
-    try:
-        info = update(json.loads((out_dir / RUN_INFO).read_bytes()))
-        if info is None:
-            return
-        tmp.write_text(json.dumps(info, sort_keys=True, indent=1) + "\n")
-        os.replace(tmp, out_dir / RUN_INFO)
-    except Exception:  # noqa: BLE001 -- only a cache: the full check runs next time
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    run_record.update(out_dir, change)

@@ -4,7 +4,8 @@
 Canonical JSON (util.fs.canonical_json: sorted keys, no timestamps, no host), so the
 same inputs, config and version give a byte-identical manifest; `manifest_hash` is
 blake3 of the canonical JSON without that field. Timings, host, cache statistics and
-the stat keys of the published files go to run.json, outside the hash. The manifest
+the stat keys of the published files go to the run record beside the folder
+(output/run_record.py), outside the hash. The manifest
 is written after the weights and aux files, into the publisher's temp folder, so a
 published folder with a manifest is a finished merge.
 
@@ -24,12 +25,12 @@ from blake3 import blake3
 from mergepipe import __version__
 from mergepipe.errors import IntegrityError
 from mergepipe.output.manifest_json import pretty_json, write_pretty_json
+from mergepipe.output.run_record import published_stat, stat_key
 from mergepipe.util.canonical import canonical_blake3
 from mergepipe.util.fs import hash_file
 
 MANIFEST_SCHEMA = 2  # 2: weight files and tensors hashed as block trees (checkpoint/treehash.py)
 MANIFEST = "manifest.json"
-RUN_INFO = "run.json"
 
 
 def versions() -> dict[str, str]:
@@ -105,27 +106,13 @@ def load_manifest(out_dir: str | Path) -> dict:
     return man
 
 
-def _recorded_stat(out_dir: Path) -> dict:
-    """The stat keys run.json recorded for the files at publication ({} if none or damaged)."""
-    try:
-        stat = json.loads((out_dir / RUN_INFO).read_text()).get("stat")
-        return stat if isinstance(stat, dict) else {}
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return {}
-
-
-def _stat_key(path: Path) -> list[int]:
-    st = os.stat(path, follow_symlinks=False)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
 def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
     """Check the outputs against the manifest; name the first bad tensor.
 
     Always: the manifest hash, and that exactly the recorded files are there. Each file is
     then rehashed (weight files: their hash tree recomposed from their blocks, every byte
     read), except, without `deep`, a file whose stat key (size, mtime_ns, ctime_ns, inode,
-    device) is still the one run.json recorded when it was published: what run recorded
+    device) is still the one the run record holds from when it was published: what run recorded
     stands (trusted through the stat key, as the index's stat cache is). `deep` rereads
     every file.
 
@@ -142,17 +129,17 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
                        for n, r in files.items())):
         # a consistent manifest_hash but no mergepipe structure: forged, not edited
         raise IntegrityError(f"{out_dir / MANIFEST}: outputs.files/tensors malformed; not a mergepipe manifest")
-    present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST, RUN_INFO}
+    present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST}
     extra = sorted(present - set(files))
     if extra:
         raise IntegrityError(f"{out_dir / extra[0]}: file not recorded in the manifest")
-    recorded = {} if deep else _recorded_stat(out_dir)
+    recorded = {} if deep else published_stat(out_dir)
     for name, rec in sorted(files.items()):
         path = out_dir / name
         if not path.is_file():
             raise IntegrityError(f"{path}: missing (recorded in the manifest)")
-        if name in recorded and MANIFEST in recorded and _stat_key(path) == recorded[name] \
-                and _stat_key(out_dir / MANIFEST) == recorded[MANIFEST]:
+        if name in recorded and stat_key(path) == recorded[name] \
+                and stat_key(out_dir / MANIFEST) == recorded[MANIFEST]:
             continue  # as published (and the manifest too): what run recorded stands
         if isinstance(rec.get("tree"), str):
             _check_tree(path, rec, man)
@@ -166,11 +153,12 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
 def replaced_weight_file(out_dir: Path, man: dict) -> str | None:
     """The first weight file the manifest records that is not the one mergepipe published
     there (a user's weights under a copied manifest, a shard replaced by another file), or None.
-    A file at the inode and size run.json recorded is ours even if its bytes changed (a flipped
+    A file at the inode and size the run record holds is ours even if its bytes changed (a flipped
     byte: damage, which a rebuild repairs); any other is ours only if it matches the manifest
-    (a folder restored by DVC, without run.json). Missing files and links are not checked:
+    (a folder restored by DVC or copied, without its run record). Missing files and links are
+    not checked:
     replacing the folder loses neither."""
-    recorded = _recorded_stat(out_dir)
+    recorded = published_stat(out_dir)
     for name, rec in sorted(man["outputs"]["files"].items()):
         path = out_dir / name
         if not (isinstance(rec, dict) and isinstance(rec.get("tree"), str)) or path.is_symlink() or not path.is_file():

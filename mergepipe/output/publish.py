@@ -268,22 +268,24 @@ def _our_card(path: Path) -> bool:
     return any(line.startswith(CARD_TITLE) for line in head.splitlines())
 
 
-def _manifest_removed(target: Path, entries: list[str], run_info: str) -> bool:
+def _manifest_removed(target: Path, entries: list[str]) -> bool:
     """A mergepipe output whose weights and manifest a build tool deleted before rerunning the
-    job (Snakemake removes a job's declared outputs first): our run record, or, where DVC
-    restored the folder without it (.dvcignore leaves run.json out), our model card is there,
-    and nothing but files of the kinds an output holds (weights, JSON, tokenizer files, card)."""
-    if run_info in entries:
-        try:
-            rec = json.loads((target / run_info).read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            return False
-        if not isinstance(rec, dict) or not ({"host", "restored_from"} & set(rec)):
-            return False
-    elif not ("README.md" in entries and _our_card(target / "README.md")):
+    job (Snakemake removes a job's declared outputs first): our model card is there, and
+    nothing but files of the kinds an output holds (weights, JSON, tokenizer files, card)."""
+    if not ("README.md" in entries and _our_card(target / "README.md")):
         return False
     return all(_OUTPUT_FILE.fullmatch(n) and (target / n).is_file() and not (target / n).is_symlink()
                for n in entries)
+
+
+def _legacy_record(path: Path) -> bool:
+    """An earlier version's run record inside its output (run.json: timings and host, or a
+    restore), which a republication drops."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(rec, dict) and bool({"host", "restored_from"} & set(rec)) and not path.is_symlink()
 
 
 def _not_ours(target: Path) -> str | None:
@@ -296,9 +298,10 @@ def _not_ours(target: Path) -> str | None:
     if not entries:
         return None
     from mergepipe.errors import IntegrityError
-    from mergepipe.output.manifest import MANIFEST, RUN_INFO, load_manifest  # publish stays generic otherwise
+    from mergepipe.output.manifest import MANIFEST, load_manifest  # publish stays generic otherwise
+    from mergepipe.output.run_record import LEGACY_NAME
     if MANIFEST not in entries:
-        if _manifest_removed(target, entries, RUN_INFO):
+        if _manifest_removed(target, entries):
             return None
         return f"is a folder that mergepipe did not write (no {MANIFEST}; holds {entries[0]!r}"+ (
             f" and {len(entries) - 1} more" if len(entries) > 1 else "") + ")"
@@ -309,7 +312,8 @@ def _not_ours(target: Path) -> str | None:
             raise TypeError
     except (IntegrityError, KeyError, TypeError):
         return f"holds a {MANIFEST} that is not a valid mergepipe manifest"
-    foreign = [n for n in entries if n not in files and n not in (MANIFEST, RUN_INFO)]
+    foreign = [n for n in entries if n not in files and n != MANIFEST
+               and not (n == LEGACY_NAME and _legacy_record(target / n))]
     if foreign:
         return f"holds {foreign[0]!r}, which the mergepipe output there does not record"
     from mergepipe.output.manifest import replaced_weight_file

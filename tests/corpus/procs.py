@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mergepipe.output.manifest import MANIFEST, RUN_INFO, verify_outputs
+from mergepipe.output.manifest import MANIFEST, verify_outputs
+from mergepipe.output.run_record import record_path
 
 REPO = Path(__file__).resolve().parents[2]
 _ZYGOTE = """\
@@ -131,10 +132,12 @@ def params(path: Path, family: dict, out: Path, cache: Path, **overrides) -> Pat
 
 
 def leftovers(target: Path) -> list[str]:
-    """Temp folders, old versions and locks beside `target` (names starting with .TARGET.)."""
+    """Temp folders, old versions and locks beside `target` (names starting with .TARGET.),
+    not its run record."""
     if not target.parent.is_dir():
         return []
-    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
+    return sorted(p.name for p in target.parent.iterdir()
+                  if p.name.startswith(f".{target.name}.") and p != record_path(target))
 
 
 def published(target: Path) -> str | None:
@@ -143,5 +146,5 @@ def published(target: Path) -> str | None:
         return None
     assert target.is_dir()
     man = verify_outputs(target)  # every recorded file present with its hash, nothing extra
-    assert {p.name for p in target.iterdir()} == set(man["outputs"]["files"]) | {MANIFEST, RUN_INFO}
+    assert {p.name for p in target.iterdir()} == set(man["outputs"]["files"]) | {MANIFEST}
     return man["plan_hash"]
