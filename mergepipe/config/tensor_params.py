@@ -25,6 +25,7 @@ from mergepipe.config.fields import check_density, check_gamma
 from mergepipe.config.messages import describe
 from mergepipe.config.settings import Setting, layer_positions
 from mergepipe.errors import ConfigError
+from mergepipe.index.ranks import GRID_TEXT, on_grid
 from mergepipe.methods import METHODS
 from mergepipe.util.fs import canonical_json
 
@@ -32,11 +33,6 @@ if TYPE_CHECKING:
     from mergepipe.config.models import MergeConfig
 
 KNOBS = ("density", "gamma")
-
-
-def _on_grid(value: float) -> bool:
-    # the delta index holds exact magnitude cuts for densities/gammas of two decimals only
-    return abs(value * 100 - round(value * 100)) < 1e-9
 
 
 def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
@@ -135,8 +131,8 @@ def _knob(value: float, knob: str, where: str, magnitude: bool) -> float:
         (check_density if knob == "density" else check_gamma)(value)
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
-    if magnitude and value < 1 and not _on_grid(value):
+    if magnitude and value < 1 and not on_grid(value):
         raise ConfigError(f"{where}: resolves to {value!r}; magnitude methods (ties, breadcrumbs) need "
-                          "two decimals per tensor (the index's exact cuts): choose gradient values "
+                          f"{GRID_TEXT} per tensor (the index's exact cuts): choose gradient values "
                           "that land on them or use filters")
     return value

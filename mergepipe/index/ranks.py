@@ -3,6 +3,7 @@ integer conventions), so the index stores an exact cut at each. Pure; no torch."
 from __future__ import annotations
 
 import functools
+import math
 
 
 def magnitude_rank(density: float, n: int) -> int | None:
@@ -40,6 +41,18 @@ def breadcrumbs_ranks(density: float, gamma: float, n: int) -> tuple[int, int] |
 
 
 GRID = tuple(i / 100 for i in range(101))  # i/100 is the same float as the literal
+GRID_TEXT = "at most two decimals (0.01 steps)"
+
+
+def on_grid(value: float) -> bool:
+    """Whether a density or gamma is one the index holds exact cuts for (a value of GRID)."""
+    return abs(value * 100 - round(value * 100)) < 1e-9
+
+
+def grid_neighbours(value: float) -> str:
+    """The grid values either side of `value` ("0.12 or 0.13"), for an error message."""
+    low = math.floor(value * 100 + 1e-9) / 100
+    return f"{low:.2f} or {low + 0.01:.2f}" if low + 0.01 <= 1 else f"{low:.2f}"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; many tensors share a size
