@@ -18,7 +18,7 @@ rule index_base:
     threads: 4
     shell:
         "mergepipe index {params.model:q} --block-bytes {params.block_bytes} --cache-dir {params.cache:q} "
-        "--threads {threads} -o {output.record:q} > {log:q} 2>&1"
+        "--threads {threads} -o {output.record:q} 2>&1 | tee {log:q}"
 
 
 rule index_expert:
@@ -38,4 +38,4 @@ rule index_expert:
     threads: 4
     shell:
         "mergepipe index {params.model:q} --base {params.base:q} --block-bytes {params.block_bytes} "
-        "--cache-dir {params.cache:q} --threads {threads} -o {output.record:q} > {log:q} 2>&1"
+        "--cache-dir {params.cache:q} --threads {threads} -o {output.record:q} 2>&1 | tee {log:q}"

@@ -1,5 +1,7 @@
 # The merge, as one job or (merge_parts > 1) as independent part jobs plus a gather;
 # both publish the same bytes. A plan merged before is restored from CACHE/merges.
+# --params: a plan made from other bytes of params.yaml (edited while the plan job ran)
+# is refused, never merged under the edited file.
 
 if PARTS <= 1:
 
@@ -14,12 +16,13 @@ if PARTS <= 1:
             out=OUT,
             cache=CACHE,
             root=ROOT,
+            config=PARAMS,
         log:
             "logs/merge.log",
         threads: 4
         shell:
             "mergepipe merge {input.plan:q} -o {params.out:q} --cache-dir {params.cache:q} --root {params.root:q} "
-            "--threads {threads} 2>&1 | tee {log:q}"
+            "--params {params.config:q} --threads {threads} 2>&1 | tee {log:q}"
 
 else:
 
@@ -35,12 +38,14 @@ else:
             parts=PARTS,
             cache=CACHE,
             root=ROOT,
+            config=PARAMS,
         log:
             f"logs/merge/part-{{part}}-of-{PARTS}.log",
         threads: 2
         shell:
             "mergepipe merge {input.plan:q} --part {wildcards.part}/{params.parts} -o {params.parts_dir:q} "
-            "--cache-dir {params.cache:q} --root {params.root:q} --threads {threads} > {log:q} 2>&1"
+            "--cache-dir {params.cache:q} --root {params.root:q} --params {params.config:q} --threads {threads} "
+            "2>&1 | tee {log:q}"
 
     rule gather:
         input:
@@ -57,9 +62,11 @@ else:
             parts=PARTS,
             cache=CACHE,
             root=ROOT,
+            config=PARAMS,
         log:
             "logs/merge.log",
         threads: 2
         shell:
             "mergepipe gather {input.plan:q} {params.parts_dir:q} --parts {params.parts} -o {params.out:q} "
-            "--cache-dir {params.cache:q} --root {params.root:q} --threads {threads} 2>&1 | tee {log:q}"
+            "--cache-dir {params.cache:q} --root {params.root:q} --params {params.config:q} --threads {threads} "
+            "2>&1 | tee {log:q}"

@@ -13,4 +13,4 @@ rule verify:
     log:
         "logs/verify.log",
     shell:
-        "mergepipe verify {params.out:q} > {output.report:q} 2> {log:q}"
+        "mergepipe verify {params.out:q} 2>&1 > {output.report:q} | tee {log:q}"
