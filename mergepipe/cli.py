@@ -286,7 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                    f"nothing to do ({time.monotonic() - t0:.2f} s)")
         return 0
     from mergepipe.output.manifest import verify_outputs
-    from mergepipe.commands.pipeline import merge_plan, plan_config, up_to_date
+    from mergepipe.commands.pipeline import card_recipe, merge_plan, output_card, plan_config, up_to_date
     from mergepipe.index.store import Store
     cfg = _load(args)
     record = uptodate.snapshot(args.config, cli_overrides, _input_paths(cfg))
@@ -295,7 +295,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out_dir = Path(cfg.output.dir)
     files = [h.path for ck in (inputs.base, *inputs.experts.values()) for h in ck.files]
     record = uptodate.finish(record, files, out_dir, plan["plan_hash"])
-    if up_to_date(out_dir, plan):
+    card = output_card(plan, inputs, card_recipe(cfg))  # the experts in the user's order, the recipe's YAML
+    if up_to_date(out_dir, plan, card=card):
         from mergepipe.output.publish import clean_dead_writer
         clean_dead_writer(out_dir)
         uptodate.refresh(out_dir, record)  # the next no-op takes the fast check
@@ -304,7 +305,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
                      force=args.force, run_record=None if record is None else {uptodate.RECORD: record},
-                     protect=(Path(args.config), *_calibration_text(cfg)))
+                     protect=(Path(args.config), *_calibration_text(cfg)), card=card)
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
     return 0

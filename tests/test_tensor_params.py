@@ -185,7 +185,7 @@ def test_plan_records_and_checks_tensor_parameters(tmp_path, tiny_family):
     assert main(["merge", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out"), "--root", str(tmp_path),
                  "--cache-dir", str(tmp_path / "cache"), "-q"]) == 0
     card = (tmp_path / "out" / "README.md").read_text()
-    assert '"tensor_parameters"' in card
+    assert "\ntensor_parameters:\n" in card  # the plan's configuration, as YAML
     name = sorted(tp["tensors"])[0]
     tp["tensors"][name] = len(tp["groups"])
     (tmp_path / "bad.json").write_text(json.dumps(plan))

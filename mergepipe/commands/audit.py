@@ -25,7 +25,7 @@ from pathlib import Path
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import INDEX_JSON, Checkpoint, open_checkpoint
 from mergepipe.commands.audit_search import Finder, Found
-from mergepipe.commands.pipeline import merge_plan, open_inputs
+from mergepipe.commands.pipeline import merge_plan, open_inputs, recorded_card
 from mergepipe.errors import CheckpointError, ConfigError, IntegrityError, MergepipeError, MissingInputError
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store
@@ -171,7 +171,8 @@ class _Audit:
             opened = open_inputs(located, self.fresh, Path("/"), threads=self.threads,
                                  where=f"manifest {man['manifest_hash'][:16]}: plan", check_stacks=False)
             # the recorded plan, not `located`: the model card and manifest name the inputs as recorded
-            again = merge_plan(plan, opened, replay_dir, self.fresh, threads=self.threads)
+            again = merge_plan(plan, opened, replay_dir, self.fresh, threads=self.threads,  # the card quotes
+                               card=None if out_dir is None else recorded_card(out_dir, man))  # the recipe
         except MergepipeError as e:
             self.report.mismatch(depth, f"replay failed: {e}")
             return

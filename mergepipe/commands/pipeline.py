@@ -13,6 +13,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from blake3 import blake3
+
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
@@ -24,17 +26,19 @@ from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
 from mergepipe.output import run_record as records
-from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, build_manifest, load_manifest, verify_outputs,
-                                      write_manifest)
+from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, build_manifest, load_manifest, manifest_hash,
+                                      verify_outputs, write_manifest)
+from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_stack
 from mergepipe.output.run_record import stat_key
 from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.hf_config import output_config
 from mergepipe.output.lineage import input_lineage
-from mergepipe.output.publish import CARD_TITLE, Publisher, check_output_path
+from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
-from mergepipe.commands.stack import check_fresh, stack_sources
+from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
+from mergepipe.config.mergekit import dump_params
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -136,33 +140,52 @@ def _scalar_or(value, default):
     return value if value is None or isinstance(value, int | float) else default
 
 
-def _model_card(plan: dict) -> str:
-    """README.md: the Hub's merge metadata in the front matter (every input model as written in
-    the config; strings JSON-quoted, which YAML reads as they are), then the merge in words and
-    its configuration. A function of the plan only, so the same plan gives the same bytes."""
-    models = [plan["base"]["path"], *(e["path"] for e in plan["experts"])]
-    config = {"method": plan["method"], "parameters": plan["parameters"], "budget": plan["budget"],
-              "base": plan["base"]["path"],
-              "experts": [{k: e[k] for k in ("name", "path", "weight", "density", "gamma") if k in e}
-                          for e in plan["experts"]]}
-    if "tensor_parameters" in plan:  # per-tensor parameters: the top-level values are not the merge's
-        config["tensor_parameters"] = plan["tensor_parameters"]
-    lines = ["---", "base_model:", *(f"- {json.dumps(m)}" for m in models), "base_model_relation: merge",
-             "library_name: transformers", "tags: [merge, mergepipe]", "---", "",
-             f"{CARD_TITLE}{plan['method']})", "",
-             f"- plan hash: `{plan['plan_hash']}`",
-             f"- base: `{plan['base']['path']}` (content `{plan['base']['content_hash'][:16]}`)",
-             f"- budget: {plan['budget']} ({plan['budget_bytes']} bytes); "
-             f"read {plan['bytes']['planned_expert_bytes']} of {plan['bytes']['total_expert_bytes']} expert bytes",
-             f"- bound ({plan['bound']['kind']}): omitted mass {plan['bound']['omitted_mass']:.6g}, "
-             f"relative {plan['bound']['relative']:.6g}", "",
-             "| expert | weight | content |", "|---|---|---|"]
-    for e in plan["experts"]:
-        lines.append(f"| {e['name']} | {e['weight']} | `{e['content_hash'][:16]}` |")
-    params = json.dumps(plan["parameters"], sort_keys=True)
-    lines += ["", f"parameters: `{params}`", "", "## Configuration", "", "```json",
-              json.dumps(config, sort_keys=True, indent=1), "```", ""]
-    return "\n".join(lines)
+def card_recipe(cfg) -> Recipe:
+    """What the card says beyond the plan: the user's expert order, the recipe as params.yaml
+    (the normalized config without where things go on this machine: output.dir, cache_dir),
+    and the mergekit YAML it was imported from (output.mergekit_config)."""
+    norm = cfg.normalized()
+    output = {k: v for k, v in norm["output"].items() if k not in ("dir", "mergekit_config") and v is not None}
+    recipe = {k: v for k, v in norm.items() if k not in ("output", "cache_dir")}
+    recipe["experts"] = [{k: v for k, v in e.items() if v is not None} for e in norm["experts"]]
+    if output:
+        recipe["output"] = output
+    return Recipe(tuple(e.name for e in cfg.experts), dump_params(recipe),
+                  getattr(cfg.output, "mergekit_config", None))
+
+
+def output_card(plan: dict, inputs: Inputs, recipe: Recipe | None) -> dict[str, bytes]:
+    """The output's card files for `plan` (a stacked base's card names its source models)."""
+    return card_files(plan, recipe=recipe, stack=read_stack(inputs.base.root / STACK_FILE))
+
+
+def recorded_card(out_dir: Path, man: dict) -> dict[str, bytes]:
+    """The card files `man` records, read from `out_dir` (checked by verify_outputs first): a
+    replay publishes them as they are, since the recipe they quote is no input of the plan."""
+    return {n: (out_dir / n).read_bytes() for n in CARD_FILES if n in man["outputs"]["files"]}
+
+
+def _card_matches(man: dict, card: dict[str, bytes]) -> bool:
+    recorded = {n: r.get("blake3") for n, r in man["outputs"]["files"].items() if n in CARD_FILES}
+    return recorded == {n: blake3(data).hexdigest() for n, data in card.items()}
+
+
+def _with_card(tmp: Path, man: dict, card: dict[str, bytes]) -> dict:
+    """A restored merge with this recipe's card files: the store keeps a plan's first card, and
+    the same plan may come from a recipe listing its experts in another order."""
+    if _card_matches(man, card):
+        return man
+    files = {n: r for n, r in man["outputs"]["files"].items() if n not in CARD_FILES}
+    for name in CARD_FILES:  # hard links into the store: replaced, never written through
+        (tmp / name).unlink(missing_ok=True)
+    for name, data in card.items():
+        (tmp / name).write_bytes(data)
+        files[name] = {"blake3": hash_file(tmp / name)}
+    man = {**man, "outputs": {**man["outputs"], "files": dict(sorted(files.items()))}}
+    man["manifest_hash"] = manifest_hash(man)
+    (tmp / MANIFEST).unlink()
+    write_manifest(tmp / MANIFEST, man)
+    return man
 
 
 def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: tuple[Path, ...] = ()) -> None:
@@ -197,7 +220,7 @@ def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: t
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
                progress: bool = False, realize=None, force: bool = False, run_record: dict | None = None,
-               protect: tuple[Path, ...] = ()) -> dict:
+               protect: tuple[Path, ...] = (), card: dict[str, bytes] | None = None) -> dict:
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
 
     `realize(tmp) -> Realized` writes the weight files instead of `run_merge` (the gather of a
@@ -205,7 +228,8 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     `run_record` is added to the output's run record (`run`'s no-op record, commands/uptodate.py;
     output/run_record.py: beside the folder, never in it).
     `protect`: the command's other inputs (params.yaml, plan file, parts folder), which the
-    output folder must not hold.
+    output folder must not hold. `card`: the card files (`output_card` of the user's recipe;
+    a replay's, the output's own: `recorded_card`); None: the card of the plan alone.
     """
     check_output_path(out_dir)
     records.check_writable(out_dir)
@@ -215,8 +239,9 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                             {n: (inputs.experts[n], inputs.expert_indexes[n]) for n in inputs.experts})
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
+        card = card if card is not None else output_card(plan, inputs, None)
         if _restore(cached, tmp, plan, lineage):
-            man = json.loads((tmp / MANIFEST).read_text())
+            man = _with_card(tmp, json.loads((tmp / MANIFEST).read_text()), card)
             run_info = {"restored_from": str(cached)}
         else:
             realized = (realize(tmp) if realize is not None
@@ -242,8 +267,9 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                     else:
                         shutil.copyfile(src, tmp / name)
                     aux[name] = hash_file(tmp / name)
-            (tmp / "README.md").write_text(_model_card(plan))
-            aux["README.md"] = hash_file(tmp / "README.md")
+            for name, data in card.items():
+                (tmp / name).write_bytes(data)
+                aux[name] = hash_file(tmp / name)
             man = build_manifest(plan, realized, aux, lineage=lineage)
             write_manifest(tmp / MANIFEST, man)  # dumps(man), a batch at a time
             run_info = {"seconds": round(realized.seconds, 3), "index_bytes_read": store.index_reads.total,
@@ -307,8 +333,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def up_to_date(out_dir: Path, plan: dict) -> bool:
-    """The published output is this plan's, and its files are untouched since publication.
+def up_to_date(out_dir: Path, plan: dict, card: dict[str, bytes] | None = None) -> bool:
+    """The published output is this plan's (with these card files, `output_card`, when given),
+    and its files are untouched since publication.
 
     Fast path: every file's stat key equals the one the run record holds from when it was
     published, and no file was added. A stat key also changes when a file only gains or
@@ -320,6 +347,8 @@ def up_to_date(out_dir: Path, plan: dict) -> bool:
     try:
         man = load_manifest(out_dir)
         if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
+            return False
+        if card is not None and not _card_matches(man, card):
             return False
         files = [*man["outputs"]["files"], MANIFEST]
         if {p.name for p in out_dir.iterdir()} != set(files):  # an earlier version's run.json too

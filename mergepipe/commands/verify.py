@@ -26,7 +26,7 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
     man = verify_outputs(out_dir, deep=deep)
     checked = [f"{len(man['outputs']['files'])} files" + (" reread" if deep else "")]
     if inputs or replay:
-        from mergepipe.commands.pipeline import merge_plan, open_inputs
+        from mergepipe.commands.pipeline import merge_plan, open_inputs, recorded_card
         from mergepipe.index.store import Store
         plan, where = _recorded_plan(out_dir, man)
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
@@ -36,7 +36,8 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
             checked.append(f"{1 + len(plan['experts'])} inputs")
             if replay:
                 replay_dir = Path(tmp) / "replay"
-                again = merge_plan(plan, opened, replay_dir, store, threads=threads, progress=False)
+                again = merge_plan(plan, opened, replay_dir, store, threads=threads, progress=False,
+                                   card=recorded_card(out_dir, man))  # the card quotes the recipe, no input
                 if again["outputs"] != man["outputs"]:
                     raise IntegrityError(f"{out_dir}: replay produced different outputs: "
                                          + replay_difference(out_dir, man["outputs"], replay_dir, again["outputs"]))

@@ -253,16 +253,16 @@ def check_output_path(target: str | Path, *, what: str = "output") -> Path:
     return path
 
 
-_OUTPUT_FILE = re.compile(r"[^/]+\.(safetensors|json|txt|model)|README\.md")
+_OUTPUT_FILE = re.compile(r"[^/]+\.(safetensors|json|txt|model)|README\.md|mergekit_config\.yml")
 
 
-CARD_TITLE = "# Merged with mergepipe ("  # the model card's title line (commands/pipeline.py)
+CARD_TITLE = "# Merged with mergepipe ("  # the model card's title line (output/model_card.py)
 
 
 def _our_card(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
-            head = f.read(4096).decode("utf-8", "replace")
+            head = f.read(1 << 16).decode("utf-8", "replace")  # after front matter naming every model
     except OSError:
         return False
     return any(line.startswith(CARD_TITLE) for line in head.splitlines())

@@ -1,0 +1,137 @@
+"""The model card (README.md) of a merged folder, and `mergekit_config.yml` for a recipe
+imported from mergekit: the files a Hub page is made of, in the shape mergekit's cards have
+(front matter with base_model, library_name and tags; the method; the models merged; the
+configuration as YAML), plus what this merge read under its budget and how to load it.
+
+A function of the plan, the `Recipe` (the user's expert order and the recipe's YAML: the plan
+keeps experts in content-hash order) and the base's stack record, so the same inputs give the
+same bytes. No file I/O here but reading a stack record.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.methods import METHODS
+from mergepipe.output.publish import CARD_TITLE
+from mergepipe.plan.bound_text import bound_line
+
+README = "README.md"
+MERGEKIT_CONFIG = "mergekit_config.yml"  # the name mergekit gives the recipe it writes into its output
+CARD_FILES = (README, MERGEKIT_CONFIG)
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What the card says beyond the plan. `experts`: the expert names in the user's order;
+    `params_yaml`: the recipe as params.yaml; `mergekit_yaml`: the mergekit YAML it was
+    imported from, if it was."""
+
+    experts: tuple[str, ...]
+    params_yaml: str
+    mergekit_yaml: str | None = None
+
+
+def read_stack(path: Path) -> list[dict] | None:
+    """The slices [{model, layer_range}] of a stacked base's stack.json (commands/stack.py),
+    or None where `path` is no such record (absent, or some other file of that name)."""
+    try:
+        slices = json.loads(path.read_text(encoding="utf-8"))["slices"]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return None
+    ok = isinstance(slices, list) and slices and all(
+        isinstance(s, dict) and isinstance(s.get("model"), str) and isinstance(s.get("layer_range"), list)
+        and len(s["layer_range"]) == 2 and all(isinstance(i, int) for i in s["layer_range"]) for s in slices)
+    return slices if ok else None
+
+
+def _fenced(text: str, lang: str) -> list[str]:
+    """`text` in a code fence longer than any run of backticks inside it."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}{lang}", text.rstrip("\n"), fence]
+
+
+def _experts_in_order(plan: dict, recipe: Recipe | None) -> list[dict]:
+    """The plan's experts in the recipe's order (any the recipe does not name after them)."""
+    by_name = {e["name"]: e for e in plan["experts"]}
+    order = [n for n in (recipe.experts if recipe else ()) if n in by_name]
+    return [by_name[n] for n in order] + [e for e in plan["experts"] if e["name"] not in order]
+
+
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _plan_yaml(plan: dict, experts: list[dict]) -> str:
+    """The merge's configuration from the plan alone (a plan file merged without its recipe)."""
+    import yaml
+    config = {"base": plan["base"]["path"],
+              "experts": [{k: e[k] for k in ("name", "path", "weight", "density", "gamma") if k in e}
+                          for e in experts],
+              "method": plan["method"], "parameters": plan["parameters"], "seed": plan.get("seed"),
+              "budget": plan["budget"]}
+    if "tensor_parameters" in plan:  # per-tensor parameters: the top-level values are not the merge's
+        config["tensor_parameters"] = plan["tensor_parameters"]
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False, width=100)
+
+
+def _reads(plan: dict) -> str:
+    b = plan["bytes"]
+    sketch = b.get("planned_sketch_bytes")
+    read = f"read {b['planned_expert_bytes']:,} of {b['total_expert_bytes']:,} expert bytes"
+    if sketch is not None:
+        read += f" and {sketch:,} bytes of sketches ({b['planned_expert_bytes'] + sketch:,} bytes in all)"
+    return f"budget {plan['budget']} ({plan['budget_bytes']:,} bytes): {read}"
+
+
+def model_card(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> str:
+    """README.md: front matter (base_model: the base, then the experts in the user's order, or a
+    stack's source models; library_name; tags), the method, the models merged, the
+    configuration as YAML, what was read, and a usage snippet."""
+    experts = _experts_in_order(plan, recipe)
+    base = plan["base"]["path"]
+    if stack is not None:
+        models = _unique([s["model"] for s in stack])
+    else:
+        models = _unique([base, *(e["path"] for e in experts)])
+    method = METHODS[plan["method"]]
+    lines = ["---", "base_model:", *(f"- {json.dumps(m)}" for m in models), "base_model_relation: merge",
+             "library_name: transformers", "tags:", "- merge", "- mergepipe", "---", "",
+             f"{CARD_TITLE}{plan['method']})", "",
+             "This is a merge of pre-trained language models made with mergepipe.", "",
+             "## Merge Details", "", "### Merge Method", "",
+             f"This model was merged with the `{plan['method']}` method ({method.paper}), "
+             f"with `{base}` as the base.", ""]
+    if stack is not None:
+        lines += ["### Models Merged", "", "The layers of these models, stacked in this order:", ""]
+        lines += [f"* `{s['model']}`: layers {s['layer_range'][0]} to {s['layer_range'][1] - 1}" for s in stack]
+    else:
+        lines += ["### Models Merged", "", "| model | name | weight | content |", "|---|---|---|---|"]
+        lines += [f"| `{e['path']}` | {e['name']} | {e['weight']} | `{e['content_hash'][:16]}` |" for e in experts]
+    lines += ["", "### Configuration", ""]
+    if recipe is not None and recipe.mergekit_yaml is not None:
+        lines += [f"Imported from this mergekit configuration (also in `{MERGEKIT_CONFIG}`):", "",
+                  *_fenced(recipe.mergekit_yaml, "yaml"), "", "as this mergepipe recipe (params.yaml):", ""]
+    else:
+        lines += ["The following YAML configuration (mergepipe params.yaml) produced this model:", ""]
+    lines += [*_fenced(recipe.params_yaml if recipe is not None else _plan_yaml(plan, experts), "yaml"), ""]
+    bound = bound_line(plan["bound"])
+    lines += ["## Reads", "", f"- {_reads(plan)}",
+              f"- {bound}" if bound else "- nothing left out: the full merge",
+              f"- plan hash: `{plan['plan_hash']}`; base content `{plan['base']['content_hash'][:16]}`", "",
+              "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              'path = "path/to/this/folder"  # or its Hub id once uploaded',
+              'model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")',
+              "tokenizer = AutoTokenizer.from_pretrained(path)", "```", ""]
+    return "\n".join(lines)
+
+
+def card_files(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> dict[str, bytes]:
+    """The card files of the output: README.md, and mergekit_config.yml for an imported recipe."""
+    files = {README: model_card(plan, recipe=recipe, stack=stack).encode()}
+    if recipe is not None and recipe.mergekit_yaml is not None:
+        files[MERGEKIT_CONFIG] = recipe.mergekit_yaml.encode()
+    return files
