@@ -12,6 +12,7 @@ import yaml
 
 from mergepipe.cli import main
 from mergepipe.output.manifest import load_manifest
+from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
 
 
@@ -52,6 +53,12 @@ def test_card_front_matter_names_every_input_in_the_users_order_and_is_stable(ti
     assert rows == [e["name"] for e in rev]
     a, c = load_manifest(tmp_path / "a" / "out"), load_manifest(tmp_path / "c" / "out")
     assert a["plan_hash"] == c["plan_hash"] and a["outputs"]["tensors"] == c["outputs"]["tensors"]
+    # c was restored from a's store entry (hard links): its card was replaced, a's and the store's kept
+    assert "restored_from" in json.loads(record_path(tmp_path / "c" / "out").read_text())
+    assert (tmp_path / "a" / "out" / "README.md").read_text() == text
+    for out in (tmp_path / "a" / "out", tmp_path / "c" / "out"):
+        assert main(["verify", str(out), "--deep", "-q"]) == 0
+    assert (tmp_path / "a" / "cache" / "merges" / a["plan_hash"] / "README.md").read_text() == text
 
 
 def test_card_recipe_is_yaml_that_reproduces_the_plan(tiny_family, tmp_path, capsys):
