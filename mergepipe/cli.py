@@ -352,7 +352,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from mergepipe.config.mergekit import import_mergekit, write_params
+    from mergepipe.config.mergekit import check_imported, import_mergekit, write_params
     from mergepipe.errors import OutputError
     from mergepipe.output.publish import check_output_path
     out = check_output_path(args.o, what="-o")
@@ -363,12 +363,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
     stack_dir = _build_stack(args, out)
-    params = import_mergekit(args.config, stack_dir=stack_dir)
-    roots = (Path(args.config).parent, Path.cwd())  # where the mergekit config's model paths are looked up
+    params = import_mergekit(args.config, params_path=out, stack_dir=stack_dir, validate=False)
     refs = [params.get("base"), *(e.get("path") for e in params.get("experts", [])),
-            (params.get("output") or {}).get("tokenizer_source")]
-    _refuse_inside_inputs(out, [next((r / m for r in roots if (r / m).is_dir()), Path(m))
-                                for m in refs if isinstance(m, str)])
+            (params.get("output") or {}).get("tokenizer_source")]  # relative to the params file's folder
+    _refuse_inside_inputs(out, [out.parent / m for m in refs if isinstance(m, str)])
+    check_imported(params, source=args.config, params_path=out)
     write_params(params, args.o)
     _log(args, f"wrote {args.o}")
     return 0
@@ -385,11 +384,8 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
     if slices is None:
         return None
     from mergepipe.commands.stack import build_stack
-    roots = (Path(args.config).parent, Path.cwd())
-    folders = {}
-    for i, s in enumerate(slices):
-        ref = resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source, roots)
-        folders[s["model"]] = next((r / ref for r in roots if (r / ref).is_dir()), Path(ref))
+    folders = {s["model"]: resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source)
+               for i, s in enumerate(slices)}  # relative to the working directory, as mergekit reads them
     name = f"{out.stem}.stacked"
     # params.yaml and the stacked folder beside it never go into a source model (even with --force)
     sources = [f for f in folders.values() if f.resolve() != (out.parent / name).resolve()]  # (build_stack
@@ -435,9 +431,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mergepipe.commands.demo import main as demo_main
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest  # `demo -- --help`: the `--` is ours
-    return demo_main(rest)
+    from mergepipe.commands.demo import run
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -450,26 +445,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("index", parents=[common], help="index a checkpoint (cached by content)")
-    s.add_argument("model")
+    s.add_argument("model", help="model folder (or one .safetensors file) to index")
     s.add_argument("--base", help="also compute delta statistics against this base")
     s.add_argument("--block-bytes", help="block size like '1MiB' (default: params.yaml's default block_bytes)")
-    s.add_argument("--cache-dir", default=".mergepipe")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the record as JSON instead of a summary line")
     s.add_argument("-o", help="also write the (timing-free) record as JSON here; unchanged content is only touched")
     s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe index record")
     s.set_defaults(fn=cmd_index)
 
     s = sub.add_parser("plan", parents=[common], help="plan which expert blocks to read")
-    s.add_argument("config")
-    s.add_argument("--budget")
+    s.add_argument("config", help="params.yaml")
+    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
+                   "or a size (2GiB)")
     s.add_argument("-o", help="write the plan here (default: stdout)")
     s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe plan")
     s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("merge", parents=[common], help="execute a plan")
-    s.add_argument("plan")
+    s.add_argument("plan", help="plan.json written by `mergepipe plan`")
     s.add_argument("-o", required=True, help="output folder")
-    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
     s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
                    "not write it (never /, home, the current folder or one above it, or an input)")
@@ -480,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("gather", parents=[common], help="assemble `merge --part` outputs, publish like merge")
-    s.add_argument("plan")
+    s.add_argument("plan", help="plan.json written by `mergepipe plan`")
     s.add_argument("parts_dir", help="the folder the part jobs wrote to")
     s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
     s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
@@ -488,13 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", required=True, help="output folder")
     s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
                    "not write it (never /, home, the current folder or one above it, or an input)")
-    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
     s.set_defaults(fn=cmd_gather)
 
     s = sub.add_parser("gc", parents=[common], help="prune the cache: stored merges, part files, calibration and "
                        "joint statistics, indexes")
-    s.add_argument("--cache-dir", default=".mergepipe")
+    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
     s.add_argument("--keep", action="append", default=[], metavar="OUTDIR|PLAN",
                    help="keep the stored merge of this output folder or plan.json, and the calibration "
                    "and joint statistics it names (repeatable)")
@@ -503,8 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("run", parents=[common], help="index + plan + merge + verify, cached")
-    s.add_argument("config")
-    s.add_argument("--budget")
+    s.add_argument("config", help="params.yaml")
+    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
+                   "or a size (2GiB)")
     s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
     s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
                    "not write it (never /, home, the current folder or one above it, or an input)")
@@ -512,17 +509,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("verify", parents=[common], help="check an output against its manifest (files changed "
                        "since publication are rehashed; --deep rehashes every file)")
-    s.add_argument("outdir")
+    s.add_argument("outdir", help="output folder to check (holding manifest.json)")
     s.add_argument("--deep", action="store_true", help="reread and rehash every output file, even those whose "
                    "stat keys are as published")
     s.add_argument("--inputs", action="store_true", help="also rehash the inputs")
     s.add_argument("--replay", action="store_true", help="also rebuild and compare output hashes")
-    s.add_argument("--root", default=".")
+    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to "
+                   "(default: the current folder)")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("audit", parents=[common], help="prove how an output was built, anywhere: find its inputs "
                        "by content hash, rehash them, replay the merge and compare; walk its lineage")
-    s.add_argument("outdir")
+    s.add_argument("outdir", help="output folder to audit (holding manifest.json)")
     s.add_argument("--search", action="append", default=[], metavar="DIR", help="a folder to search, "
                    "recursively, for the inputs (repeatable); the Hugging Face cache is searched too")
     s.add_argument("--recursive", "-r", action="store_true", help="also audit each input that is a mergepipe "
@@ -539,13 +537,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_explain)
 
     s = sub.add_parser("import-mergekit", parents=[common], help="convert a mergekit YAML to params.yaml")
-    s.add_argument("config")
-    s.add_argument("-o", required=True)
+    s.add_argument("config", help="mergekit YAML; its model paths are relative to the current folder, as "
+                   "mergekit reads them")
+    s.add_argument("-o", required=True, metavar="PARAMS_YAML", help="params file to write: its model paths are "
+                   "rewritten relative to its folder, and the merge goes to merged-<its name>/ beside it")
     s.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("sweep", parents=[common], help="merge at several budgets: table and plot of I/O vs deviation")
-    s.add_argument("config")
+    s.add_argument("config", help="params.yaml")
     s.add_argument("--budgets", default="5%,10%,25%,50%,100%", help="comma-separated budgets (default %(default)s)")
     s.add_argument("-o", required=True, help="output folder: sweep.md, sweep.csv, sweep.png, models/")
     s.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -553,9 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(its models/<budget> folders are still only replaced where mergepipe wrote them)")
     s.set_defaults(fn=cmd_sweep)
 
-    s = sub.add_parser("demo", help="generate a demo family (see `mergepipe demo -- --help`)")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(fn=cmd_demo, quiet=False, debug=False)
+    from mergepipe.commands.demo_args import DESCRIPTION, add_arguments
+    s = sub.add_parser("demo", help="generate a seeded demo family (base + experts)", description=DESCRIPTION)
+    add_arguments(s)
+    s.add_argument("--debug", action="store_true", help="show tracebacks for mergepipe errors")
+    s.set_defaults(fn=cmd_demo)
     return p
 
 
@@ -567,6 +569,9 @@ def one_line(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from mergepipe.output.publish import terminate_unwinds
     from mergepipe.util.gcpause import rare_gc
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["demo", "--"]:  # `demo -- OPTIONS`, the form the help once gave: `--help` is no folder name
+        del argv[1]
     args = build_parser().parse_args(argv)
     try:
         with terminate_unwinds(), rare_gc():  # SIGTERM/SIGHUP clean up (temp folders, locks) like Ctrl-C

@@ -37,9 +37,19 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
 
 
+MAX_QUOTE_CHARS = 200  # what an error message quotes of the user's input, at most
+
+
+def clip(text: str, limit: int = MAX_QUOTE_CHARS) -> str:
+    """`text` cut to `limit` characters ("..." ending a cut one)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def short_repr(value: object) -> str:
-    """A bounded repr: an error line must stay one short line whatever the user wrote."""
-    return _REPR.repr(value)
+    """A bounded repr: an error line must stay one short line whatever the user wrote. reprlib
+    visits at most maxlist items of at most maxlevel levels, so a structure that YAML aliases
+    made exponentially large costs what a small one does; the text is clipped."""
+    return clip(_REPR.repr(value))
 
 
 _BINARY = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}

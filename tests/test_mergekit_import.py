@@ -12,6 +12,12 @@ from mergepipe.config.mergekit import dump_params, import_mergekit, mergekit_to_
 from mergepipe.methods import METHODS
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """mergekit reads model paths against its working directory; so does the import."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _write(tmp_path: Path, text: str, name: str = "mergekit.yml") -> Path:
     """The config in tmp_path, with a folder for each relative model it names (a relative
     reference that is no folder is a Hugging Face id, as in mergekit)."""
@@ -74,7 +80,7 @@ def test_ties():
         "parameters": {"normalize": True, "int8_mask": True, "lambda": 0.9},
         "seed": 0,
         "budget": "full",
-        "output": {"dir": "merged", "dtype": "bfloat16"},
+        "output": {"dir": "merged-mk", "dtype": "bfloat16"},  # named after the recipe
     }
 
 

@@ -180,7 +180,8 @@ def test_a_damaged_hub_ref_never_names_a_folder_outside_snapshots(ref, tmp_path,
 
 @pytest.mark.parametrize("command", ["plan", "import-mergekit"])
 @pytest.mark.parametrize("victim", ["model.safetensors", "config.json"])
-def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, victim, tiny_family, tmp_path):
+def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, victim, tiny_family, tmp_path,
+                                                                   monkeypatch):
     """`plan cfg -o models/base/model.safetensors --force` (a slip of -o; --force to get past
     "not a mergepipe plan") replaced the base's weights with the plan's JSON; `import-mergekit
     ... -o models/base/config.json --force` its config with params.yaml."""
@@ -193,6 +194,7 @@ def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, vic
         argv = ["plan", str(write_config(tmp_path, tiny_family, base=str(base)))]
     else:
         mk = tmp_path / "mk.yml"
+        monkeypatch.chdir(tmp_path)  # where mergekit (and the import) reads models/base from
         mk.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": "models/base",
                                       "models": [{"model": str(expert), "parameters": {"weight": 1.0}}]}))
         argv = ["import-mergekit", str(mk)]

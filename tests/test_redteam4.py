@@ -128,9 +128,9 @@ def _stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
     for m in ("base", "expert_1"):
         shutil.copytree(root / m, tmp_path / m)
     mk = tmp_path / "mk.yml"
-    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [
-        {"sources": [{"model": "base", "layer_range": [0, 3]}]},
-        {"sources": [{"model": "expert_1", "layer_range": [2, 4]}]}]}))
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [  # mergekit reads them from the cwd
+        {"sources": [{"model": str(tmp_path / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(tmp_path / "expert_1"), "layer_range": [2, 4]}]}]}))
     params = tmp_path / "p.yaml"
     assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
     return mk, params
@@ -147,7 +147,7 @@ def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_fa
     mk, params = _stacked_project(tiny_family, tmp_path)
     assert main(["run", str(params), "-q"]) == 0
     assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
-    out = tmp_path / "merged"
+    out = tmp_path / "merged-p"  # named after p.yaml
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _SOURCE_EDITS[edit](tmp_path / "expert_1")
     capsys.readouterr()

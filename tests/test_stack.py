@@ -64,13 +64,13 @@ def test_import_builds_the_stack_and_run_publishes_it(tmp_path, tiny_family):
     data["cache_dir"] = str(tmp_path / "cache")
     params.write_text(yaml.safe_dump(data))
     assert main(["run", str(params), "-q"]) == 0
-    merged, stacked = load_model(tmp_path / "merged"), load_model(tmp_path / "params.stacked")
+    merged, stacked = load_model(tmp_path / "merged-params"), load_model(tmp_path / "params.stacked")
     assert sorted(merged) == sorted(stacked)
     assert all(merged[n].dtype.is_floating_point and merged[n].equal(stacked[n].float()) for n in merged)
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())["num_hidden_layers"] == 5
-    manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    assert json.loads((tmp_path / "merged-params" / "config.json").read_text())["num_hidden_layers"] == 5
+    manifest = json.loads((tmp_path / "merged-params" / "manifest.json").read_text())
     assert STACK_FILE in manifest["outputs"]["files"]
-    assert (tmp_path / "merged" / STACK_FILE).read_bytes() == (tmp_path / "params.stacked" / STACK_FILE).read_bytes()
+    assert (tmp_path / "merged-params" / STACK_FILE).read_bytes() == (tmp_path / "params.stacked" / STACK_FILE).read_bytes()
 
 
 def test_stacking_refusals(tmp_path):

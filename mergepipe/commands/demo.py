@@ -22,6 +22,7 @@ import torch
 from blake3 import blake3
 from safetensors.torch import save_file
 
+from mergepipe.commands.demo_args import DESCRIPTION, add_arguments
 from mergepipe.errors import ConfigError, MergepipeError, OutputError
 from mergepipe.util.fs import atomic_write_bytes, canonical_json, hash_file
 
@@ -331,34 +332,33 @@ def make_family(out_dir: str | Path, *, preset: str = "tiny", n_experts: int = 3
     return family
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mergepipe.commands.demo",
-                                     description="Write a seeded demo family: base + experts.")
-    parser.add_argument("out", help="folder to write base/ and expert_*/ into")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--experts", type=int, default=3, help="number of experts K")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
-                        help="tie lm_head to the embeddings (default: the preset's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Write the family `args` describe; print its folders unless quiet.
+
+    Raises:
+        MergepipeError: a folder that is not the demo's, a bad count; OutputError for an
+            OSError (a parent that is a file, no permission, disk full).
+    """
     try:
         family = make_family(args.out, preset=args.preset, n_experts=args.experts,
                              dtype=args.dtype, tied=args.tied, seed=args.seed,
                              progress=not args.quiet)
-    except OSError as e:  # a parent that is a file, no permission, disk full
-        error = OutputError(f"{e.filename or args.out}: cannot write the demo family: {e.strerror}")
-    except MergepipeError as e:
-        error = e
-    else:
-        error = None
-    if error is not None:  # one line: a newline in a name is shown escaped (as cli.one_line)
-        print("error: " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(error)), file=sys.stderr)
-        return error.exit_code
+    except OSError as e:
+        raise OutputError(f"{e.filename or args.out}: cannot write the demo family: {e.strerror}") from None
     if not args.quiet:
         print("\n".join([family["base"], *family["experts"]]))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mergepipe.commands.demo", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except MergepipeError as error:  # one line: a newline in a name is shown escaped (as cli.one_line)
+        print("error: " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(error)), file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def hub_snapshot(model_id: str) -> Path:
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         raise ConfigError(f"Hugging Face model {model_id!r} is neither a local folder nor in the local "
-                          f"Hugging Face cache ({repo}); download it first (huggingface-cli download "
+                          f"Hugging Face cache ({repo}); download it first (hf download "
                           f"{model_id}) or give a local path")
     ref = repo / "refs" / "main"
     if ref.is_file():

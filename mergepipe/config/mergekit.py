@@ -32,14 +32,19 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
-from mergepipe.config.params import DEFAULT_OUTPUT_DIR, config_from_dict, read_yaml
+from mergepipe.config.messages import did_you_mean
+from mergepipe.config.models import MAX_MERGEKIT_CONFIG_CHARS
+from mergepipe.config.params import config_from_dict, parse_yaml, read_yaml
+from mergepipe.config.yaml_io import read_yaml_text
 from mergepipe.errors import ConfigError
+from mergepipe.units import clip, short_repr
 from mergepipe.util.fs import atomic_write_bytes
 
 # ---- mergekit's names, one row per method. Engineers adding a method add it here:
@@ -94,13 +99,15 @@ _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def _fail(source: str, key: str, message: str) -> ConfigError:
-    return ConfigError(f"{source}: {key}: {message}")
+    """The one-line error naming the mergekit key; values in `message` are quoted with
+    short_repr, and the key (which holds the user's own key names) is clipped likewise."""
+    return ConfigError(f"{source}: {clip(str(key))}: {message}")
 
 
 def _leaf(value: Any, key: str, source: str) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    raise _fail(source, key, f"unsupported value {value!r}; expected a number, boolean or string")
+    raise _fail(source, key, f"unsupported value {short_repr(value)}; expected a number, boolean or string")
 
 
 def _setting(value: Any, key: str, source: str) -> Any:
@@ -120,13 +127,13 @@ def _setting(value: Any, key: str, source: str) -> Any:
     conditions = []
     for cond in value:
         if not isinstance(cond, dict):
-            raise _fail(source, key, f"mixes conditions and plain values: {value!r}")
+            raise _fail(source, key, f"mixes conditions and plain values: {short_repr(value)}")
         unknown = set(cond) - {"filter", "value"}
         if unknown:
-            raise _fail(source, key, f"unexpected keys {sorted(unknown)} in a conditional "
+            raise _fail(source, key, f"unexpected keys {short_repr(sorted(unknown, key=str))} in a conditional "
                                      "parameter; expected {filter, value}")
         if "value" not in cond:
-            raise _fail(source, key, f"condition {cond!r} has no value")
+            raise _fail(source, key, f"condition {short_repr(cond)} has no value")
         inner = cond["value"]
         if isinstance(inner, list):
             inner = [_leaf(v, key, source) for v in inner]
@@ -135,7 +142,7 @@ def _setting(value: Any, key: str, source: str) -> Any:
             inner = _leaf(inner, key, source)
         flt = cond.get("filter")
         if flt is not None and not isinstance(flt, str):
-            raise _fail(source, key, f"filter must be a string, got {flt!r}")
+            raise _fail(source, key, f"filter must be a string, got {short_repr(flt)}")
         conditions.append({"value": inner} if flt in (None, "*") else {"filter": flt, "value": inner})
     if "filter" not in conditions[0]:
         return conditions[0]["value"]  # the first condition matches every tensor
@@ -160,30 +167,65 @@ def _with_fallback(own: Any, default: Any) -> Any:
     return [*own, *tail]
 
 
-def _model_ref(value: Any, key: str, source: str, roots: tuple[Path, ...] | None = None) -> str:
-    """A model reference as a params.yaml path: a local folder (under one of `roots`) as
-    written, else (like mergekit) a Hugging Face id, taken from the local cache (its snapshot
-    folder) or refused naming the id. `roots` None: kept as written (no lookup)."""
+@dataclass(frozen=True, slots=True)
+class ModelPaths:
+    """Where the model paths of a mergekit config are looked up and how params.yaml writes them.
+
+    mergekit reads a relative model path against its working directory (`cwd`) only; the
+    written params file reads its paths against its own folder (`params_dir`). A local model
+    is rewritten relative to `params_dir` (lexically, as config/paths.py reads it back), so
+    the params file names the same folder wherever -o puts it, and a project moved as a whole
+    (params file and models) keeps working; absolute and `~` paths stay as written."""
+
+    cwd: Path
+    params_dir: Path
+
+    def local(self, ref: str) -> Path | None:
+        """The folder `ref` names for mergekit, if it is one."""
+        folder = self.cwd / ref
+        return folder if folder.is_dir() else None
+
+    def written(self, ref: str) -> str:
+        """`ref` (relative to `cwd`) as the params file names it."""
+        if os.path.isabs(ref) or ref.startswith("~"):
+            return ref
+        rel = Path(os.path.relpath(self.cwd / ref, self.params_dir)).as_posix()
+        return ref if rel == Path(os.path.normpath(ref)).as_posix() else rel
+
+    def mergekit_ref(self, params_ref: str) -> str:
+        """A path relative to `params_dir` as mergekit would name it (relative to `cwd`)."""
+        return os.path.relpath(self.params_dir / params_ref, self.cwd)
+
+
+def _model_ref(value: Any, key: str, source: str, paths: ModelPaths | None = None) -> str:
+    """A model reference as a params.yaml path: a local folder (relative to mergekit's working
+    directory) rewritten for the params file, else (like mergekit) a Hugging Face id, taken
+    from the local cache (its snapshot folder) or refused naming the id. `paths` None: kept as
+    written (no lookup)."""
     if not isinstance(value, str) or not value.strip():
-        raise _fail(source, key, f"must be a model path string, got {value!r}")
+        raise _fail(source, key, f"must be a model path string, got {short_repr(value)}")
     if "+" in value:
-        raise _fail(source, key, f"LoRA reference {value!r} ('model+lora') cannot be expressed; "
+        raise _fail(source, key, f"LoRA reference {short_repr(value)} ('model+lora') cannot be expressed; "
                                  "merge the adapter into its model first")
     if "@" in value:
-        raise _fail(source, key, f"revision reference {value!r} ('model@revision') cannot be "
+        raise _fail(source, key, f"revision reference {short_repr(value)} ('model@revision') cannot be "
                                  "expressed; download that revision to a local folder")
-    if roots is None or any((root / value).is_dir() for root in roots) or not looks_like_hub_id(value):
+    if paths is None:
         return value
+    if paths.local(value) is not None or not looks_like_hub_id(value):
+        return paths.written(value)  # a missing folder too: the plan names it where params.yaml points
     try:
         return str(hub_snapshot(value))
     except ConfigError as err:
         raise _fail(source, key, str(err)) from None
 
 
-def resolve_model_ref(value: Any, key: str, source: str, roots: tuple[Path, ...]) -> str:
-    """A mergekit model reference as a local path (a Hugging Face id from the cache), or the
-    one-line error naming `key` (LoRA, revision, an id not in the cache)."""
-    return _model_ref(value, key, source, roots)
+def resolve_model_ref(value: Any, key: str, source: str) -> Path:
+    """The folder a mergekit model reference names: relative to the working directory, as
+    mergekit reads it, or a Hugging Face id's cached snapshot; or the one-line error naming
+    `key` (LoRA, revision, an id not in the cache)."""
+    cwd = Path.cwd()
+    return cwd / _model_ref(value, key, source, ModelPaths(cwd, cwd))
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -203,10 +245,10 @@ def _expert_name(path: str, taken: set[str]) -> str:
 
 def _dtype(value: Any, key: str, source: str) -> str:
     if not isinstance(value, str):
-        raise _fail(source, key, f"must be a dtype name, got {value!r}")
+        raise _fail(source, key, f"must be a dtype name, got {short_repr(value)}")
     name = value.removeprefix("torch.")
     if name not in _DTYPES:
-        raise _fail(source, key, f"dtype {value!r} is not supported; use bfloat16, float16 "
+        raise _fail(source, key, f"dtype {short_repr(value)} is not supported; use bfloat16, float16 "
                                  "or float32")
     return _DTYPES[name]
 
@@ -220,7 +262,7 @@ def _check_tokenizer(data: dict[str, Any], source: str) -> None:
     if tokenizer is None:
         return
     if not isinstance(tokenizer, dict):
-        raise _fail(source, "tokenizer", f"must be a mapping, got {tokenizer!r}")
+        raise _fail(source, "tokenizer", f"must be a mapping, got {short_repr(tokenizer)}")
     for key, value in tokenizer.items():
         if key == "source" and value in (None, "base"):
             continue
@@ -230,16 +272,18 @@ def _check_tokenizer(data: dict[str, Any], source: str) -> None:
                                                 "mergepipe keeps the base's tokenizer")
 
 
-def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
-                       output_dir: str = DEFAULT_OUTPUT_DIR,
-                       roots: tuple[Path, ...] | None = None, stack_dir: str | None = None) -> dict[str, Any]:
+def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,
+                       paths: ModelPaths | None = None, stack_dir: str | None = None,
+                       recipe: str | None = None) -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
 
+    `output_dir`: `output.dir` (default: named after `source`, `recipe_output_dir`).
     `stack_dir`: the folder (as params.yaml names it) where the CLI builds the stacked model
     of a passthrough `slices` config (`stacking_slices`), which is then merged as one model.
-    `roots`: the folders a relative model path may be in; given, a reference found in none
-    of them that looks like `org/name` is resolved from the Hugging Face cache
-    (config/hf_cache.py), as mergekit downloads what is not a local folder.
+    `paths`: where model paths are looked up and how they are written (`ModelPaths`); given,
+    a reference that is no local folder and looks like `org/name` is resolved from the Hugging
+    Face cache (config/hf_cache.py), as mergekit downloads what is not a local folder.
+    `recipe`: the mergekit YAML's text, kept as `output.mergekit_config` for the output.
 
     Raises:
         ConfigError: for anything mergepipe cannot reproduce, naming the key.
@@ -253,7 +297,8 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
                 continue
             raise _fail(source, key, _NOT_EXPRESSIBLE[key])
         if key not in _TOP_KEYS:
-            raise _fail(source, key, f"unknown mergekit key; supported: {', '.join(sorted(_TOP_KEYS))}")
+            raise _fail(source, key, f"unknown mergekit key{did_you_mean(key, _TOP_KEYS)}; "
+                                     f"supported: {', '.join(sorted(_TOP_KEYS))}")
     _check_tokenizer(data, source)
     if data.get("slices") not in (None, []):
         if data.get("models"):
@@ -262,19 +307,21 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
             if stack_dir is None:
                 raise _fail(source, "slices", "stacking layers builds a model folder first; "
                                               "run `mergepipe import-mergekit CONFIG -o params.yaml`")
-            data = {**data, "models": [{"model": stack_dir}]}  # passthrough of the stacked folder
+            stack_ref = stack_dir if paths is None else paths.mergekit_ref(stack_dir)
+            data = {**data, "models": [{"model": stack_ref}]}  # passthrough of the stacked folder
         else:
-            data = {**data, "models": _slices_as_models(data["slices"], source, roots)}
+            data = {**data, "models": _slices_as_models(data["slices"], source, paths)}
 
     mk_method = data.get("merge_method")
-    if mk_method not in METHOD_NAMES:
-        raise _fail(source, "merge_method", f"{mk_method!r} has no mergepipe equivalent; "
+    if not isinstance(mk_method, str) or mk_method not in METHOD_NAMES:
+        raise _fail(source, "merge_method", f"{short_repr(mk_method)} has no mergepipe equivalent"
+                                            f"{did_you_mean(mk_method, METHOD_NAMES)}; "
                                             f"supported: {', '.join(sorted(METHOD_NAMES))}")
     method = METHOD_NAMES[mk_method]
 
     global_params = data.get("parameters") or {}
     if not isinstance(global_params, dict):
-        raise _fail(source, "parameters", f"must be a mapping, got {global_params!r}")
+        raise _fail(source, "parameters", f"must be a mapping, got {short_repr(global_params)}")
     settings = {k: _setting(v, f"parameters.{k}", source) for k, v in global_params.items()}
     default_weight = settings.pop("weight", None)
     shared_keys = SHARED_MODEL_KEYS.get(mk_method, ())
@@ -289,27 +336,29 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         if isinstance(entry, str):
             entry = {"model": entry}
         if not isinstance(entry, dict):
-            raise _fail(source, key, f"must be a mapping with model and parameters, got {entry!r}")
+            raise _fail(source, key, f"must be a mapping with model and parameters, got {short_repr(entry)}")
         unknown = set(entry) - {"model", "parameters"}
         if unknown:
-            raise _fail(source, f"{key}.{sorted(unknown)[0]}", "unknown key; expected model, "
-                                                               "parameters")
-        path = _model_ref(entry.get("model"), f"{key}.model", source, roots)
+            first = sorted(unknown, key=str)[0]
+            raise _fail(source, f"{key}.{first}", f"unknown key{did_you_mean(first, ('model', 'parameters'))}; "
+                                                  "expected model, parameters")
+        path = _model_ref(entry.get("model"), f"{key}.model", source, paths)
         own = entry.get("parameters") or {}
         if not isinstance(own, dict):
-            raise _fail(source, f"{key}.parameters", f"must be a mapping, got {own!r}")
+            raise _fail(source, f"{key}.parameters", f"must be a mapping, got {short_repr(own)}")
         params = {}
         for name, value in own.items():
             where = f"{key}.parameters.{name}"
             if name in shared_keys:
                 value = _setting(value, where, source)
                 if name in shared and shared[name][1] != value:
-                    raise _fail(source, where, f"{value!r} differs from {shared[name][0]}'s "
-                                               f"{shared[name][1]!r}; mergepipe takes one {name} for all models")
+                    raise _fail(source, where, f"{short_repr(value)} differs from {shared[name][0]}'s "
+                                               f"{short_repr(shared[name][1])}; mergepipe takes one {name} for all models")
                 shared.setdefault(name, (where, value))
                 continue
             if name not in MODEL_KEYS:
-                raise _fail(source, where, f"per-model {name!r} cannot be expressed; per-model keys: "
+                raise _fail(source, where, f"per-model {short_repr(name)} cannot be expressed"
+                                           f"{did_you_mean(name, (*MODEL_KEYS, *shared_keys))}; per-model keys: "
                                            f"{', '.join((*MODEL_KEYS, *shared_keys))}")
             params[name] = _setting(value, where, source)
         entries.append((key, path, params))
@@ -318,7 +367,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
         settings.setdefault(name, value)
     base = data.get("base_model")
     if base is not None:
-        base = _model_ref(base, "base_model", source, roots)
+        base = _model_ref(base, "base_model", source, paths)
     out: dict[str, Any] = {}
     parameters: dict[str, Any] = {}
 
@@ -393,13 +442,15 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>",
     out["budget"] = "full"
     dtype_key = "out_dtype" if data.get("out_dtype") is not None else "dtype"
     dtype = data.get(dtype_key)
-    out["output"] = {"dir": output_dir,
+    out["output"] = {"dir": recipe_output_dir(source) if output_dir is None else output_dir,
                      "dtype": None if dtype is None else _dtype(dtype, dtype_key, source)}
     token_source = data.get("tokenizer_source")
     if token_source not in (None, "base"):
-        token_path = _model_ref(token_source, "tokenizer_source", source, roots)
+        token_path = _model_ref(token_source, "tokenizer_source", source, paths)
         if not _same_model(token_path, base):
             out["output"]["tokenizer_source"] = token_path
+    if recipe is not None:
+        out["output"]["mergekit_config"] = recipe
     return out
 
 
@@ -439,7 +490,7 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
         if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) or len(sl["sources"]) != 1:
             raise _fail(source, key, "a stacked slice takes exactly one source (merging inside stacked "
                                      "slices is not built)")
-        extra = sorted(k for k, v in sl.items() if k != "sources" and v not in (None, {}, []))
+        extra = sorted((k for k, v in sl.items() if k != "sources" and v not in (None, {}, [])), key=str)
         src = sl["sources"][0]
         if extra or not isinstance(src, dict) or set(src) - {"model", "layer_range"} or src.get("parameters"):
             raise _fail(source, key, "stacked slices take only sources: [{model, layer_range}]")
@@ -447,26 +498,26 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
         if not (isinstance(lr, list | tuple) and len(lr) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)
                 and 0 <= lr[0] < lr[1]):
-            raise _fail(source, f"{key}.sources[0].layer_range", f"must be [start, end], start < end, got {lr!r}")
+            raise _fail(source, f"{key}.sources[0].layer_range", f"must be [start, end], start < end, got {short_repr(lr)}")
         out.append({"model": _model_ref(src.get("model"), f"{key}.sources[0].model", source),
                     "layer_range": [lr[0], lr[1]]})
     return out
 
 
-def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) -> list[dict[str, Any]]:
+def _slices_as_models(slices: Any, source: str, paths: ModelPaths | None) -> list[dict[str, Any]]:
     """`slices` that are the `models:` form in disguise: one slice whose sources all cover
     every layer ([0, n], n the model's layer count, checked where the model folder is
-    readable; not checked when converting without `roots`). Stacking several slices (a
+    readable; not checked when converting without `paths`). Stacking several slices (a
     frankenmerge) or partial ranges is refused."""
     if not isinstance(slices, list):
-        raise _fail(source, "slices", f"must be a list of {{sources}}, got {slices!r}")
+        raise _fail(source, "slices", f"must be a list of {{sources}}, got {short_repr(slices)}")
     if len(slices) != 1:
         raise _fail(source, "slices", f"{len(slices)} slices stack layers (a frankenmerge); not built: "
                                       "mergepipe merges whole models (one slice over every layer)")
     out_slice = slices[0]
     if not isinstance(out_slice, dict) or not isinstance(out_slice.get("sources"), list) or not out_slice["sources"]:
         raise _fail(source, "slices[0]", "must be a mapping with a non-empty sources list")
-    extra = sorted(k for k, v in out_slice.items() if k != "sources" and v not in (None, {}, []))
+    extra = sorted((k for k, v in out_slice.items() if k != "sources" and v not in (None, {}, [])), key=str)
     if extra:
         raise _fail(source, f"slices[0].{extra[0]}", "slice-level settings cannot be expressed; put them "
                                                     "under the top-level parameters")
@@ -478,13 +529,13 @@ def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) 
         lr = src.get("layer_range")
         if not (isinstance(lr, list | tuple) and len(lr) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)):
-            raise _fail(source, f"{key}.layer_range", f"must be [start, end], got {lr!r}")
+            raise _fail(source, f"{key}.layer_range", f"must be [start, end], got {short_repr(lr)}")
         if lr[0] != 0:
             raise _fail(source, f"{key}.layer_range", f"{list(lr)} is part of the model; not built: "
                                                       "mergepipe merges whole models ([0, n])")
         model = src.get("model")
-        if roots is not None and isinstance(model, str):
-            local = next((root / model for root in roots if (root / model).is_dir()), None)
+        if paths is not None and isinstance(model, str):
+            local = paths.local(model)
             if local is None and looks_like_hub_id(model):
                 try:
                     local = hub_snapshot(model)
@@ -493,9 +544,9 @@ def _slices_as_models(slices: Any, source: str, roots: tuple[Path, ...] | None) 
             n = _layer_count(local) if local is not None else None
             if n is None:
                 raise _fail(source, f"{key}.layer_range", f"cannot check that {list(lr)} is every layer of "
-                                                          f"{model!r}: no readable config.json there")
+                                                          f"{short_repr(model)}: no readable config.json there")
             if lr[1] != n:
-                raise _fail(source, f"{key}.layer_range", f"{list(lr)} is not every layer of {model!r} "
+                raise _fail(source, f"{key}.layer_range", f"{list(lr)} is not every layer of {short_repr(model)} "
                                                           f"(it has {n}); not built: mergepipe merges whole models")
         models.append({"model": model, **({"parameters": src["parameters"]} if src.get("parameters") else {})})
     ends = {tuple(s.get("layer_range")) for s in out_slice["sources"]}
@@ -512,34 +563,93 @@ def _weight(params: dict[str, Any], default: Any, key: str, source: str) -> Any:
     return weight
 
 
-def import_mergekit(path: str | os.PathLike[str], *, output_dir: str = DEFAULT_OUTPUT_DIR,
-                    validate: bool = True, stack_dir: str | None = None) -> dict[str, Any]:
+def recipe_output_dir(params_file: str | os.PathLike[str]) -> str:
+    """`output.dir` of an imported recipe: `merged-<stem>` (beside the params file, which names
+    it relative to its own folder), the stem being the file name without `.yaml`/`.yml`. Two
+    params files of one folder have different names, so two imported recipes never publish
+    into one folder, nor into the demo's `merged/` (`check_output_unshared` covers the
+    `x.yaml`/`x.yml` pair)."""
+    name = Path(params_file).name
+    for suffix in (".yaml", ".yml"):
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            name = name[:-len(suffix)]
+            break
+    return f"merged-{name}"
+
+
+def check_output_unshared(params_file: str | os.PathLike[str], output_dir: str) -> None:
+    """Refuse an `output.dir` that the params file's `.yaml`/`.yml` twin beside it also names.
+
+    Raises:
+        ConfigError: naming both files and the folder.
+    """
+    params_file = Path(params_file)
+    name = params_file.name
+    stem = name[:-len(params_file.suffix)] if params_file.suffix.lower() in (".yaml", ".yml") else name
+    for twin in (params_file.with_name(stem + ".yaml"), params_file.with_name(stem + ".yml")):
+        if twin.name == name or not twin.is_file():
+            continue
+        try:
+            other = (read_yaml(twin) or {}).get("output", {}).get("dir")
+        except (ConfigError, AttributeError):
+            continue  # not a params file (the mergekit recipe itself, say): it publishes nothing
+        if isinstance(other, str) and os.path.normpath(other) == os.path.normpath(output_dir):
+            raise ConfigError(f"{params_file}: output.dir {output_dir!r} is also {twin.name}'s (beside it); two "
+                              "recipes would publish into one folder: give the params file another name")
+
+
+def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathLike[str] | None = None,
+                    output_dir: str | None = None, validate: bool = True,
+                    stack_dir: str | None = None) -> dict[str, Any]:
     """Read a mergekit YAML config and return the equivalent params.yaml dict.
 
-    Model paths are kept as written (mergekit reads them relative to its working
-    directory; params.yaml paths are relative to params.yaml's folder).
+    Model paths are looked up as mergekit does (relative to the working directory) and
+    written relative to the params file's folder (`ModelPaths`), a Hugging Face id as its
+    cached snapshot folder. The YAML's text is kept as `output.mergekit_config`.
 
     Args:
         path: the mergekit config file.
-        output_dir: `output.dir` of the result (mergekit takes it on its CLI).
+        params_path: where the params file will be written (default: in the working directory,
+            named after `path`); its folder is what the written paths are relative to.
+        output_dir: `output.dir` of the result (default: `recipe_output_dir(params_path)`).
         validate: also check the result as a mergepipe config (method known,
             parameters accepted by the method, ranges).
+        stack_dir: the stacked model folder of a layer-stacking config, relative to the
+            params file's folder.
     Raises:
         ConfigError: unreadable file, or anything mergepipe cannot reproduce.
     """
     source = os.fspath(path)
-    roots = (Path(path).parent, Path.cwd())
-    params = mergekit_to_params(read_yaml(path), source=source, output_dir=output_dir, roots=roots,
-                                stack_dir=stack_dir)
+    cwd = Path.cwd()
+    params_file = Path(os.path.abspath(params_path)) if params_path is not None else cwd / Path(path).name
+    if params_path is not None and output_dir is None:
+        check_output_unshared(params_file, recipe_output_dir(params_file))
+    text = read_yaml_text(path)
+    if len(text) > MAX_MERGEKIT_CONFIG_CHARS:
+        raise ConfigError(f"{source}: over {MAX_MERGEKIT_CONFIG_CHARS >> 10} KiB of text; the output keeps the "
+                          "recipe (output.mergekit_config), and a mergekit config is a few KiB")
+    params = mergekit_to_params(parse_yaml(text, source=source), source=source,
+                                output_dir=recipe_output_dir(params_file) if output_dir is None else output_dir,
+                                paths=ModelPaths(cwd, params_file.parent), stack_dir=stack_dir, recipe=text)
     if validate:
-        config_from_dict(params, source=f"{source} (converted to mergepipe params)",
-                         root=Path(path).parent)
+        check_imported(params, source=source, params_path=params_file)
     return params
+
+
+def check_imported(params: dict[str, Any], *, source: str, params_path: str | os.PathLike[str]) -> None:
+    """Validate an imported params dict as the params file at `params_path` will read it.
+
+    Raises:
+        ConfigError: naming `source` and the key.
+    """
+    config_from_dict(params, source=f"{source} (converted to mergepipe params)",
+                     root=Path(os.path.abspath(params_path)).parent)
 
 
 _KEY_ORDER = ("base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
               "output", "cache_dir", "nonfinite",
-              "name", "path", "weight", "density", "gamma", "dir", "dtype", "shard_bytes")
+              "name", "path", "weight", "density", "gamma", "dir", "dtype", "shard_bytes",
+              "tokenizer_source", "mergekit_config")
 
 
 def _ordered(node: Any) -> Any:
@@ -554,10 +664,22 @@ def _ordered(node: Any) -> Any:
     return node
 
 
+class _ParamsDumper(yaml.SafeDumper):
+    """Multi-line strings (the kept mergekit recipe) as literal blocks, where YAML can write
+    them so (else quoted); every other value as safe_dump writes it."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_ParamsDumper.add_representer(str, _represent_str)
+
+
 def dump_params(params: dict[str, Any]) -> str:
     """Deterministic YAML text of a params dict (fixed key order, block style)."""
-    return yaml.safe_dump(_ordered(params), sort_keys=False, default_flow_style=False,
-                          allow_unicode=True, width=100)
+    return yaml.dump(_ordered(params), Dumper=_ParamsDumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=100)
 
 
 def write_params(params: dict[str, Any], path: str | os.PathLike[str], *,

@@ -1,16 +1,29 @@
 """One-line config errors: a pydantic ValidationError rendered as "<key path>: <message>".
 
 Only the first error is shown (with a count of the others); unknown keys list the
-allowed ones; values are shown with a bounded repr so the line stays short.
+allowed ones and the closest ("did you mean"); values are shown with a bounded repr
+(units.short_repr) and the whole line is clipped, so it stays short whatever the user wrote.
 """
 from __future__ import annotations
 
+import difflib
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from mergepipe.units import short_repr
+from mergepipe.units import clip, short_repr
+
+MAX_LINE_CHARS = 600  # a message quotes at most a few bounded values; longer is a bug's or the user's text
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """" (did you mean 'ties'?)" for the choice closest to `word` (difflib), else ""."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word[:100], list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _loc_text(loc: tuple[Any, ...]) -> str:
@@ -63,8 +76,9 @@ def _error_text(error: dict[str, Any], model: type[BaseModel] | None,
         return "required key is missing"
     if kind == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
-        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
-        return f"unknown key{hint}"
+        if not allowed:
+            return "unknown key"
+        return f"unknown key{did_you_mean(loc[-1] if loc else None, allowed)}; allowed keys: {', '.join(allowed)}"
     if kind == "value_error" and message.startswith("Value error, "):
         return message[len("Value error, "):]
     if kind == "too_short" and loc and loc[-1] == "experts":
@@ -91,9 +105,9 @@ def describe(err: ValidationError, model: type[BaseModel] | None,
     first = errors[0]
     loc = tuple(p for p in first["loc"] if not _is_internal_loc(p))
     text = _error_text(first, model, loc)
-    where = _loc_text(prefix + loc)
+    where = clip(_loc_text(prefix + loc))  # a key path holds the user's own key names
     line = f"{where}: {text}" if where else text
     more = len(errors) - 1
     if more:
         line += f" (and {more} more error{'s' if more > 1 else ''})"
-    return line
+    return clip(line, MAX_LINE_CHARS)

@@ -35,9 +35,12 @@ from mergepipe.config.fields import (
     TensorWeight,
 )
 from mergepipe.config.settings import Setting, is_setting, parse_setting
-from mergepipe.config.messages import describe
+from mergepipe.config.messages import describe, did_you_mean
 from mergepipe.methods import METHODS
 from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_options
+from mergepipe.units import short_repr
+
+MAX_MERGEKIT_CONFIG_CHARS = 64 << 10  # a mergekit recipe is a few KiB; the output's card quotes it whole
 
 
 class ExpertConfig(BaseModel):
@@ -71,6 +74,9 @@ class OutputConfig(BaseModel):
     tokenizer_source: ConfigPath | None = Field(
         None, description="model folder whose tokenizer files the output gets, relative to "
         "params.yaml; null: the base's (embeddings are not remapped: same vocabulary only)")
+    mergekit_config: Annotated[str, Field(strict=True, max_length=MAX_MERGEKIT_CONFIG_CHARS)] | None = Field(
+        None, description="the mergekit YAML this config was imported from (set by import-mergekit), as "
+        "text, for the output to carry; null: not imported")
 
 
 class MergeConfig(BaseModel):
@@ -118,7 +124,8 @@ class MergeConfig(BaseModel):
     @classmethod
     def _known_method(cls, method: str) -> str:
         if method not in METHODS:
-            raise ValueError(f"unknown merge method {method!r}; known: {', '.join(sorted(METHODS))}")
+            raise ValueError(f"unknown merge method {short_repr(method)}{did_you_mean(method, METHODS)}; "
+                             f"known: {', '.join(sorted(METHODS))}")
         return method
 
     @model_validator(mode="after")
@@ -164,7 +171,8 @@ class MergeConfig(BaseModel):
     def _check_plan(self, method) -> None:
         name = self.plan.get("strategy", DEFAULT_STRATEGY)
         if not isinstance(name, str) or name not in STRATEGIES:
-            raise ValueError(f"plan.strategy: unknown plan strategy {name!r}; "
+            raise ValueError(f"plan.strategy: unknown plan strategy {short_repr(name)}"
+                             f"{did_you_mean(name, STRATEGIES)}; "
                              f"known: {', '.join(sorted(STRATEGIES))}")
         strategy = STRATEGIES[name]
         try:
@@ -272,6 +280,7 @@ class MergeConfig(BaseModel):
                 # only when set, so that configs without it keep their normalized form
                 **({} if self.output.tokenizer_source is None else
                    {"tokenizer_source": written("output.tokenizer_source", self.output.tokenizer_source)}),
+                **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),
             },
             "cache_dir": written("cache_dir", self.cache_dir),
             "nonfinite": self.nonfinite,

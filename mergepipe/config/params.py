@@ -7,7 +7,7 @@ the pieces live beside this module, one concern each:
   models.py     ExpertConfig, OutputConfig, MergeConfig and `normalized()`
   checks.py     checks across fields
   messages.py   ValidationError -> one line with the key path
-  yaml_io.py    YAML reading (duplicate keys refused)
+  yaml_io.py    YAML reading (duplicate keys and alias bombs refused)
   overrides.py  dotted overrides
   paths.py      path resolution and overlap checks
   schema.py     JSON schema and schemas/params.schema.yaml

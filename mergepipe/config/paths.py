@@ -1,5 +1,6 @@
 """Path resolution: params.yaml paths made absolute against its folder (as written kept
-for `normalized()`), and the output folder refused where it overlaps an input or the cache."""
+for `normalized()`), and the output folder refused where it overlaps an input or the cache.
+`check_models_exist` is for the plan step (loading a config checks no path's existence)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergepipe.errors import ConfigError
+from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.units import short_repr
 
 if TYPE_CHECKING:
     from mergepipe.config.models import MergeConfig
@@ -76,3 +78,19 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
             f"{source}: cache_dir: {written['cache_dir']!r} overlaps output.dir "
             f"({written['output.dir']!r}); publishing the output would replace the cache")
     return resolved
+
+
+def check_models_exist(cfg: MergeConfig) -> None:
+    """Refuse a base or expert path that is neither a folder nor a file, before any model is
+    read, naming the key, the expert and the folder (the reader names only the folder).
+
+    Raises:
+        CheckpointError: the first such path.
+    """
+    models = [("base", "the base", cfg.base)] + [
+        (f"experts[{i}].path", f"expert {short_repr(e.name)}", e.path) for i, e in enumerate(cfg.experts)]
+    for key, what, path in models:
+        if not path.exists():
+            written = cfg._written.get(key, path.as_posix())
+            raise CheckpointError(f"{cfg.source}: {key} ({what}): {short_repr(written)} is no model folder or "
+                                  f"file ({path} does not exist)")
