@@ -209,7 +209,7 @@ def test_models_are_frozen(example):
     assert set(MergeConfig.model_fields) == {
         "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "embedding_block_bytes", "output",
         "cache_dir", "nonfinite", "plan"}
-    assert set(ExpertConfig.model_fields) == {"name", "path", "weight", "density", "gamma"}
+    assert set(ExpertConfig.model_fields) == {"name", "path", "adapter", "weight", "density", "gamma"}
     assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes", "tokenizer_source", "mergekit_config"}
 
 
@@ -231,7 +231,7 @@ BAD = [
     ({"experts.1.gamma": 0.8}, "experts[1]: density + gamma must be <= 1"),
     ({"parameters": {"density": 0.995, "gamma": 0.01}, "experts.1.density": None},
      "parameters: density + gamma must be <= 1"),
-    ({"experts.1.densty": 0.3}, "experts[1].densty: unknown key (did you mean 'density'?); allowed keys: name, path, weight, density, gamma"),
+    ({"experts.1.densty": 0.3}, "experts[1].densty: unknown key (did you mean 'density'?); allowed keys: name, path, adapter, weight, density, gamma"),
     ({"experts.0.weight": float("nan")}, "experts[0].weight: must be a finite number"),
     ({"experts.0.weight": float("inf")}, "experts[0].weight: must be a finite number"),
     ({"experts.0.weight": "1.0"}, "experts[0].weight: must be a valid number, got '1.0'"),

@@ -29,14 +29,18 @@ def looks_like_hub_id(ref: str) -> bool:
     return bool(_ID.match(ref)) and ".." not in ref
 
 
+def hub_repo(model_id: str) -> Path:
+    """The cache folder of `model_id`'s repository (whether or not it exists)."""
+    return hub_cache() / ("models--" + model_id.replace("/", "--"))
+
+
 def hub_snapshot(model_id: str) -> Path:
     """The cached snapshot folder of `model_id`.
 
     Raises:
         ConfigError: not in the cache, or several snapshots and no refs/main (naming the id).
     """
-    cache = hub_cache()
-    repo = cache / ("models--" + model_id.replace("/", "--"))
+    repo = hub_repo(model_id)
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         raise ConfigError(f"Hugging Face model {model_id!r} is neither a local folder nor in the local "

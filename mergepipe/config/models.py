@@ -44,12 +44,29 @@ MAX_MERGEKIT_CONFIG_CHARS = 64 << 10  # a mergekit recipe is a few KiB; the outp
 
 
 class ExpertConfig(BaseModel):
-    """One expert checkpoint. density/gamma override the method's parameters. weight,
-    density and gamma may be per-tensor settings (config/settings.py)."""
+    """One expert checkpoint, or a PEFT LoRA adapter of the base (`adapter:`; `path` is then
+    its folder too). density/gamma override the method's parameters. weight, density and
+    gamma may be per-tensor settings (config/settings.py)."""
 
-    model_config = MODEL_CONFIG
+    model_config = {**MODEL_CONFIG, "json_schema_extra": {"oneOf": [{"required": ["path"]},
+                                                                   {"required": ["adapter"]}]}}
     name: Name = Field(description="unique, filename-safe label (letters, digits, . _ -)")
-    path: ConfigPath = Field(description="Hugging Face model folder, relative to params.yaml")
+    path: ConfigPath = Field(None, validate_default=False,
+                             description="Hugging Face model folder, relative to params.yaml")
+    adapter: ConfigPath | None = Field(
+        None, description="instead of path: a PEFT LoRA adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) of the base, relative to params.yaml, or a Hugging Face id in the "
+        "local cache; the expert is the base with the adapter merged in")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_is_its_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("path" in data) == ("adapter" in data):
+            raise ValueError("give path (a model folder) or adapter (a PEFT LoRA adapter folder)"
+                             + (", not both" if "path" in data else ""))
+        if isinstance(data, dict) and "adapter" in data:
+            return {**data, "path": data["adapter"]}
+        return data
     weight: TensorWeight = Field(description="w_k; finite, may be negative; or a per-tensor setting")
     density: TensorDensity | None = Field(None, description="per-expert density in (0, 1]")
     gamma: TensorGamma | None = Field(None, description="per-expert gamma in [0, 1) (breadcrumbs)")
@@ -255,7 +272,8 @@ class MergeConfig(BaseModel):
 
         experts = [{
             "name": e.name,
-            "path": written(f"experts[{i}].path", e.path),
+            **({"path": written(f"experts[{i}].path", e.path)} if e.adapter is None else
+               {"adapter": written(f"experts[{i}].adapter", e.path)}),
             "weight": shown(e.weight),
             "density": shown(self.expert_density(e)),
             "gamma": shown(self.expert_gamma(e)),

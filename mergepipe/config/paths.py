@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mergepipe.checkpoint.lora import is_adapter
+from mergepipe.config.hf_cache import hub_repo, hub_snapshot, looks_like_hub_id
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.units import short_repr
 
@@ -36,11 +38,31 @@ def _overlaps(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
+def _key(i: int, expert) -> str:
+    return f"experts[{i}].adapter" if expert.adapter is not None else f"experts[{i}].path"
+
+
+def _adapter_folder(root: Path, adapter: Path) -> tuple[str, Path]:
+    """(as normalized() writes it, absolute folder) of an `adapter:` path: a folder relative to
+    params.yaml, else a Hugging Face id whose repository is in the local cache, written as its
+    snapshot folder (so that plans name the folder they read)."""
+    local = _absolute(root, adapter)
+    ref = adapter.as_posix()
+    if local.exists() or not looks_like_hub_id(ref) or not hub_repo(ref).is_dir():
+        return ref, local
+    snapshot = hub_snapshot(ref)
+    return snapshot.as_posix(), snapshot
+
+
 def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     written = {"base": cfg.base.as_posix(), "output.dir": cfg.output.dir.as_posix(),
                "cache_dir": cfg.cache_dir.as_posix()}
     experts = []
     for i, expert in enumerate(cfg.experts):
+        if expert.adapter is not None:
+            written[f"experts[{i}].adapter"], folder = _adapter_folder(root, expert.adapter)
+            experts.append(expert.model_copy(update={"path": folder, "adapter": folder}))
+            continue
         written[f"experts[{i}].path"] = expert.path.as_posix()
         experts.append(expert.model_copy(update={"path": _absolute(root, expert.path)}))
     output = {"dir": _absolute(root, cfg.output.dir)}
@@ -63,10 +85,9 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     for i, e in enumerate(resolved.experts):  # a copied entry whose path was not edited
         j = first.setdefault(os.path.realpath(e.path), i)
         if j != i:
-            raise ConfigError(f"{source}: experts[{i}].path: {written[f'experts[{i}].path']!r} is the same model "
+            raise ConfigError(f"{source}: {_key(i, e)}: {written[_key(i, e)]!r} is the same model "
                               f"as experts[{j}]; list each model once (with the weight it should have)")
-    inputs = [("base", resolved.base)] + [
-        (f"experts[{i}].path", e.path) for i, e in enumerate(resolved.experts)]
+    inputs = [("base", resolved.base)] + [(_key(i, e), e.path) for i, e in enumerate(resolved.experts)]
     out = resolved.output.dir
     for key, path in inputs:
         if _overlaps(out, path):
@@ -94,3 +115,21 @@ def check_models_exist(cfg: MergeConfig) -> None:
             written = cfg._written.get(key, path.as_posix())
             raise CheckpointError(f"{cfg.source}: {key} ({what}): {short_repr(written)} is no model folder or "
                                   f"file ({path} does not exist)")
+
+
+def check_expert_kinds(cfg: MergeConfig) -> None:
+    """Refuse an expert folder that is not what its key says: a PEFT LoRA adapter folder under
+    `path:` or, under `adapter:`, an existing folder that is not one (checkpoint/lora.is_adapter).
+
+    Raises:
+        ConfigError: the first such expert, naming the key.
+    """
+    for i, e in enumerate(cfg.experts):
+        written = cfg._written.get(_key(i, e), e.path.as_posix())
+        if e.adapter is None and is_adapter(e.path):
+            raise ConfigError(f"{cfg.source}: experts[{i}].path: {short_repr(written)} is a PEFT LoRA adapter "
+                              "folder; list it as adapter: (the expert is then the base with it merged in)")
+        if e.adapter is not None and e.path.exists() and not is_adapter(e.path):
+            raise ConfigError(f"{cfg.source}: experts[{i}].adapter: {short_repr(written)} is not a PEFT LoRA adapter "
+                              "folder (adapter_config.json and adapter_model.safetensors, no model weights); "
+                              "list a model folder as path:")

@@ -26,6 +26,7 @@ from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
 from mergepipe.index.columns import DeltaColumns, ModelColumns, delta_describes, describes
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
+from mergepipe.checkpoint.lora import AdapterCheckpoint, is_adapter, open_adapter
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
 from mergepipe.util.fs import atomic_write_bytes
 
@@ -121,6 +122,23 @@ def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
     return out
 
 
+def open_model(path: str | Path, base: tuple[Checkpoint, ModelIndex] | None = None) -> Checkpoint:
+    """The checkpoint at `path`: a model folder or file, or, for an expert of `base`, a PEFT LoRA
+    adapter folder (checkpoint/lora.py: the base's tensors with the adapter's Δ). The one place
+    an input is opened.
+
+    Raises:
+        CheckpointError: a malformed checkpoint, or an adapter folder opened without its base.
+        ConfigError: an adapter that is not of this base or not plain LoRA.
+    """
+    if is_adapter(path):
+        if base is None:
+            raise CheckpointError(f"{path}: a PEFT LoRA adapter, which is an expert of a base model, not a model "
+                                  "of its own; index it with --base BASE, or list it under experts as adapter:")
+        return open_adapter(path, base[0], base[1].content_hash)
+    return open_checkpoint(path)
+
+
 DELTA_FORMAT = 3  # bump when DeltaIndex changes meaning: old cache entries are then ignored
 
 
@@ -160,6 +178,12 @@ class Store:
 
     def _cached_model(self, ckpt: Checkpoint, block_bytes: BlockLayout,
                       anchor: ModelIndex | None = None) -> ModelIndex | None:
+        if isinstance(ckpt, AdapterCheckpoint):  # keyed by the content it is made of: nothing to stat
+            index = _read_index(self._model_key({"adapter": ckpt.identity}, block_bytes), binfmt.decode_model)
+            if index is None or not _model_matches(index, ckpt, block_bytes, anchor):
+                return None
+            self.hits += 1
+            return index
         fingerprints = {}
         for h in ckpt.files:
             try:
@@ -188,8 +212,11 @@ class Store:
             if self._stat(h.path) != stats[h.path]:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
             self.seen[h.path] = stats[h.path]
-        fingerprints = file_fingerprints(ckpt, index)
         data = binfmt.encode_model(index)
+        if isinstance(ckpt, AdapterCheckpoint):  # its files are the base's: their stat entries are the base's
+            _atomic_write(self._model_key({"adapter": ckpt.identity}, index.layout), data)
+            return binfmt.decode_model(data)
+        fingerprints = file_fingerprints(ckpt, index)
         _atomic_write(self._model_key(fingerprints, index.layout), data)
         for h in ckpt.files:
             entry = {"stat": self._stat(h.path), "fingerprint": fingerprints[h.path.name]}
@@ -197,14 +224,16 @@ class Store:
         return binfmt.decode_model(data)
 
     def model_index(self, path: str | Path, *, block_bytes: int | BlockLayout, threads: int = 2,
-                    progress: bool = False) -> tuple[Checkpoint, ModelIndex]:
-        """Open a checkpoint and return its index, from the cache when every file is unchanged."""
+                    progress: bool = False,
+                    base: tuple[Checkpoint, ModelIndex] | None = None) -> tuple[Checkpoint, ModelIndex]:
+        """Open a checkpoint and return its index, from the cache when every file is unchanged.
+        `base`: the base (and its index) an expert at `path` is of, needed where it is a LoRA adapter."""
         block_bytes = BlockLayout.of(block_bytes)
         anchor = None
         if block_bytes.embedding_block_bytes is not None:  # the plain index names the model
             anchor = self.model_index(path, block_bytes=block_bytes.block_bytes, threads=threads,
-                                      progress=progress)[1]
-        ckpt = open_checkpoint(path)
+                                      progress=progress, base=base)[1]
+        ckpt = open_model(path, base)
         index = self._cached_model(ckpt, block_bytes, anchor)
         if index is None:
             from mergepipe.index.build import build_model_index
@@ -224,8 +253,8 @@ class Store:
         anchor = None
         if base_index.embedding_block_bytes is not None:  # the plain index names the model
             anchor = self.model_index(path, block_bytes=base_index.block_bytes, threads=threads,
-                                      progress=progress)[1]
-        ckpt = open_checkpoint(path)
+                                      progress=progress, base=(base, base_index))[1]
+        ckpt = open_model(path, (base, base_index))
         index = self._cached_model(ckpt, base_index.layout, anchor)
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
