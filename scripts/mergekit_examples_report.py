@@ -6,7 +6,8 @@ Usage: python scripts/mergekit_examples_report.py FOLDER [--run] [--json]
 For each *.yml / *.yaml file (sorted), one line: `imports` when the configuration converts
 to a valid params.yaml (the grammar: models are not looked up), else `refused: <the
 one-line reason>`. With --run, a configuration that imports and whose models are all local
-folders or in the Hugging Face cache is also run (`mergepipe run` into a temporary folder,
+folders (relative to the config's folder, where it is run from, as mergekit reads them against
+its working directory) or in the Hugging Face cache is also run (`mergepipe run` into a temporary folder,
 removed afterwards): `ran`, or `run failed: <reason>`; otherwise `models not available`.
 The last line is the share that imports (and, with --run, that ran).
 """
@@ -47,46 +48,32 @@ def check_import(path: Path) -> str | None:
 
 
 def try_run(path: Path) -> str:
-    """`ran`, `run failed: <reason>`, or `models not available`, for a config that imports."""
+    """`ran`, `run failed: <reason>`, or `models not available`, for a config that imports. Run
+    as from the config's folder: mergekit reads model paths against its working directory."""
     from mergepipe.cli import main
-    source = str(path)
+    source = str(path.resolve())
     data = read_yaml(path)
     refs = [data.get("base_model"), *(m.get("model") if isinstance(m, dict) else m for m in data.get("models") or []),
             *(s.get("model") for sl in data.get("slices") or [] for s in sl.get("sources") or [])]
-    roots = (path.parent, Path.cwd())
-    for ref in filter(None, refs):
-        try:
-            found = resolve_model_ref(ref, "model", source, roots)
-        except MergepipeError:
-            return "models not available"
-        if not any((root / found).is_dir() for root in roots):  # an absolute path joins as itself
-            return "models not available"
-    with tempfile.TemporaryDirectory(prefix="mk-report-") as tmp:
-        cfg = Path(tmp) / "params.yaml"
+    with contextlib.chdir(path.parent), tempfile.TemporaryDirectory(prefix="mk-report-") as tmp:
+        for ref in filter(None, refs):
+            try:
+                if not resolve_model_ref(ref, "model", source).is_dir():
+                    return "models not available"
+            except MergepipeError:
+                return "models not available"
+        cfg = Path(tmp) / "params.yaml"  # its model paths are written relative to its folder
         errors = io.StringIO()
         with contextlib.redirect_stderr(errors):  # import-mergekit builds a stack where there is one
-            code = main(["import-mergekit", str(path), "-o", str(cfg), "-q"])
+            code = main(["import-mergekit", source, "-o", str(cfg), "-q"])
         if code != 0:
             return f"run failed: {_strip(errors.getvalue().strip().removeprefix('mergepipe: error: '), source)}"
         params = read_yaml(cfg)
         params = {**params, "output": {**params["output"], "dir": str(Path(tmp) / "out")},
                   "cache_dir": str(Path(tmp) / "cache")}
-        for key in ("base",):
-            params[key] = _absolute(params[key], path.parent, Path(tmp))
-        for e in params["experts"]:
-            e["path"] = _absolute(e["path"], path.parent, Path(tmp))
         write_params(params, cfg)
         code = main(["run", str(cfg), "-q"])
     return "ran" if code == 0 else f"run failed: exit {code}"
-
-
-def _absolute(ref: str, config_dir: Path, params_dir: Path) -> str:
-    """A converted model path, absolute: the stacked folder beside params.yaml, else the
-    model as mergekit finds it (the config's folder, the working folder, or absolute)."""
-    for root in (params_dir, config_dir, Path.cwd()):
-        if (root / ref).is_dir():
-            return str((root / ref).resolve())
-    return ref
 
 
 def report(folder: Path, *, run: bool = False) -> dict:
