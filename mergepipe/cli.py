@@ -329,18 +329,51 @@ def _calibration_text(cfg) -> list[Path]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from mergepipe.commands.sign import signature_report, trusted_keys
     from mergepipe.commands.verify import verify
-    print(verify(Path(args.outdir), deep=args.deep, inputs=args.inputs, replay=args.replay, root=Path(args.root),
-                 threads=args.threads))
+    keys = trusted_keys(args.public_key)
+    line = verify(Path(args.outdir), deep=args.deep, inputs=args.inputs, replay=args.replay, root=Path(args.root),
+                  threads=args.threads)
+    signed = signature_report(Path(args.outdir), keys,
+                              signature=None if args.signature is None else Path(args.signature))
+    print(line if signed is None else f"{line}; {signed}")
     return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from mergepipe.commands.audit import audit
+    from mergepipe.commands.sign import signature_report, trusted_keys
+    keys = trusted_keys(args.public_key)
     report = audit(Path(args.outdir), search=[Path(d) for d in args.search], cache_dir=Path(args.cache_dir),
                    recursive=args.recursive, threads=args.threads)
     sys.stdout.write(report.text())
     report.raise_if_failed(Path(args.outdir))
+    signed = signature_report(Path(args.outdir), keys, signature=None if args.signature is None else Path(args.signature))
+    if signed is not None:
+        print(f"signature: {signed}")
+    return 0
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from mergepipe.commands.sign import sign_output
+    _log(args, sign_output(Path(args.outdir), Path(args.key), password_env=args.password_env, force=args.force,
+                           deep=args.deep, signature=None if args.signature is None else Path(args.signature)))
+    return 0
+
+
+def cmd_provenance(args: argparse.Namespace) -> int:
+    from mergepipe.commands.provenance import write_provenance
+    _log(args, write_provenance(Path(args.outdir), Path(args.o), key=None if args.key is None else Path(args.key),
+                                password_env=args.password_env, force=args.force, deep=args.deep))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from mergepipe.commands.check import check_file
+    report = check_file(Path(args.config), budget=args.budget, output=args.output, force=args.force,
+                        threads=args.threads, probe=not args.no_probe)
+    print(report.text())
+    report.raise_if_failed()  # the one line and exit code the merge would give
     return 0
 
 
@@ -516,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replay", action="store_true", help="also rebuild and compare output hashes")
     s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to "
                    "(default: the current folder)")
+    _signature_options(s)
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("audit", parents=[common], help="prove how an output was built, anywhere: find its inputs "
@@ -526,7 +560,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recursive", "-r", action="store_true", help="also audit each input that is a mergepipe "
                    "output, down to inputs that are not merges")
     s.add_argument("--cache-dir", default=".mergepipe", help="index cache for the searched folders")
+    _signature_options(s)
     s.set_defaults(fn=cmd_audit)
+
+    s = sub.add_parser("sign", parents=[common], help="sign an output folder (OpenSSF model-signing format, "
+                       "EC key): OUT/model.sig covers every file, manifest.json included")
+    s.add_argument("outdir", help="output folder to sign (it must verify against its manifest)")
+    s.add_argument("--key", required=True, metavar="KEY.pem", help="EC private key (P-256, P-384 or P-521), PEM")
+    _key_options(s, "replace a signature made with another key")
+    s.add_argument("--signature", metavar="PATH", help="where to write it (default OUT/model.sig; else outside OUT)")
+    s.set_defaults(fn=cmd_sign)
+
+    s = sub.add_parser("provenance", parents=[common], help="write an in-toto SLSA provenance statement of an "
+                       "output (subjects: its files; dependencies: its inputs' content hashes; the plan)")
+    s.add_argument("outdir", help="output folder (it must verify against its manifest)")
+    s.add_argument("-o", required=True, metavar="FILE", help="statement to write (outside OUT)")
+    s.add_argument("--key", metavar="KEY.pem", help="sign it (DSSE bundle, as `sign`) with this EC private key")
+    _key_options(s, "overwrite an existing -o file")
+    s.set_defaults(fn=cmd_provenance)
+
+    s = sub.add_parser("check", parents=[common], help="what a merge of params.yaml (or a mergekit YAML) would "
+                       "fail on, and what it would read, write, need and take; reads no weights")
+    s.add_argument("config", help="params.yaml, or a mergekit YAML (model paths relative to the current folder)")
+    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
+                   "or a size (2GiB)")
+    s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
+    s.add_argument("--force", action="store_true", help="as run's --force: an output folder mergepipe did not "
+                   "write may be replaced")
+    s.add_argument("--no-probe", action="store_true", help="do not time a read of a few MiB of the base "
+                   "(the time estimate is then unknown)")
+    s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("explain", parents=[common], help="readable table of a plan, output or params.yaml: "
                        "bytes, update energy kept per expert, rescale factors, bound")
@@ -559,6 +622,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--debug", action="store_true", help="show tracebacks for mergepipe errors")
     s.set_defaults(fn=cmd_demo)
     return p
+
+
+def _signature_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--public-key", action="append", default=[], metavar="PUB.pem", help="check the folder's "
+                   "signature (OUT/model.sig) against this trusted public key (repeatable: any one of them)")
+    s.add_argument("--signature", metavar="PATH", help="the signature to check, if not OUT/model.sig")
+
+
+def _key_options(s: argparse.ArgumentParser, force_help: str) -> None:
+    s.add_argument("--password-env", metavar="VAR", help="environment variable holding the key's password")
+    s.add_argument("--force", action="store_true", help=force_help)
+    s.add_argument("--deep", action="store_true", help="reread every file against the manifest first, even those "
+                   "whose stat keys are as published")
 
 
 def one_line(text: str) -> str:

@@ -26,8 +26,8 @@ from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import CheckpointError, IntegrityError, OutputError
 from mergepipe.output import run_record as records
-from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, build_manifest, load_manifest, manifest_hash,
-                                      verify_outputs, write_manifest)
+from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
+                                      manifest_hash, verify_outputs, write_manifest)
 from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_stack
 from mergepipe.output.run_record import stat_key
 from mergepipe.plan.default_strategy import default_options
@@ -351,7 +351,8 @@ def up_to_date(out_dir: Path, plan: dict, card: dict[str, bytes] | None = None) 
         if card is not None and not _card_matches(man, card):
             return False
         files = [*man["outputs"]["files"], MANIFEST]
-        if {p.name for p in out_dir.iterdir()} != set(files):  # an earlier version's run.json too
+        # an earlier version's run.json too; a signature (model.sig) still holds while the files do
+        if {p.name for p in out_dir.iterdir()} - {SIGNATURE} != set(files):
             return False
         try:
             recorded = (records.read(out_dir) or {}).get("stat")

@@ -31,6 +31,9 @@ from mergepipe.util.fs import hash_file
 
 MANIFEST_SCHEMA = 2  # 2: weight files and tensors hashed as block trees (checkpoint/treehash.py)
 MANIFEST = "manifest.json"
+# The model-signing signature of the folder (commands/sign.py): it covers the manifest, so no
+# manifest records it; the one file an output may hold unrecorded.
+SIGNATURE = "model.sig"
 
 
 def versions() -> dict[str, str]:
@@ -129,7 +132,7 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
                        for n, r in files.items())):
         # a consistent manifest_hash but no mergepipe structure: forged, not edited
         raise IntegrityError(f"{out_dir / MANIFEST}: outputs.files/tensors malformed; not a mergepipe manifest")
-    present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST}
+    present = {p.name for p in out_dir.iterdir() if p.is_file()} - {MANIFEST, SIGNATURE}
     extra = sorted(present - set(files))
     if extra:
         raise IntegrityError(f"{out_dir / extra[0]}: file not recorded in the manifest")
