@@ -120,3 +120,8 @@ def test_a_duplicate_long_key_is_quoted_bounded():
     with pytest.raises(ConfigError) as info:
         parse_yaml(f"? {key}\n: 1\n? {key}\n: 2\n", source="p.yaml")  # explicit keys: no 1024-char limit
     assert "duplicate key" in str(info.value) and len(str(info.value)) < 400
+
+
+def test_a_control_character_is_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"^p.yaml: invalid YAML: unacceptable character #x0008"):
+        parse_yaml("\x08", source="p.yaml")

@@ -82,8 +82,9 @@ def _check_expansion(root: yaml.Node, limit: int) -> None:
 
 def parse_yaml(text: str, *, source: str) -> Any:
     """YAML safe_load that rejects duplicate keys and alias bombs; errors are one-line ConfigErrors."""
-    loader = _UniqueKeyLoader(text)
+    loader = None
     try:
+        loader = _UniqueKeyLoader(text)  # reads the stream: a control character is refused here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -106,7 +107,8 @@ def parse_yaml(text: str, *, source: str) -> Any:
     except ValueError as err:  # a scalar the safe constructor cannot build: a 5,000-digit int, month 13
         raise ConfigError(f"{source}: invalid YAML value: {clip(str(err))}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 MAX_YAML_BYTES = 16 << 20  # a config is kilobytes; more is a model file, a log or /dev/zero given by mistake
