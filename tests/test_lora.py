@@ -74,8 +74,10 @@ def fam(tmp_path_factory) -> dict[str, Path]:
         "r4": _adapter(base, root / "r4", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         "rslora": _adapter(base, root / "rslora", seed=2, r=8, lora_alpha=16, use_rslora=True,
                            target_modules="all-linear"),
-        "patterns": _adapter(base, root / "patterns", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                             rank_pattern={"layers.1.self_attn.q_proj": 2}, alpha_pattern={"o_proj": 3}),
+        "patterns": _adapter(base, root / "patterns", seed=3, r=4, lora_alpha=8,
+                             target_modules=["q_proj", "o_proj"],
+                             rank_pattern={"layers.1.self_attn.q_proj": 2},
+                             alpha_pattern={"o_proj": 3}),
         "embedding": _adapter(base, root / "embedding", seed=4, r=4, lora_alpha=4,
                               target_modules=["embed_tokens", "k_proj"], modules_to_save=["lm_head"],
                               perturb=_bump_saved_modules),
@@ -122,7 +124,8 @@ def _compare(ours: torch.Tensor, theirs: torch.Tensor, mags: torch.Tensor) -> tu
     diff = (a - b).abs()
     allowed = torch.maximum(ulp(torch.maximum(a.abs(), b.abs()), ours.dtype), RESIDUE_ULPS * EPS32 * mags)
     bad = diff > allowed
-    assert not bool(bad.any()), f"{int(bad.sum())} elements outside the rule, worst {float((diff / allowed).max())}x"
+    worst = float((diff / allowed).max())
+    assert not bool(bad.any()), f"{int(bad.sum())} elements outside the rule, worst {worst}x"
     return int((a == b).sum()), a.numel()
 
 
@@ -133,7 +136,8 @@ ADAPTERS = ["r4", "rslora", "patterns", "embedding", "bias"]
 def test_an_adapter_expert_is_peft_merge_and_unload(fam, name, capsys):
     base = "base16" if name == "bf16" else "base"
     ckpt = _virtual(fam, name, base)
-    ours, theirs = _tensors(ckpt), _peft_merged(fam, name, base, torch.bfloat16 if name == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    ours, theirs = _tensors(ckpt), _peft_merged(fam, name, base, dtype)
     base_tensors = load_model(fam[base])
     assert ours.keys() == theirs.keys() == base_tensors.keys()
     identical = compared = 0
@@ -146,7 +150,7 @@ def test_an_adapter_expert_is_peft_merge_and_unload(fam, name, capsys):
             assert torch.equal(got, theirs[tensor]), tensor
     assert compared > 0
     with capsys.disabled():
-        print(f"\n[lora] {name}: {identical} of {compared} elements of the LoRA targets bit-identical to PEFT's")
+        print(f"\n[lora] {name}: {identical} of {compared} LoRA target elements bit-identical to PEFT's")
 
 
 def test_patterns_bias_and_modules_to_save_are_peft_s(fam):
@@ -166,9 +170,10 @@ def test_pattern_keys_match_modules_as_peft_does():
     patterns = {"q_proj": 2, r"layers\.1\.self_attn\.v_proj": 3, "^model.layers.0.mlp.up_proj": 5, "proj": 7,
                 "k_proj|o_proj": 9}
     settings = parse_settings({"peft_type": "LORA", "r": 8, "rank_pattern": patterns}, "adapter_config.json")
-    modules = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "model.layers.0.self_attn.v_proj",
-               "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj", "model.layers.0.self_attn.o_proj",
-               "model.layers.0.mlp.gate_proj", "lm_head", "model.layers.0.self_attn.xq_proj"]
+    modules = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj",
+               "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj",
+               "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "lm_head",
+               "model.layers.0.self_attn.xq_proj"]
     for module in modules:
         key = get_pattern_key(patterns.keys(), module)
         assert settings.rank_of(module) == patterns.get(key, 8), module
@@ -182,8 +187,8 @@ def test_fan_in_fan_out_transposes_delta(fam, tmp_path):
     a, b = torch.randn(4, 64, generator=g), torch.randn(32, 4, generator=g)
     folder = tmp_path / "fifo"
     folder.mkdir()
-    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": a,
-               "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": b}, folder / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.mlp.up_proj"
+    save_file({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, folder / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 6, "fan_in_fan_out": True}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     ckpt = open_adapter(folder, base, "0" * 64)
@@ -192,7 +197,7 @@ def test_fan_in_fan_out_transposes_delta(fam, tmp_path):
     exact = w.double() + 1.5 * (b.double() @ a.double()).T
     _compare(got, exact.float(), _magnitudes(ckpt, name, w))
     (folder / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": False}))
-    with pytest.raises(ConfigError, match=r"module 'model.layers.0.mlp.up_proj': B·A is \[32, 64\], the base's"):
+    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.up_proj': B·A is \[32, 64\], the base's"):
         open_adapter(folder, base, "0" * 64)
 
 
@@ -200,12 +205,13 @@ def test_reads_give_the_same_bytes_however_they_are_cut(fam):
     """A block's bytes do not depend on the reads around it (the index hashes blocks one by one,
     the engine reads runs of them): ranges that cut through rows and tensors, and runs of rows."""
     ckpt = _virtual(fam, "rslora")
-    whole = {n: bytes(memoryview(t.contiguous().view(torch.uint8).numpy())) for n, t in _tensors(ckpt).items()}
+    whole = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in _tensors(ckpt).items()}
     f = ckpt.files[0]
     t0 = ckpt.tensors["model.layers.0.mlp.up_proj.weight"]
     with CheckpointReader(ckpt) as reader:
         assert isinstance(reader, LoraReader)
-        for begin, end in [(t0.begin + 5, t0.begin + 999), (t0.begin + 130, t0.end + 77), (f.data_start, f.size)]:
+        cuts = [(t0.begin + 5, t0.begin + 999), (t0.begin + 130, t0.end + 77), (f.data_start, f.size)]
+        for begin, end in cuts:
             got = bytes(reader.read_range(t0, begin, end))
             want = b"".join(whole[t.name][max(begin, t.begin) - t.begin:min(end, t.end) - t.begin]
                             for t in ckpt.tensors.values() if t.begin < end and t.end > begin)
@@ -223,8 +229,9 @@ def _materialise(tensors: dict[str, torch.Tensor], like: Path, out: Path) -> Pat
 
 
 def _run(tmp_path: Path, fam: dict, experts: list[dict], tag: str, budget: str = "full") -> tuple[Path, dict]:
-    cfg = {"base": str(fam["base"]), "experts": experts, "method": "task_arithmetic", "parameters": {"lambda": 0.8},
-           "budget": budget, "block_bytes": "4KiB", "output": {"dir": str(tmp_path / f"out-{tag}")},
+    cfg = {"base": str(fam["base"]), "experts": experts, "method": "task_arithmetic",
+           "parameters": {"lambda": 0.8}, "budget": budget, "block_bytes": "4KiB",
+           "output": {"dir": str(tmp_path / f"out-{tag}")},
            "cache_dir": str(tmp_path / "cache")}
     path = tmp_path / f"params-{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -234,19 +241,22 @@ def _run(tmp_path: Path, fam: dict, experts: list[dict], tag: str, budget: str =
 
 
 @pytest.mark.parametrize("budget", ["full", "40%"])
-def test_a_merge_of_adapters_and_a_dense_expert_is_the_merge_of_the_experts_they_stand_for(fam, tmp_path, budget):
-    ours = {n: _materialise(_tensors(_virtual(fam, n)), fam["base"], tmp_path / f"ours-{n}") for n in ("r4", "rslora")}
-    peft_made = {n: _materialise(_peft_merged(fam, n), fam["base"], tmp_path / f"peft-{n}") for n in ("r4", "rslora")}
+def test_a_merge_of_adapters_and_a_dense_expert_is_the_merge_of_the_experts_they_stand_for(fam, tmp_path,
+                                                                                           budget):
+    names = ("r4", "rslora")
+    ours = {n: _materialise(_tensors(_virtual(fam, n)), fam["base"], tmp_path / f"ours-{n}") for n in names}
+    peft_made = {n: _materialise(_peft_merged(fam, n), fam["base"], tmp_path / f"peft-{n}") for n in names}
     weights = {"r4": 1.0, "rslora": -0.5, "dense": 0.7}
     dense = {"name": "dense", "path": str(fam["dense"]), "weight": weights["dense"]}
-    with_adapters = [{"name": n, "adapter": str(fam[n]), "weight": weights[n]} for n in ("r4", "rslora")] + [dense]
+    with_adapters = [{"name": n, "adapter": str(fam[n]), "weight": weights[n]} for n in names] + [dense]
     out, man = _run(tmp_path, fam, with_adapters, "adapters", budget)
     out_ours, man_ours = _run(tmp_path, fam, [{"name": n, "path": str(p), "weight": weights[n]}
                                               for n, p in ours.items()] + [dense], "ours", budget)
     out_peft, _ = _run(tmp_path, fam, [{"name": n, "path": str(p), "weight": weights[n]}
                                        for n, p in peft_made.items()] + [dense], "peft", budget)
     # an adapter's expert is the dense expert of its bytes: same content hash, plan reads, output bytes
-    assert [e["content_hash"] for e in man["plan"]["experts"]] == [e["content_hash"] for e in man_ours["plan"]["experts"]]
+    hashes = [[e["content_hash"] for e in m["plan"]["experts"]] for m in (man, man_ours)]
+    assert hashes[0] == hashes[1]
     assert man["plan"]["reads"] == man_ours["plan"]["reads"]
     assert (out / "model.safetensors").read_bytes() == (out_ours / "model.safetensors").read_bytes()
     # against PEFT's materialised experts: as close as the experts are to each other
@@ -258,8 +268,8 @@ def test_a_merge_of_adapters_and_a_dense_expert_is_the_merge_of_the_experts_they
     for tensor, got in merged.items():
         apart = sum(0.8 * abs(weights[n]) * (ours_t[n][tensor].double() - peft_t[n][tensor].double()).abs()
                     for n in ours)
-        rounding = RESIDUE_ULPS * EPS32 * merge_scale(base[tensor], [*(ours_t[n][tensor] for n in ours),
-                                                                     dense_t[tensor]], list(weights.values()), lam=0.8)
+        experts = [*(ours_t[n][tensor] for n in ours), dense_t[tensor]]
+        rounding = RESIDUE_ULPS * EPS32 * merge_scale(base[tensor], experts, list(weights.values()), lam=0.8)
         diff = (got.double() - merged_peft[tensor].double()).abs()
         assert bool((diff <= apart + rounding).all()), tensor
         identical, total = identical + int((diff == 0).sum()), total + got.numel()
@@ -311,7 +321,8 @@ def _broken(fam: dict, tmp_path: Path, name: str, edit) -> Path:
 
 
 def _dora(fam, tmp_path):
-    return _adapter(fam["base"], tmp_path / "dora", r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    return _adapter(fam["base"], tmp_path / "dora", r=4, lora_alpha=8, target_modules=["q_proj"],
+                    use_dora=True)
 
 
 def _ia3(fam, tmp_path):
@@ -322,7 +333,8 @@ def _ia3(fam, tmp_path):
 
 
 def _missing_target(fam, tmp_path):
-    return _broken(fam, tmp_path, "missing", lambda ts: {k.replace("layers.1.", "layers.7."): v for k, v in ts.items()})
+    return _broken(fam, tmp_path, "missing",
+                   lambda ts: {k.replace("layers.1.", "layers.7."): v for k, v in ts.items()})
 
 
 def _shape_mismatch(fam, tmp_path):
@@ -370,11 +382,13 @@ def test_bad_adapter_configs_are_named(config, fragment):
 
 def test_an_adapter_folder_is_listed_as_adapter_and_indexed_with_its_base(fam, tmp_path, capsys):
     params = _write_params(tmp_path, fam, {"name": "x", "path": str(fam["r4"]), "weight": 1.0})
-    _fails(capsys, ["run", str(params)], 2, "experts[0].path", "is a PEFT LoRA adapter folder; list it as adapter:")
+    _fails(capsys, ["run", str(params)], 2, "experts[0].path",
+           "is a PEFT LoRA adapter folder; list it as adapter:")
     params = _write_params(tmp_path, fam, {"name": "x", "adapter": str(fam["dense"]), "weight": 1.0})
     _fails(capsys, ["run", str(params)], 2, "experts[0].adapter", "is not a PEFT LoRA adapter folder")
-    _fails(capsys, ["index", str(fam["r4"]), "--cache-dir", str(tmp_path / "c")], 3, "index it with --base BASE")
-    assert main(["index", str(fam["r4"]), "--base", str(fam["base"]), "--cache-dir", str(tmp_path / "c")]) == 0
+    cache = ["--cache-dir", str(tmp_path / "c")]
+    _fails(capsys, ["index", str(fam["r4"]), *cache], 3, "index it with --base BASE")
+    assert main(["index", str(fam["r4"]), "--base", str(fam["base"]), *cache]) == 0
 
 
 def test_an_adapter_is_found_by_id_in_the_local_hugging_face_cache(fam, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ pickled adapter_model.bin is refused, never loaded. torch is imported only when 
 from __future__ import annotations
 
 import json
+import threading
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, LoraSettings, read_settings
 from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, PICKLE_SUFFIXES, Checkpoint,
-                                              CheckpointReader, ReadCounter, TensorInfo, as_tensor, open_checkpoint,
-                                              tensor_bytes)
+                                              CheckpointReader, ReadCounter, TensorInfo, as_tensor,
+                                              open_checkpoint, tensor_bytes)
 from mergepipe.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class LoraReader(CheckpointReader):
                  random_access: bool = True) -> None:
         super().__init__(ckpt, counter=counter, random_access=random_access)
         self._edges: CheckpointReader | None = None  # uncounted: rows that a read cuts through
+        self._edges_lock = threading.Lock()  # readers are shared by the engine's pool threads
 
     def close(self) -> None:
         if self._edges is not None:
@@ -135,8 +137,9 @@ class LoraReader(CheckpointReader):
         if begin <= a and b <= end:
             base_rows = view[a - begin:b - begin]
         else:
-            if self._edges is None:
-                self._edges = CheckpointReader(self.ckpt.base, counter=ReadCounter(), random_access=False)
+            with self._edges_lock:
+                if self._edges is None:
+                    self._edges = CheckpointReader(self.ckpt.base, counter=ReadCounter(), random_access=False)
             base_rows = memoryview(self._edges.read_range(p, a, b)).cast("B")
         merged = memoryview(self.ckpt.adapter.merged_rows(p, r0, r1, base_rows)).cast("B")
         view[lo - begin:hi - begin] = merged[lo - a:hi - a]
@@ -179,9 +182,11 @@ def open_adapter(folder: str | Path, base: Checkpoint, base_content_hash: str) -
     if not weights.is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
         if pickles:
-            raise ConfigError(f"{folder / pickles[0]}: pickled adapter weights are refused (never unpickled); "
-                              f"save the adapter as {ADAPTER_WEIGHTS} (save_pretrained(safe_serialization=True))")
-        raise ConfigError(f"{weights}: missing; a PEFT adapter folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+            raise ConfigError(f"{folder / pickles[0]}: pickled adapter weights are refused (never "
+                              f"unpickled); save the adapter as {ADAPTER_WEIGHTS} "
+                              "(save_pretrained(safe_serialization=True))")
+        raise ConfigError(f"{weights}: missing; a PEFT adapter folder holds {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS}")
     tensors, weights_hash = _read_tensors(weights)
     adapter = _build(folder, weights, tensors, settings, base)
     identity = blake3(json.dumps({"format": LORA_FORMAT, "base": base_content_hash,
@@ -214,7 +219,8 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 def _split_key(key: str, path: Path) -> tuple[str, str]:
     """(module, part) of a LoRA factor's key, or (base tensor name, "whole")."""
     if not key.startswith(PREFIX):
-        raise ConfigError(f"{path}: tensor {key!r}: not a PEFT adapter key (expected {PREFIX!r} + module name)")
+        raise ConfigError(f"{path}: tensor {key!r}: not a PEFT adapter key (expected {PREFIX!r} + module "
+                          "name)")
     rest = key[len(PREFIX):]
     for suffix, part in _PARTS.items():
         if rest.endswith(suffix):
@@ -267,7 +273,8 @@ def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], sett
 
     embedding = "emb_A" in parts or "emb_B" in parts
     a_part, b_part = ("emb_A", "emb_B") if embedding else ("A", "B")
-    if set(parts) - {a_part, b_part, *(() if embedding else ("bias",))} or a_part not in parts or b_part not in parts:
+    allowed = {a_part, b_part} if embedding else {a_part, b_part, "bias"}
+    if set(parts) - allowed or a_part not in parts or b_part not in parts:
         raise fail(f"needs both {a_part} and {b_part} (and at most a lora_B bias), got {sorted(parts)}")
     a, b = parts[a_part], parts[b_part]
     if a.dim() != 2 or b.dim() != 2:
@@ -278,7 +285,8 @@ def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], sett
         raise fail(f"rank {r} in {ADAPTER_CONFIG}, but A is {list(a.shape)} and B {list(b.shape)}")
     weight = base.tensors.get(f"{module}.weight")
     if weight is None:
-        raise fail(f"target {module}.weight is not in the base {base.root}; is this an adapter of another model?")
+        raise fail(f"target {module}.weight is not in the base {base.root}; is this an adapter of another "
+                   "model?")
     if weight.dtype not in FLOAT_DTYPES:
         raise fail(f"target {module}.weight is {weight.dtype}, not a float")
     transposed = embedding or settings.fan_in_fan_out

@@ -109,7 +109,8 @@ def _read_small(path: Path) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{path}: not a regular file")
         if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit for an adapter config")
+            raise ConfigError(f"{path}: {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit for an "
+                              "adapter config")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(MAX_CONFIG_BYTES + 1)[:MAX_CONFIG_BYTES]
     finally:
@@ -135,18 +136,18 @@ def parse_settings(config: dict, path: Path | str) -> LoraSettings:
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         what = short_repr(peft_type) if peft_type is not None else "missing"
-        raise fail("peft_type", f"{what}: only LORA adapters can be merged (VeRA, IA3, LoHa, LoKr, AdaLoRA and "
-                                "other PEFT types are not supported)")
+        raise fail("peft_type", f"{what}: only LORA adapters can be merged (VeRA, IA3, LoHa, LoKr, AdaLoRA "
+                                "and other PEFT types are not supported)")
     for key, name in _VARIANTS.items():
         if config.get(key):
             raise fail(key, f"{short_repr(config[key])}: {name} is not supported; only plain LoRA "
                             "(W + scale·B·A) can be merged")
     init = config.get("init_lora_weights", True)
     if not any(init is v or (isinstance(v, str) and init == v) for v in _PLAIN_INITS):
-        raise fail("init_lora_weights", f"{short_repr(init)}: an adapter initialised this way is relative to a "
-                                        "changed base (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) or is a variant (MiCA); "
-                                        "save it converted to plain LoRA (PEFT's "
-                                        "path_initial_model_for_weight_conversion)")
+        raise fail("init_lora_weights", f"{short_repr(init)}: an adapter initialised this way is "
+                                        "relative to a changed base (PiSSA, OLoRA, CorDA, LoftQ, "
+                                        "LoRA-GA) or is a variant (MiCA); save it converted to plain "
+                                        "LoRA (PEFT's path_initial_model_for_weight_conversion)")
     r = _rank(config.get("r", 8), "r", fail)
     alpha = _number(config.get("lora_alpha", 8), "lora_alpha", fail)
     rslora = _flag(config, "use_rslora", fail)

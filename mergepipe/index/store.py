@@ -133,8 +133,9 @@ def open_model(path: str | Path, base: tuple[Checkpoint, ModelIndex] | None = No
     """
     if is_adapter(path):
         if base is None:
-            raise CheckpointError(f"{path}: a PEFT LoRA adapter, which is an expert of a base model, not a model "
-                                  "of its own; index it with --base BASE, or list it under experts as adapter:")
+            raise CheckpointError(f"{path}: a PEFT LoRA adapter, which is an expert of a base model, not a "
+                                  "model of its own; index it with --base BASE, or list it under experts as "
+                                  "adapter:")
         return open_adapter(path, base[0], base[1].content_hash)
     return open_checkpoint(path)
 
