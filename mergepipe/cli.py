@@ -206,6 +206,16 @@ def _load_plan(path: str, params: str | None = None) -> dict:
     return plan
 
 
+def _params_card(args: argparse.Namespace, plan: dict, inputs) -> dict[str, bytes] | None:
+    """The card files of the recipe `--params` names (the plan was made from it: the experts in
+    its order, its YAML), or None (the card of the plan alone)."""
+    if args.params is None:
+        return None
+    from mergepipe.commands.pipeline import card_recipe, output_card
+    from mergepipe.config.params import load_config
+    return output_card(plan, inputs, card_recipe(load_config(args.params)))
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import merge_plan, open_inputs
     from mergepipe.index.store import Store
@@ -218,7 +228,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     man = merge_plan(plan, inputs, Path(args.o), store, threads=args.threads, progress=not args.quiet,
-                     force=args.force, protect=(Path(args.plan),))
+                     force=args.force, protect=(Path(args.plan),), card=_params_card(args, plan, inputs))
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -253,7 +263,8 @@ def cmd_gather(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     inputs = open_inputs(plan, store, Path(args.root), threads=args.threads, where=args.plan)
     man = gather(plan, inputs, Path(args.parts_dir), args.parts, Path(args.o), store, threads=args.threads,
-                 progress=not args.quiet, force=args.force, protect=(Path(args.plan),))
+                 progress=not args.quiet, force=args.force, protect=(Path(args.plan),),
+                 card=_params_card(args, plan, inputs))
     _report(args, Path(args.o), man, time.monotonic() - t0)
     return 0
 
@@ -505,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--part", metavar="I/N", help="merge only part I of N (tensor groups) into folder -o; "
                    "`mergepipe gather` assembles the parts")
     s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
-                   "this file as it is now (not an earlier edit of it)")
+                   "this file as it is now (not an earlier edit of it); the model card then lists the experts in "
+                   "its order and quotes it")
     s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("gather", parents=[common], help="assemble `merge --part` outputs, publish like merge")
@@ -513,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("parts_dir", help="the folder the part jobs wrote to")
     s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
     s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
-                   "this file as it is now (not an earlier edit of it)")
+                   "this file as it is now (not an earlier edit of it); the model card then lists the experts in "
+                   "its order and quotes it")
     s.add_argument("-o", required=True, help="output folder")
     s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
                    "not write it (never /, home, the current folder or one above it, or an input)")

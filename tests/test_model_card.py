@@ -134,3 +134,15 @@ def test_a_plan_merged_without_its_recipe_gets_the_plans_configuration(tiny_fami
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert config["method"] == "ties" and config["budget"] == plan["budget"]
     assert sorted(_front(text)["base_model"][1:]) == sorted(e["path"] for e in plan["experts"])
+
+
+def test_a_plan_merged_with_its_params_gets_the_card_run_writes(tiny_family, tmp_path):
+    """Snakemake's merge and gather pass --params: the card is the one `run` writes."""
+    text, cfg = _card(tmp_path, tiny_family, "a", experts=list(reversed(yaml.safe_load(
+        write_config(tmp_path, tiny_family).read_text())["experts"])))
+    params = tmp_path / "a" / "params.yaml"
+    assert main(["plan", str(params), "-o", str(tmp_path / "plan.json"), "-q"]) == 0
+    assert main(["merge", str(tmp_path / "plan.json"), "-o", str(tmp_path / "m"), "--root", str(tmp_path / "a"),
+                 "--cache-dir", cfg["cache_dir"], "--params", str(params), "-q"]) == 0
+    assert (tmp_path / "m" / "README.md").read_text() == text
+    assert [e["name"] for e in _yaml_blocks(text)[0]["experts"]] == ["e2", "e1", "e0"]

@@ -188,9 +188,11 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
 
 
 def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
-           threads: int = 2, progress: bool = False, force: bool = False, protect: tuple[Path, ...] = ()) -> dict:
-    """Assemble the n parts into out_dir and publish it as `merge_plan` does; returns the manifest.
-    The output folder may not hold the parts folder or `protect` (the plan file)."""
+           threads: int = 2, progress: bool = False, force: bool = False, protect: tuple[Path, ...] = (),
+           card: dict[str, bytes] | None = None) -> dict:
+    """Assemble the n parts into out_dir and publish it as `merge_plan` does (`card`: its card
+    files); returns the manifest. The output folder may not hold the parts folder or `protect`
+    (the plan file)."""
     from mergepipe.commands.pipeline import merge_plan  # pipeline imports the engine; keep this module light
     parts_dir = Path(parts_dir)
     check_parts(n, what=f"--parts {n}", tensors=len(inputs.base.tensors))
@@ -234,7 +236,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         return realized
 
     return merge_plan(plan, inputs, Path(out_dir), store, threads=threads, progress=progress, realize=realize,
-                      force=force, protect=(*protect, parts_dir))
+                      force=force, protect=(*protect, parts_dir), card=card)
 
 
 def _copy_part(path: Path, info: dict, writers: dict[str, SafetensorsWriter], file_of: dict[str, str],
