@@ -172,3 +172,11 @@ def test_the_hub_cache_hint_names_the_hf_cli(project, monkeypatch, capsys):
     assert main(["import-mergekit", "mk/x.yml", "-o", "p.yaml", "-q"]) == 2
     err = capsys.readouterr().err
     assert "(hf download org/not-downloaded)" in err and "huggingface-cli" not in err
+
+
+def test_a_missing_adapter_names_its_key(project, capsys):
+    Path("p.yaml").write_text("base: models/demo/base\nexperts:\n  - {name: mine, adapter: adapters/typo, weight: 1.0}\n"
+                              "method: task_arithmetic\ncache_dir: cache\n")
+    assert main(["plan", "p.yaml", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert "experts[0].adapter (expert 'mine'): 'adapters/typo' is no model folder" in err, err

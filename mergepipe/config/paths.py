@@ -109,7 +109,7 @@ def check_models_exist(cfg: MergeConfig) -> None:
         CheckpointError: the first such path.
     """
     models = [("base", "the base", cfg.base)] + [
-        (f"experts[{i}].path", f"expert {short_repr(e.name)}", e.path) for i, e in enumerate(cfg.experts)]
+        (_key(i, e), f"expert {short_repr(e.name)}", e.path) for i, e in enumerate(cfg.experts)]
     for key, what, path in models:
         if not path.exists():
             written = cfg._written.get(key, path.as_posix())
@@ -127,10 +127,9 @@ def check_expert_kinds(cfg: MergeConfig) -> None:
     for i, e in enumerate(cfg.experts):
         written = cfg._written.get(_key(i, e), e.path.as_posix())
         if e.adapter is None and is_adapter(e.path):
-            raise ConfigError(f"{cfg.source}: experts[{i}].path: {short_repr(written)} is a PEFT LoRA "
-                              "adapter folder; list it as adapter: (the expert is then the base with it merged "
-                              "in)")
+            raise ConfigError(f"{cfg.source}: experts[{i}].path: {short_repr(written)} is a PEFT LoRA adapter "
+                              "folder; list it as adapter: (the expert is then the base with it merged in)")
         if e.adapter is not None and e.path.exists() and not is_adapter(e.path):
-            raise ConfigError(f"{cfg.source}: experts[{i}].adapter: {short_repr(written)} is not a PEFT "
-                              "LoRA adapter folder (adapter_config.json and adapter_model.safetensors, no model "
-                              "weights); list a model folder as path:")
+            raise ConfigError(f"{cfg.source}: experts[{i}].adapter: {short_repr(written)} is not a PEFT LoRA adapter "
+                              "folder (adapter_config.json and adapter_model.safetensors, no model weights); "
+                              "list a model folder as path:")
