@@ -127,9 +127,10 @@ def check_expert_kinds(cfg: MergeConfig) -> None:
     for i, e in enumerate(cfg.experts):
         written = cfg._written.get(_key(i, e), e.path.as_posix())
         if e.adapter is None and is_adapter(e.path):
-            raise ConfigError(f"{cfg.source}: experts[{i}].path: {short_repr(written)} is a PEFT LoRA adapter "
-                              "folder; list it as adapter: (the expert is then the base with it merged in)")
+            raise ConfigError(f"{cfg.source}: experts[{i}].path: {short_repr(written)} is a PEFT LoRA "
+                              "adapter folder; list it as adapter: (the expert is then the base with it merged "
+                              "in)")
         if e.adapter is not None and e.path.exists() and not is_adapter(e.path):
-            raise ConfigError(f"{cfg.source}: experts[{i}].adapter: {short_repr(written)} is not a PEFT LoRA adapter "
-                              "folder (adapter_config.json and adapter_model.safetensors, no model weights); "
-                              "list a model folder as path:")
+            raise ConfigError(f"{cfg.source}: experts[{i}].adapter: {short_repr(written)} is not a PEFT "
+                              "LoRA adapter folder (adapter_config.json and adapter_model.safetensors, no model "
+                              "weights); list a model folder as path:")
