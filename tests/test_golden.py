@@ -13,7 +13,9 @@ tensor's bytes unchanged (the manifests' tensor hashes are equal), when weight f
 mirror a base file got headers padded to the base's data start modulo 4 KiB, so that
 copied runs can be reflinked (issue 13; tests/test_reflink.py). PLANS of the sharded base changed
 once more, its weights unchanged, when plans began to record a base-mirroring layout that is not
-the canonical one, output.layout (issue 28; engine/layout.py).) A hash that changes means the output bytes changed: a change
+the canonical one, output.layout (issue 28; engine/layout.py). PLANS of the dtype change
+changed once more, its weights unchanged, when config.json began to name the output dtype
+(issue 24; output/hf_config.py).) A hash that changes means the output bytes changed: a change
 of behaviour, to be made on purpose (and the hashes updated in the same commit), never
 by a refactor.
 """
@@ -63,7 +65,7 @@ PLANS = {
     "bf16-slerp": "9e333699251dd543ffe022c77f6a0773cb745f678209c381d23274601df77de1",
     "bf16-ta-30pct": "f661d4de1f1c09c9559c1f8753cb1efd31c836baf03e14133b01aba1c7774cd5",
     "bf16-ta-30pct-sketch": "688384ac2cfbf69796df396920a07f1e2250dd3f2fe7ccef0738ca757f58be6e",
-    "bf16-ta-to-f32": "1b69e9a9eea93fff85e492ffb0eaa608cbb39dd123876424efc488c1c9561d3e",
+    "bf16-ta-to-f32": "4554ed7e24c1c25b2ce086e2e9c0918b100ebf74f2c8707ca3170c945e227645",
     "bf16-task_arithmetic": "2406c882f884d0181cfb205d21aada126a516ce1adf66f1945c110d5868e7f34",
     "bf16-ties": "8f68413827058f846b61c6f85e831f589648dd6470760f4cfdb78cc77d9ed1e8",
     "bf16-ties-30pct": "455627b78818b946c0bb6b8a53b273e1c0c414cba93099b2a338a5b21042df6b",
