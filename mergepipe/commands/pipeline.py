@@ -17,6 +17,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
+from mergepipe.commands.check import preflight
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.paths import check_expert_kinds
@@ -83,6 +84,7 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`:
     the calibration pass's libraries print nothing but errors (-q)."""
     from mergepipe.config.paths import check_models_exist
+    preflight(cfg, budget=budget)  # what `mergepipe check` finds, from headers, before any index reads a weight
     check_models_exist(cfg)  # a missing one named by its key and expert, not only its folder
     norm = cfg.normalized()
     bb = cfg.block_layout
