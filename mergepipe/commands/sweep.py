@@ -4,7 +4,11 @@ I/O-versus-quality curve.
 Owns `run_sweep` (index once, then plan and merge per budget through the
 pipeline), `deviation` (how far a merge is from the full-budget one, streamed
 block by block through checkpoint.safetensors) and the renderings of the result: a
-markdown table, CSV and a PNG plot (matplotlib, the `bench` extra). It writes no
+markdown table, CSV and a PNG plot (matplotlib, the `bench` extra). The plot's x-axis is
+every byte a budget reads from the experts (their blocks and their sketches). A merge
+restored from the store (an earlier run made that plan) read nothing this time: its
+point is drawn hollow and labelled "restored", and its time is the computed merge's,
+carried over from the folder's earlier sweep.csv, or shown as unknown. It writes no
 files itself except through the pipeline's publisher; the CLI writes the table
 and the plot (`write_results`, atomically), after `check_sweep_folder` has made sure
 that the folder is new, empty or a sweep's (so a user's own folder, or its
@@ -40,6 +44,7 @@ CHUNK_BYTES = 16 << 20
 RESULT_FILES = ("sweep.md", "sweep.csv", "sweep.png")
 _MD_HEAD = "Budget sweep, method `"  # to_markdown's first line
 _ATOMIC_TMP = re.compile(r"\.sweep\.(?:md|csv|png)\.[^/]*\.tmp")  # util.fs.atomic_write_bytes's temp names
+_CSV_HEAD = "budget,budget_bytes,total_expert_bytes,"  # to_csv's first columns, in every version
 
 
 def _ours(path: Path) -> bool:
@@ -53,7 +58,7 @@ def _ours(path: Path) -> bool:
     if path.name == "sweep.md":
         return head.startswith(_MD_HEAD.encode())
     if path.name == "sweep.csv":
-        return head.startswith((",".join(SweepRow.__dataclass_fields__) + ",read_fraction\n").encode()[:256])
+        return head.startswith(_CSV_HEAD.encode())
     return head.startswith(b"\x89PNG\r\n\x1a\n")
 
 
@@ -126,12 +131,19 @@ class SweepRow:
     plan_hash: str
     output: str
     sketch_bytes_read: int = 0  # strategy sketch: sketches read in place of expert blocks
+    # the merge's wall time when it was computed: merge_seconds, or for a restored merge the
+    # time an earlier sweep in this folder recorded for the plan (None: not known)
+    computed_merge_seconds: float | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        """Every expert byte the merge read: full blocks and sketches."""
+        return self.expert_bytes_read + self.sketch_bytes_read
 
     @property
     def read_fraction(self) -> float:
         """Expert I/O (full reads and sketches) over the experts' bytes."""
-        read = self.expert_bytes_read + self.sketch_bytes_read
-        return read / self.total_expert_bytes if self.total_expert_bytes else 0.0
+        return self.bytes_read / self.total_expert_bytes if self.total_expert_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +223,29 @@ def deviation(merged: Path, reference: Path, base: Path) -> dict[str, float]:
     return deviations([merged], reference, base)[0]
 
 
+def computed_times(out_dir: Path) -> dict[str, float]:
+    """plan hash -> computed merge seconds, from the sweep.csv a sweep wrote in `out_dir`
+    earlier (nothing when there is none, or it is not one of ours)."""
+    path = out_dir / "sweep.csv"
+    if path.is_symlink() or not path.is_file() or not _ours(path):
+        return {}
+    times = {}
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                seconds = row.get("computed_merge_seconds") or (
+                    row.get("merge_seconds") if row.get("restored") == "False" else None)
+                try:
+                    value = float(seconds) if seconds else math.nan
+                except ValueError:
+                    continue
+                if math.isfinite(value) and value >= 0 and isinstance(row.get("plan_hash"), str):
+                    times[row["plan_hash"]] = value
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return {}
+    return times
+
+
 def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, progress: bool = False,
               log: Callable[[str], None] = lambda _msg: None, protect: tuple[Path, ...] = ()) -> SweepResult:
     """Index once, then plan and merge `cfg` at each budget into out_dir/models/<label>.
@@ -220,6 +255,7 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
     it was added.
     """
     store = Store(cfg.cache_dir)
+    earlier = computed_times(out_dir)  # before this sweep's table replaces it
     full = Budget("full")
     order = [full] + [b for b in budgets if b != full]
     t0 = time.monotonic()
@@ -252,46 +288,62 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
         plan, man, plan_s, merge_s, restored, target = merged[budget]
         dev = devs[budget]
         b = man["bytes"]
+        computed = earlier.get(man["plan_hash"]) if restored else round(merge_s, 3)
         rows.append(SweepRow(str(budget), man["budget"]["bytes"], b["total_expert_bytes"],
                              b["planned_expert_bytes"], b["expert_bytes_read"], b["base_bytes_read"],
                              b["bytes_written"], round(plan_s, 3), round(merge_s, 3), restored,
                              man["bound"]["kind"], man["bound"]["relative"], dev["relative_update"],
                              dev["relative_weights"], man["plan_hash"], str(target),
-                             b.get("sketch_bytes_read", 0)))
+                             b.get("sketch_bytes_read", 0), computed))
     return SweepResult(rows, cfg.method, index_bytes, round(index_seconds, 3), str(reference))
 
 
 # ---------------------------------------------------------------- renderings
 
-COLUMNS = [("budget", "budget"), ("expert_bytes_read", "expert MiB read"), ("read_fraction", "% of experts"),
-           ("base_bytes_read", "base MiB read"), ("plan_seconds", "plan s"), ("merge_seconds", "merge s"),
-           ("bound_relative", "bound (rel.)"), ("deviation_update", "‖M_B−M_full‖/‖M_full−W0‖"),
-           ("deviation_weights", "‖M_B−M_full‖/‖M_full‖")]
+COLUMNS = [("budget", "budget"), ("expert_bytes_read", "expert MiB read"), ("sketch_bytes_read", "sketch MiB read"),
+           ("read_fraction", "% of expert bytes"), ("base_bytes_read", "base MiB read"), ("plan_seconds", "plan s"),
+           ("merge_seconds", "merge s"), ("bound_relative", "bound (rel.)"),
+           ("deviation_update", "‖M_B−M_full‖/‖M_full−W0‖"), ("deviation_weights", "‖M_B−M_full‖/‖M_full‖")]
+
+
+def _bound_name(kind: str) -> str:
+    """What the plan's bound is (plan/bound_text.py): a bound only for additive methods."""
+    return "certified bound" if kind == "certified" else "update left out (no bound)"
+
+
+def _merge_time(row: SweepRow) -> str:
+    if not row.restored:
+        return f"{row.merge_seconds:.2f}"
+    if row.computed_merge_seconds is None:
+        return f"restored in {row.merge_seconds:.2f}"
+    return f"{row.computed_merge_seconds:.2f} (restored in {row.merge_seconds:.2f})"
 
 
 def _cell(key: str, row: SweepRow) -> str:
+    if key == "merge_seconds":
+        return _merge_time(row)
     v = row.read_fraction if key == "read_fraction" else getattr(row, key)
     if key.endswith("bytes_read"):
         return f"{v / 2**20:,.1f}"
     if key == "read_fraction":
         return f"{100 * v:.1f}"
     if key.endswith("seconds"):
-        return f"{v:.2f}" + (" (restored)" if key == "merge_seconds" and row.restored else "")
+        return f"{v:.2f}"
     if key in ("bound_relative", "deviation_update", "deviation_weights"):
         return f"{v:.3g}"
     return str(v)
 
 
 def to_markdown(result: SweepResult) -> str:
-    columns = COLUMNS
-    if any(r.sketch_bytes_read for r in result.rows):  # a sketch plan: its sketch reads too
-        columns = [*COLUMNS[:2], ("sketch_bytes_read", "sketch MiB read"), *COLUMNS[2:]]
-    heads = [h if k != "bound_relative" else f"{result.rows[0].bound_kind} bound (rel.)" for k, h in columns]
+    heads = [h if k != "bound_relative" else f"{_bound_name(result.rows[0].bound_kind)} (rel.)" for k, h in COLUMNS]
     lines = [f"Budget sweep, method `{result.method}`; inputs indexed once in {result.index_seconds:.1f} s "
              f"({result.index_bytes_read / 2**20:,.1f} MiB index reads; 0 when cached).", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for row in result.rows:
-        lines.append("| " + " | ".join(_cell(k, row) for k, _ in columns) + " |")
+        lines.append("| " + " | ".join(_cell(k, row) for k, _ in COLUMNS) + " |")
+    if any(r.restored for r in result.rows):
+        lines += ["", "restored: merged before with this plan and restored from the store (no weights read this "
+                      "time); merge s is the computed merge's where an earlier sweep here recorded it."]
     return "\n".join(lines) + "\n"
 
 
@@ -317,33 +369,114 @@ def require_matplotlib() -> None:
                           "(or pass --no-plot for the table only)")
 
 
-def plot_png(result: SweepResult, *, title: str | None = None) -> bytes:
-    """Left: expert bytes read vs relative deviation (realized, and the bound);
-    right: wall time per budget. Needs matplotlib (see `require_matplotlib`)."""
+def _byte_unit(largest: float) -> tuple[str, int]:
+    """The binary unit the plot's byte axis is drawn in: the largest that keeps `largest` >= 1."""
+    for name, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return name, scale
+    return "B", 1
+
+
+def _label_points(ax, points: list[tuple[float, float, str]]) -> None:
+    """Annotate each (x, y) with its text, moving a label up or down (with a leader line)
+    until it overlaps no label placed before it."""
+    renderer = ax.figure.canvas.get_renderer()
+    placed = []
+    for x, y, text in points:
+        for dy in (5, -13, 17, -25, 29, -37, 41, -49):
+            arrow = None if dy == 5 else {"arrowstyle": "-", "lw": 0.5, "color": "0.6"}
+            label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, dy), fontsize=7,
+                                arrowprops=arrow, annotation_clip=False)
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            label.remove()
+        else:
+            label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7)
+            box = label.get_window_extent(renderer)
+        placed.append(box)
+
+
+def sweep_figure(result: SweepResult, *, title: str | None = None):
+    """The plot as a matplotlib Figure. Left: bytes read (expert blocks + sketches) against
+    the deviation from the full merge (realized, and the plan's bound); a log x-axis where
+    the reads span more than a decade. Right: plan + merge wall time per budget, the
+    computed merge's: a restored merge's bar is hollow, at the time an earlier sweep here
+    recorded, or empty and labelled "restored" when none did. Needs matplotlib."""
     require_matplotlib()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    rows = sorted(result.rows, key=lambda r: r.expert_bytes_read)
-    x = [r.expert_bytes_read / 2**30 for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
-    ax1.plot(x, [r.deviation_update for r in rows], "o-", label="realized ‖M_B−M_full‖/‖M_full−W0‖")
-    ax1.plot(x, [r.bound_relative for r in rows], "s--", label=f"{rows[0].bound_kind} bound")
-    ax1.plot(x, [r.deviation_weights for r in rows], "^:", label="‖M_B−M_full‖/‖M_full‖")
-    for r, xi in zip(rows, x):
-        ax1.annotate(r.budget, (xi, r.deviation_update), textcoords="offset points", xytext=(3, 4), fontsize=7)
-    ax1.set_xlabel("expert bytes read (GiB)")
-    ax1.set_ylabel("relative deviation")
+    rows = sorted(result.rows, key=lambda r: (r.bytes_read, r.budget_bytes))
+    unit, scale = _byte_unit(max(r.bytes_read for r in rows))
+    x = [r.bytes_read / scale for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90, gridspec_kw={"width_ratios": [3, 2]})
+    series = [("deviation_update", "o", "-", "realized ‖M_B−M_full‖/‖M_full−W0‖"),
+              ("bound_relative", "s", "--", f"{_bound_name(rows[0].bound_kind)} (rel.)"),
+              ("deviation_weights", "^", ":", "realized ‖M_B−M_full‖/‖M_full‖")]
+    handles = []
+    for key, marker, style, name in series:
+        y = [getattr(r, key) for r in rows]
+        (line,) = ax1.plot(x, y, linestyle=style, marker=marker, markersize=5, label=name)
+        # a restored merge's marker is hollow: it read nothing this time
+        line.set_markevery([i for i, r in enumerate(rows) if not r.restored])
+        restored = [(xi, yi) for xi, yi, r in zip(x, y, rows) if r.restored]
+        if restored:
+            ax1.plot(*zip(*restored), linestyle="none", marker=marker, markersize=5, color=line.get_color(),
+                     markerfacecolor="none")
+        handles.append(line)
+    if any(r.restored for r in rows):
+        handles.append(Line2D([], [], linestyle="none", marker="o", color="0.3", markerfacecolor="none",
+                              label="hollow: restored from the store"))
+    positive = [xi for xi in x if xi > 0]
+    if positive and max(positive) > 10 * min(positive):  # more than a decade: a log axis
+        if len(positive) < len(x):
+            ax1.set_xscale("symlog", linthresh=min(positive))
+        else:
+            ax1.set_xscale("log")
+            ax1.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax1.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax1.xaxis.set_minor_formatter(NullFormatter())
     ax1.set_yscale("symlog", linthresh=1e-3)
+    highest = max(getattr(r, key) for r in rows for key, *_ in series)
+    ax1.set_ylim(0, 3 * highest if highest > 1e-3 else None)  # a deviation is a norm; room above for labels
+    ax1.set_xlabel(f"bytes read: expert blocks + sketches ({unit})")
+    ax1.set_ylabel("relative deviation from the full merge")
     ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=7)
-    ax2.bar([r.budget for r in rows], [r.plan_seconds + r.merge_seconds for r in rows], color="tab:gray")
-    ax2.set_xlabel("budget")
-    ax2.set_ylabel("plan + merge wall (s)")
-    ax2.grid(alpha=0.3, axis="y")
+    ax1.legend(handles=handles, fontsize=7)
+    _time_bars(ax2, rows)
     fig.suptitle(title or f"mergepipe sweep ({result.method})", fontsize=10)
     fig.tight_layout()
+    fig.canvas.draw()  # the layout, scales and limits the labels are placed in
+    _label_points(ax1, [(xi, r.deviation_update, r.budget + (" (restored)" if r.restored else ""))
+                        for xi, r in zip(x, rows)])
+    return fig
+
+
+def _time_bars(ax, rows: list[SweepRow]) -> None:
+    names = [r.budget for r in rows]
+    known = [r.computed_merge_seconds is not None for r in rows]
+    heights = [r.plan_seconds + r.computed_merge_seconds if k else 0.0 for r, k in zip(rows, known)]
+    bars = ax.bar(names, heights, color=["none" if r.restored else "tab:gray" for r in rows], edgecolor="tab:gray")
+    for bar, r, k in zip(bars, rows, known):
+        if r.restored:
+            bar.set_hatch("//")
+            ax.annotate("restored" if k else "restored, not timed", (bar.get_x() + bar.get_width() / 2, 0),
+                        textcoords="offset points", xytext=(0, 3), ha="center", va="bottom", rotation=90,
+                        fontsize=7)
+    ax.set_ylim(0, 1.15 * max(heights) if max(heights) > 0 else 1.0)
+    ax.set_xlabel("budget (by bytes read)")
+    ax.set_ylabel("plan + merge wall time (s)")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def plot_png(result: SweepResult, *, title: str | None = None) -> bytes:
+    """`sweep_figure` as PNG bytes."""
+    fig = sweep_figure(result, title=title)
+    import matplotlib.pyplot as plt
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
