@@ -26,7 +26,8 @@ import torch
 import yaml
 
 from mergepipe.cli import main
-from mergepipe.config.mergekit import METHOD_NAMES, write_params
+from mergepipe.config.mergekit import write_params
+from mergepipe.methods.registry import mergekit_names
 from mergepipe.methods import METHODS
 from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
@@ -169,7 +170,7 @@ def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path
     text = _fill(doc, models)
     data = yaml.safe_load(text)
     mk_method = data["merge_method"]
-    if METHOD_NAMES.get(mk_method) not in METHODS:
+    if mergekit_names().get(mk_method) not in METHODS:
         pytest.xfail("method not built")
     their_error = results[f"{stem}-{index}"]
     cfg_path = tmp_path / "mergekit.yml"
@@ -205,7 +206,7 @@ def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path
         out = ours[name]
         assert out.dtype == reference.dtype and out.shape == reference.shape, name
         present = [m[name] for m in inputs if name in m and m[name].shape == reference.shape]
-        if METHOD_NAMES[mk_method] in RANDOMIZED:
+        if mergekit_names()[mk_method] in RANDOMIZED:
             e_ours, e_theirs = _check_randomized(name, out, reference, present[0])
             energies[0] += e_ours
             energies[1] += e_theirs
@@ -213,5 +214,5 @@ def test_basic_merge_matches_mergekit(stem, index, doc, models, theirs, tmp_path
         scale = sum(x.double().abs() for x in present) * spread if present else reference.double().abs()
         verdict = judge(out.reshape(-1), reference.reshape(-1), scale=scale.reshape(-1))
         assert verdict.misses == 0, f"{name}: {verdict}"
-    if METHOD_NAMES[mk_method] in RANDOMIZED:
+    if mergekit_names()[mk_method] in RANDOMIZED:
         assert energies[0] == pytest.approx(energies[1], rel=0.05), energies

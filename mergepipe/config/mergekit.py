@@ -44,47 +44,16 @@ from mergepipe.config.models import MAX_MERGEKIT_CONFIG_CHARS
 from mergepipe.config.params import config_from_dict, parse_yaml, read_yaml
 from mergepipe.config.yaml_io import read_yaml_text
 from mergepipe.errors import ConfigError
+from mergepipe.methods import get_method
+from mergepipe.methods.registry import mergekit_names
 from mergepipe.units import clip, short_repr
 from mergepipe.util.fs import atomic_write_bytes
 
-# ---- mergekit's names, one row per method. Engineers adding a method add it here:
-# METHOD_NAMES (mergekit name -> ours), NO_BASE (what `base_model` absent means),
-# MODEL_KEYS (per-model parameters kept per expert) and SHARED_MODEL_KEYS (per-model
-# parameters that are method parameters here: every model must give the same value).
-METHOD_NAMES = {
-    "linear": "linear",
-    "task_arithmetic": "task_arithmetic",
-    "ties": "ties",
-    "dare_linear": "dare_linear",
-    "dare_ties": "dare_ties",
-    "breadcrumbs": "breadcrumbs",
-    "breadcrumbs_ties": "breadcrumbs_ties",
-    "model_breadcrumbs": "breadcrumbs",  # older mergekit names
-    "model_breadcrumbs_ties": "breadcrumbs_ties",
-    "slerp": "slerp",
-    "model_stock": "model_stock",
-    "karcher": "karcher",
-    "multislerp": "multislerp",
-    "passthrough": "passthrough",
-    "nearswap": "nearswap",
-    "ram": "ram",
-    "ramplus_tl": "ramplus_tl",
-    "della": "della",
-    "della_linear": "della_linear",
-    "nuslerp": "nuslerp",
-    "sce": "sce",
-    "arcee_fusion": "arcee_fusion",
-}
-# base_model absent: "first" = the first model plays the base, its weight becomes
-# parameters.base_weight (mergekit averages it in); "self" = the one model is base and expert
-NO_BASE = {"linear": "first", "karcher": "member", "passthrough": "self", "nuslerp": "first"}
-# "member" = the first model plays the base and stays one of the averaged inputs (karcher's
-# include_base). UNWEIGHTED: methods whose models take no weight (1.0 unless one is given)
-UNWEIGHTED = {"model_stock", "karcher", "passthrough", "nearswap", "ram", "ramplus_tl", "sce", "arcee_fusion"}
+# What import needs of each method (its mergekit names, what an absent base_model means,
+# whether its models take weights, per-model keys that are method parameters here) is on the
+# method's registration (methods/registry.py `Mergekit`). MODEL_KEYS: the per-model
+# parameters kept per expert.
 MODEL_KEYS = ("weight", "density", "gamma")
-SHARED_MODEL_KEYS: dict[str, tuple[str, ...]] = {"passthrough": ("scale",), "della": ("epsilon",),
-                                                  "della_linear": ("epsilon",)}
-# ---- end of the per-method rows
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -313,18 +282,20 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             data = {**data, "models": _slices_as_models(data["slices"], source, paths)}
 
     mk_method = data.get("merge_method")
-    if not isinstance(mk_method, str) or mk_method not in METHOD_NAMES:
+    names = mergekit_names()
+    if not isinstance(mk_method, str) or mk_method not in names:
         raise _fail(source, "merge_method", f"{short_repr(mk_method)} has no mergepipe equivalent"
-                                            f"{did_you_mean(mk_method, METHOD_NAMES)}; "
-                                            f"supported: {', '.join(sorted(METHOD_NAMES))}")
-    method = METHOD_NAMES[mk_method]
+                                            f"{did_you_mean(mk_method, names)}; "
+                                            f"supported: {', '.join(sorted(names))}")
+    method = names[mk_method]
+    facts = get_method(method).mergekit
 
     global_params = data.get("parameters") or {}
     if not isinstance(global_params, dict):
         raise _fail(source, "parameters", f"must be a mapping, got {short_repr(global_params)}")
     settings = {k: _setting(v, f"parameters.{k}", source) for k, v in global_params.items()}
     default_weight = settings.pop("weight", None)
-    shared_keys = SHARED_MODEL_KEYS.get(mk_method, ())
+    shared_keys = facts.shared_model_keys
     shared: dict[str, tuple[str, Any]] = {}  # per-model keys that are method parameters here
 
     models = data.get("models")
@@ -371,16 +342,16 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     out: dict[str, Any] = {}
     parameters: dict[str, Any] = {}
 
-    if base is None and NO_BASE.get(method) == "first":
+    if base is None and facts.no_base == "first":
         key, base, first = entries.pop(0)
         if not entries:
             raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
         parameters["base_weight"] = _weight(first, default_weight, key, source)
-    elif base is None and NO_BASE.get(method) == "member":
+    elif base is None and facts.no_base == "member":
         key, base, _ = entries.pop(0)
         if not entries:
             raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
-    elif base is None and NO_BASE.get(method) == "self":
+    elif base is None and facts.no_base == "self":
         if len(entries) != 1:
             raise _fail(source, "models", f"{mk_method} takes exactly one model, got {len(entries)}")
         base = entries[0][1]
@@ -400,7 +371,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
         if base is None:
             raise _fail(source, "base_model", f"required: {mk_method} merges deltas from a "
                                               "base model")
-        if NO_BASE.get(method) != "self":
+        if facts.no_base != "self":
             entries = [e for e in entries if not _same_model(e[1], base)]
         if method == "slerp" and settings.get("t") is None:
             raise _fail(source, "parameters.t", "required by slerp (0 gives the base, 1 the "
@@ -411,7 +382,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
         if not entries:
             raise _fail(source, "models", "lists only the base model; nothing to merge")
 
-    if method in UNWEIGHTED and default_weight is None:
+    if facts.unweighted and default_weight is None:
         default_weight = 1.0
     taken: set[str] = set()
     experts = []
