@@ -403,3 +403,35 @@ def test_an_adapter_is_found_by_id_in_the_local_hugging_face_cache(fam, tmp_path
     assert man["plan"]["experts"][0]["path"] == snapshot.as_posix()
     local, _ = _run(tmp_path, fam, [{"name": "hub", "adapter": str(fam["r4"]), "weight": 1.0}], "local")
     assert (out / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
+
+
+def test_a_mergekit_model_plus_lora_imports_as_an_adapter_expert(fam, tmp_path, monkeypatch, capsys):
+    """mergekit's `BASE+ADAPTER` (an adapter on the merge's base) is an adapter expert, and the
+    imported recipe merges what the params.yaml form merges, byte for byte."""
+    monkeypatch.chdir(fam["root"])  # mergekit reads model paths against the working directory
+    mk = tmp_path / "mk.yml"
+    mk.write_text("merge_method: task_arithmetic\nbase_model: base\nparameters: {lambda: 0.8}\n"
+                  "models:\n  - {model: base+r4, parameters: {weight: 1.0}}\n"
+                  "  - {model: dense, parameters: {weight: 0.7}}\n")
+    params = tmp_path / "mk.params.yaml"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    cfg = yaml.safe_load(params.read_text())
+    assert [sorted(e) for e in cfg["experts"]] == [["adapter", "name", "weight"], ["name", "path", "weight"]]
+    assert (params.parent / cfg["experts"][0]["adapter"]).resolve() == fam["r4"].resolve()
+    cfg.update(block_bytes="4KiB", cache_dir=str(tmp_path / "cache"), output={"dir": str(tmp_path / "imported")})
+    params.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "-q", str(params)]) == 0
+    out, _ = _run(tmp_path, fam, [{"name": "r4", "adapter": str(fam["r4"]), "weight": 1.0},
+                                  {"name": "dense", "path": str(fam["dense"]), "weight": 0.7}], "direct")
+    assert (tmp_path / "imported" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_a_mergekit_lora_on_another_model_is_refused_naming_it(fam, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(fam["root"])
+    mk = tmp_path / "mk.yml"
+    mk.write_text("merge_method: task_arithmetic\nbase_model: base\n"
+                  "models:\n  - {model: dense+r4, parameters: {weight: 1.0}}\n")
+    assert main(["import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "models[0].model: the LoRA adapter is on '" in err
+    assert "/dense', not on the base model '" in err

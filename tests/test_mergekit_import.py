@@ -282,7 +282,7 @@ models:
      "mk.yml: models: nuslerp without base_model needs at least two models"),
     ("base_model: b\nmodels: [{model: e}]\n", "merge_method: None"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: e+lora/adapter, parameters: {weight: 1}}]\n",
-     "mk.yml: models[0].model: LoRA reference"),
+     "mk.yml: models[0].model: the LoRA adapter is on 'e', not on the base model 'b'"),
     ("merge_method: ties\nbase_model: b+lora\nmodels: [{model: e, parameters: {weight: 1}}]\n",
      "mk.yml: base_model: LoRA reference"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: org/e@main, parameters: {weight: 1}}]\n",

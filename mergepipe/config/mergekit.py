@@ -174,8 +174,8 @@ def _model_ref(value: Any, key: str, source: str, paths: ModelPaths | None = Non
     if not isinstance(value, str) or not value.strip():
         raise _fail(source, key, f"must be a model path string, got {short_repr(value)}")
     if "+" in value:
-        raise _fail(source, key, f"LoRA reference {short_repr(value)} ('model+lora') cannot be expressed; "
-                                 "merge the adapter into its model first")
+        raise _fail(source, key, f"LoRA reference {short_repr(value)} ('model+lora') cannot be expressed here; "
+                                 "an adapter is taken as a models[i].model BASE+ADAPTER on the base model")
     if "@" in value:
         raise _fail(source, key, f"revision reference {short_repr(value)} ('model@revision') cannot be "
                                  "expressed; download that revision to a local folder")
@@ -195,6 +195,15 @@ def resolve_model_ref(value: Any, key: str, source: str) -> Path:
     `key` (LoRA, revision, an id not in the cache)."""
     cwd = Path.cwd()
     return cwd / _model_ref(value, key, source, ModelPaths(cwd, cwd))
+
+
+def _check_adapter_model(adapters: dict[str, str], key: str, base: str, source: str) -> None:
+    """mergepipe applies an adapter to the merge's base (checkpoint/lora.py); mergekit's
+    `model+lora` on another model would be another expert than the one it builds."""
+    if not _same_model(adapters[key], base):
+        raise _fail(source, f"{key}.model", f"the LoRA adapter is on {short_repr(adapters[key])}, not on the base "
+                                            f"model {short_repr(base)}; mergepipe applies adapters to the base: "
+                                            "merge that adapter into its model first")
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -302,6 +311,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     if not isinstance(models, list) or not models:
         raise _fail(source, "models", "must be a non-empty list of {model, parameters}")
     entries = []
+    adapters: dict[str, str] = {}  # models[i] -> the model its LoRA adapter (entry path) applies to
     for i, entry in enumerate(models):
         key = f"models[{i}]"
         if isinstance(entry, str):
@@ -313,7 +323,13 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             first = sorted(unknown, key=str)[0]
             raise _fail(source, f"{key}.{first}", f"unknown key{did_you_mean(first, ('model', 'parameters'))}; "
                                                   "expected model, parameters")
-        path = _model_ref(entry.get("model"), f"{key}.model", source, paths)
+        model = entry.get("model")
+        if isinstance(model, str) and "+" in model:  # mergekit's `model+lora`: an adapter on that model
+            model, adapter = model.split("+", 1)
+            adapters[key] = _model_ref(model, f"{key}.model", source, paths)
+            path = _model_ref(adapter, f"{key}.model", source, paths)
+        else:
+            path = _model_ref(model, f"{key}.model", source, paths)
         own = entry.get("parameters") or {}
         if not isinstance(own, dict):
             raise _fail(source, f"{key}.parameters", f"must be a mapping, got {short_repr(own)}")
@@ -342,6 +358,9 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     out: dict[str, Any] = {}
     parameters: dict[str, Any] = {}
 
+    if base is None and facts.no_base is not None and entries and entries[0][0] in adapters:
+        raise _fail(source, f"{entries[0][0]}.model", "a LoRA reference ('model+lora') cannot play the base "
+                                                      "model; name base_model")
     if base is None and facts.no_base == "first":
         key, base, first = entries.pop(0)
         if not entries:
@@ -388,6 +407,9 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     experts = []
     for key, path, params in entries:
         expert: dict[str, Any] = {"name": _expert_name(path, taken), "path": path}
+        if key in adapters:
+            _check_adapter_model(adapters, key, base, source)
+            expert = {"name": expert["name"], "adapter": path}
         if method == "slerp":
             extra = set(params) - {"weight"}
             if extra:
