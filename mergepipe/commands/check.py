@@ -189,7 +189,9 @@ def _check_models(report: Report, cfg: MergeConfig, *, detail: bool
     facts = check_models.read_facts(cfg.base) if detail else None
     if detail:
         report.ok(f"base {written['base']}: {check_models.describe(base, facts)}")
-    rows = next((t.shape[0] for t in base.tensors.values() if is_vocabulary_tensor(t.name, t.shape)), None)
+    rows = None if not detail else next((shape[0] for name, shape in zip(base.tensors.names,
+                                                                          base.tensors.shapes)
+                                         if is_vocabulary_tensor(name, shape)), None)  # embedding rows
     tokenizer_from = "the base's" if cfg.output.tokenizer_source is None else \
         f"{written['output']['tokenizer_source']}'s"
     experts: dict[str, Checkpoint | None] = {}
@@ -232,8 +234,9 @@ def _check_method(report: Report, cfg: MergeConfig, base: Checkpoint, budget: Bu
     strategy = norm.get("plan") if cfg.plan else default_options(norm["method"], budget)
     method = get_method(cfg.method)
     params = cfg.method_params.model_dump(mode="json", by_alias=True)
-    experts = [SimpleNamespace(name=e.name, weight=float(e.weight) if isinstance(e.weight, int | float) else 0.0)
-               for e in cfg.experts]
+    # a per-tensor weight is 0 at the plan's top level, as plan_config writes it
+    experts = [SimpleNamespace(name=e.name, weight=float(e.weight) if isinstance(e.weight, int | float)
+                               else 0.0) for e in cfg.experts]
 
     def plan_head() -> str:
         try:
@@ -252,9 +255,10 @@ def _check_method(report: Report, cfg: MergeConfig, base: Checkpoint, budget: Bu
     passed, name = report.attempt(plan_head)
     if not passed:
         return None
-    per_tensor = "" if tensor_parameters is None else \
-        f", per-tensor settings in {len(tensor_parameters['groups'])} group(s) over {len(base.tensors)} tensors"
-    report.ok(f"method {cfg.method} ({short_repr(params)}){per_tensor}; plan strategy {name}")
+    groups = 0 if tensor_parameters is None else len(tensor_parameters["groups"])
+    per_tensor = f", per-tensor settings: {groups} group(s) over {len(base.tensors)} tensors" if groups else ""
+    given = f" {short_repr(cfg.parameters)}" if cfg.parameters else ""
+    report.ok(f"method {cfg.method}{given}{per_tensor}; plan strategy {name}")
     return strategy or {}
 
 
@@ -267,10 +271,11 @@ def _check_budget(report: Report, cfg: MergeConfig, base: Checkpoint, experts: d
     full_read = sizes.float_bytes * len(experts)
     budget_bytes = budget.resolve(full_read)
     sketched = strategy.get("strategy") == "sketch"
-    first = min(experts)
-    items = [Candidate(0.0, name, 0, "", first, 0, nbytes, 0.0, 1.0) for name, nbytes, _ in sizes.smallest_blocks]
-    # sketches as sketch_reads.sketch_context gives them, keeping some of each block's energy (l2 1, residual 0)
-    sketch = {(first, name, 0): (0.0, sketch_cost(n)) for name, _, n in sizes.smallest_blocks} if sketched else None
+    # one candidate per distinct smallest block; its sketch as sketch_reads.sketch_context gives
+    # one, keeping some of the block's energy (l2 1, residual 0)
+    blocks = sorted(sizes.smallest_blocks)
+    items = [Candidate(0.0, str(i), 0, "", "", 0, nbytes, 0.0, 1.0) for i, (nbytes, _) in enumerate(blocks)]
+    sketch = {("", str(i), 0): (0.0, sketch_cost(n)) for i, (_, n) in enumerate(blocks)} if sketched else None
     smallest = smallest_read(items, sketch=sketch)
     try:
         check_budget_floor(budget, budget_bytes, full_read, smallest)
@@ -279,8 +284,8 @@ def _check_budget(report: Report, cfg: MergeConfig, base: Checkpoint, experts: d
         return None
     capped = min(budget_bytes, full_read)
     floor = f"; the smallest read is {format_bytes(smallest[0])} ({smallest[1]})" if smallest[0] else ""
-    report.ok(f"budget {budget}: reads at most {format_bytes(capped)} of {format_bytes(full_read)} expert bytes"
-              + floor)
+    report.ok(f"budget {budget}: reads at most {format_bytes(capped)} of {format_bytes(full_read)} "
+              f"expert bytes{floor}")
     return _Context(base, experts, budget, budget_bytes, full_read, sketched, sizes)
 
 
@@ -317,7 +322,8 @@ def _predict(report: Report, cfg: MergeConfig, ctx: _Context, *, threads: int, p
     store = Store(cfg.cache_dir)
     layout = cfg.block_layout
     base_indexed = check_predict.indexed(store, ctx.base, layout)
-    new_experts = sum(1 for ck in ctx.experts.values() if ck is None or not check_predict.indexed(store, ck, layout))
+    new_experts = sum(1 for ck in ctx.experts.values()
+                      if ck is None or not check_predict.indexed(store, ck, layout))  # an adapter: unknown
     out_bytes, out_files = check_predict.output_files(ctx.base, cfg.output.dtype, cfg.output.shard_bytes)
     bandwidth = check_predict.probe_bandwidth(ctx.base) if probe else None
     prediction = check_predict.predict(

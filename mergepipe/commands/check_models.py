@@ -96,7 +96,13 @@ def tensor_mismatches(base: Checkpoint, expert: Checkpoint) -> list[str]:
     and extra tensors, a vocabulary size (the first dimension of embed_tokens, lm_head, ...:
     checkpoint/blocks.is_vocabulary_tensor) named as such, other shapes and dtypes named with
     the tensor and both; [] when names, shapes and dtypes all match."""
-    b, e = base.tensors, expert.tensors
+    tb, te = base.tensors, expert.tensors
+    if tb.names == te.names and tb.dtypes == te.dtypes and tb.shapes == te.shapes:  # C speed, the usual case
+        return []
+    b = dict(zip(base.tensors.names, zip(base.tensors.dtypes, base.tensors.shapes)))
+    e = dict(zip(expert.tensors.names, zip(expert.tensors.dtypes, expert.tensors.shapes)))
+    if b == e:  # the same tensors in another order (another sharding)
+        return []
     lines = []
     missing = sorted(b.keys() - e.keys())
     if missing:
@@ -106,16 +112,16 @@ def tensor_mismatches(base: Checkpoint, expert: Checkpoint) -> list[str]:
         lines.append(f"{len(extra)} tensor(s) not in the base: {_counted([repr(n) for n in extra])}")
     shapes = []
     for name in sorted(b.keys() & e.keys()):
-        tb, te = b[name], e[name]
-        if (tb.shape, tb.dtype) == (te.shape, te.dtype):
+        (b_dtype, b_shape), (e_dtype, e_shape) = b[name], e[name]
+        if (b_dtype, b_shape) == (e_dtype, e_shape):
             continue
-        if tb.shape[1:] == te.shape[1:] and len(tb.shape) == 2 and tb.shape[0] != te.shape[0] and \
-                (is_vocabulary_tensor(name, tb.shape) or is_vocabulary_tensor(name, te.shape)):
-            lines.append(f"vocabulary size {te.shape[0]}, the base {tb.shape[0]} ({name!r} has {te.shape[0]} "
-                         f"rows, the base {tb.shape[0]}): mergepipe does not remap embeddings to another "
+        if b_shape[1:] == e_shape[1:] and len(b_shape) == 2 and b_shape[0] != e_shape[0] and \
+                (is_vocabulary_tensor(name, b_shape) or is_vocabulary_tensor(name, e_shape)):
+            lines.append(f"vocabulary size {e_shape[0]}, the base {b_shape[0]} ({name!r} has {e_shape[0]} "
+                         f"rows, the base {b_shape[0]}): mergepipe does not remap embeddings to another "
                          "vocabulary; merge experts of the base's tokenizer")
             continue
-        shapes.append(f"{name!r} is {te.dtype}{list(te.shape)}, the base {tb.dtype}{list(tb.shape)}")
+        shapes.append(f"{name!r} is {e_dtype}{list(e_shape)}, the base {b_dtype}{list(b_shape)}")
     if shapes:
         lines.append(f"{len(shapes)} tensor(s) differ in shape or dtype: {_counted(shapes)}")
     return lines
@@ -133,12 +139,13 @@ def fact_differences(name: str, base: ModelFacts, expert: ModelFacts, *, base_ro
     if base.layers is not None and expert.layers is not None and base.layers != expert.layers:
         lines.append(f"expert {name!r}: {expert.layers} layers, the base {base.layers} (config.json)")
     if base.vocab_size is not None and expert.vocab_size is not None and base.vocab_size != expert.vocab_size:
-        lines.append(f"expert {name!r}: vocab_size {expert.vocab_size}, the base {base.vocab_size} (config.json)")
+        lines.append(f"expert {name!r}: vocab_size {expert.vocab_size}, the base {base.vocab_size} "
+                     "(config.json)")
     if base.tokens is not None and expert.tokens is not None and base.tokens != expert.tokens:
         rows = "" if base_rows is None else (
             f"; the embedding rows match ({base_rows}), so they merge row by row" if
             max(base.tokens, expert.tokens) <= base_rows else f"; the base has {base_rows} embedding rows")
         added = f" ({expert.added} added)" if expert.added else ""
-        lines.append(f"expert {name!r}: tokenizer of {expert.tokens} tokens{added}, the base's {base.tokens}{rows}; "
-                     f"the output gets {tokenizer_from} tokenizer")
+        lines.append(f"expert {name!r}: tokenizer of {expert.tokens} tokens{added}, the base's {base.tokens}"
+                     f"{rows}; the output gets {tokenizer_from} tokenizer")
     return lines

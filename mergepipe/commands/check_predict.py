@@ -50,42 +50,37 @@ class Sizes:
     cut_blocks: int = 0  # sum over float tensors of cuts x blocks
     largest_unit: int = 0  # base bytes of the largest prefetch unit (engine/prefetch.py)
     largest_block_elements: int = 0
-    # (tensor, bytes, elements) of each float tensor's smallest block: the cheapest reads
-    smallest_blocks: list[tuple[str, int, int]] = field(default_factory=list)
+    # (bytes, elements) of each float tensor's smallest block, each pair once: the cheapest reads
+    smallest_blocks: set[tuple[int, int]] = field(default_factory=set)
 
 
 def header_sizes(base: Checkpoint, layout: BlockLayout) -> Sizes:
     """The base's sizes, block counts and smallest blocks in `layout` (arithmetic on the header:
     checkpoint/blocks.block_ranges' rule without listing every range)."""
     s = Sizes()
-    cuts_of: dict[int, int] = {}  # per element count: tensors of one shape share it
-    for name, t in base.tensors.items():
-        s.base_bytes += t.nbytes
+    seen: dict[tuple, tuple[int, int, int, int, int, int]] = {}  # tensors of one dtype, shape and block size
+    table = base.tensors
+    columns = zip(table.names, table.dtypes, table.shapes, table.begins, table.ends)
+    for name, dtype, shape, begin, end in columns:
+        nbytes = end - begin
+        s.base_bytes += nbytes
         s.tensors += 1
         s.name_bytes += len(name)
-        if t.dtype not in FLOAT_DTYPES or t.nbytes == 0:
+        if dtype not in FLOAT_DTYPES or nbytes == 0:
             s.blocks += 1
             continue
-        s.float_bytes += t.nbytes
-        s.float_elements += t.nbytes // t.itemsize
-        rows = num_rows(t.shape)
-        if len(t.shape) <= 1:
-            per_block = rows
-        else:
-            per_block = max(1, layout.bytes_for(name, t.shape) // max(1, row_bytes(t.shape, t.itemsize)))
-        n_blocks = math.ceil(rows / per_block)
+        key = (dtype, shape, layout.bytes_for(name, shape) if layout.embedding_block_bytes else 0)
+        if key not in seen:
+            seen[key] = _tensor_sizes(nbytes, ITEMSIZE[dtype], shape, layout.bytes_for(name, shape))
+        numel, n_blocks, cuts, block, last, unit = seen[key]
+        s.float_bytes += nbytes
+        s.float_elements += numel
         s.blocks += n_blocks
-        numel = t.nbytes // t.itemsize
-        if numel not in cuts_of:
-            cuts_of[numel] = len(requested_ranks(numel))
-        s.cuts += cuts_of[numel]
-        s.cut_blocks += cuts_of[numel] * n_blocks
-        row = t.nbytes // rows
-        block = min(rows, per_block) * row
-        last = (rows - (n_blocks - 1) * per_block) * row
-        s.largest_block_elements = max(s.largest_block_elements, block // t.itemsize)
-        s.largest_unit = max(s.largest_unit, min(t.nbytes, max(UNIT_BYTES, block)))
-        s.smallest_blocks.append((name, last, last // t.itemsize))
+        s.cuts += cuts
+        s.cut_blocks += cuts * n_blocks
+        s.largest_block_elements = max(s.largest_block_elements, block // ITEMSIZE[dtype])
+        s.largest_unit = max(s.largest_unit, unit)
+        s.smallest_blocks.add((last, last // ITEMSIZE[dtype]))
     return s
 
 
@@ -96,6 +91,20 @@ def index_bytes(s: Sizes) -> tuple[int, int]:
     delta = s.blocks * DELTA_BLOCK_BYTES + s.tensors * DELTA_TENSOR_BYTES + s.name_bytes \
         + s.cuts * CUT_BYTES + s.cut_blocks * CUT_BLOCK_BYTES
     return model, delta
+
+
+def _tensor_sizes(nbytes: int, itemsize: int, shape: tuple[int, ...], block_bytes: int
+                  ) -> tuple[int, int, int, int, int, int]:
+    """(elements, blocks, rank cuts, bytes of a full block, of the last block, of its largest
+    prefetch unit) of a float tensor of `nbytes` > 0 with blocks of about `block_bytes`."""
+    rows = num_rows(shape)
+    per_block = rows if len(shape) <= 1 else max(1, block_bytes // max(1, row_bytes(shape, itemsize)))
+    n_blocks = math.ceil(rows / per_block)
+    row = nbytes // rows
+    block = min(rows, per_block) * row
+    last = (rows - (n_blocks - 1) * per_block) * row
+    numel = nbytes // itemsize
+    return numel, n_blocks, len(requested_ranks(numel)), block, last, min(nbytes, max(UNIT_BYTES, block))
 
 
 def output_files(base: Checkpoint, dtype: str | None, shard_bytes: int | None) -> tuple[int, int]:
@@ -176,27 +185,28 @@ def predict(*, sizes: Sizes, out_bytes: int, out_files: int, out_dtype: str | No
     lines.append(f"write: at most {format_bytes(out_bytes)} in {out_files} weight file(s)"
                  + (f" ({OUT_DTYPES[out_dtype]})" if out_dtype else " (the base's dtypes)"))
     cache_new = cache_indexes + sketch_bytes
-    lines.append(f"disk: {format_bytes(out_bytes + cache_new)}: the output {format_bytes(out_bytes)}, the cache "
-                 f"{format_bytes(cache_indexes)} of indexes" + (f" + at most {format_bytes(sketch_bytes)} of sketches"
-                                                              if sketches else ""))
+    sketch_text = f" + at most {format_bytes(sketch_bytes)} of sketches" if sketches else ""
+    lines.append(f"disk: {format_bytes(out_bytes + cache_new)}: the output {format_bytes(out_bytes)}, "
+                 f"the cache {format_bytes(cache_indexes)} of indexes{sketch_text}")
     window = (2 * max(1, threads) + 1) * (experts + 1) * sizes.largest_unit
     math_bytes = (experts + 2) * sizes.largest_block_elements * 4
     index_memory = (experts + 1) * model_index + experts * delta_index
     peak = PROCESS_BYTES + window + math_bytes + index_memory
-    lines.append(f"memory: about {format_bytes(peak)} at peak: the process {format_bytes(PROCESS_BYTES)} + the "
-                 f"reader window (2 x {max(1, threads)} threads + 1) x {experts + 1} models x "
+    lines.append(f"memory: about {format_bytes(peak)} at peak: the process {format_bytes(PROCESS_BYTES)}"
+                 f" + the reader window (2 x {max(1, threads)} threads + 1) x {experts + 1} models x "
                  f"{format_bytes(sizes.largest_unit)} = {format_bytes(window)} + fp32 block math "
                  f"{format_bytes(math_bytes)} + indexes {format_bytes(index_memory)}")
     moved = index_reads + sketch_reads + read_experts + base_read + out_bytes
     if bandwidth is None:
-        lines.append(f"time: unknown (no bandwidth measured); it reads and writes about {format_bytes(moved)}")
+        lines.append("time: unknown (no bandwidth measured); it reads and writes about "
+                     f"{format_bytes(moved)}")
     else:
         rate, path, probed = bandwidth
         io = moved / rate
         low, high = _seconds(STARTUP_SECONDS + io), _seconds(STARTUP_SECONDS + io / MERGE_SHARE)
         lines.append(f"time: roughly {low if low == high else f'{low} to {high}'}:"
-                     f" about {format_bytes(moved)} read and written at {format_bytes(int(rate))}/s (measured "
-                     f"reading {format_bytes(probed)} of {path.name}); index builds and merges ran at "
+                     f" about {format_bytes(moved)} read and written at {format_bytes(int(rate))}/s "
+                     f"(measured reading {format_bytes(probed)} of {path.name}); index builds and merges ran at "
                      f"{MERGE_SHARE:.0%} to 100% of the read bandwidth (BENCHMARKS.md)")
     return Prediction(lines, _disk_short([(out_dir, out_bytes), (cache_dir, cache_new)]))
 
@@ -220,5 +230,6 @@ def _disk_short(needs: list[tuple[Path, int]]) -> str | None:
     for where, total in by_device.values():
         free = shutil.disk_usage(where).free
         if free < total:
-            return f"disk: {format_bytes(free)} free at {where}, the merge needs about {format_bytes(total)} there"
+            return (f"disk: {format_bytes(free)} free at {where}, the merge needs about "
+                    f"{format_bytes(total)} there")
     return None
