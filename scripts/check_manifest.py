@@ -29,7 +29,8 @@ except ImportError:
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
-VOCAB_MODULES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out", "tok_embeddings"}
+VOCAB_MODULES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out",
+                 "tok_embeddings"}
 MANIFEST, SIGNATURE = "manifest.json", "model.sig"
 CHUNK = 8 << 20
 
@@ -42,6 +43,11 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def hash_without(doc: dict, key: str) -> str:
+    """blake3 hex of the canonical JSON of `doc` without `key`: how manifest_hash and plan_hash are made."""
+    return blake3(canonical({k: v for k, v in doc.items() if k != key})).hexdigest()
+
+
 def digest(data: bytes) -> bytes:
     return blake3(data).digest()
 
@@ -51,7 +57,8 @@ def block_size(name: str, shape: list[int], plan: dict) -> int:
     parts = name.split(".")
     vocab = (len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in VOCAB_MODULES
              and len(shape) == 2 and shape[0] > shape[1] > 0)
-    return plan["embedding_block_bytes"] if vocab and plan.get("embedding_block_bytes") else plan["block_bytes"]
+    emb = plan.get("embedding_block_bytes")
+    return emb if vocab and emb else plan["block_bytes"]
 
 
 def block_lengths(shape: list[int], itemsize: int, block: int) -> list[int]:
@@ -99,7 +106,8 @@ def check_weight_file(path: Path, rec: dict, plan: dict, tensors: dict[str, str]
             if tensors.get(name) != tensor.hex():
                 raise Mismatch(f"{path}: tensor {name!r} does not match the manifest")
             digests.append(tensor)
-    if blake3 is not None and digest(digest(struct.pack("<Q", n) + head) + b"".join(digests)).hex() != rec["tree"]:
+    tree = None if blake3 is None else digest(digest(struct.pack("<Q", n) + head) + b"".join(digests)).hex()
+    if tree is not None and tree != rec["tree"]:
         raise Mismatch(f"{path}: header or padding does not match the manifest")
     return [name for _, _, name, _ in entries]
 
@@ -120,15 +128,15 @@ def check(out: Path) -> str:
     man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
     plan, files, tensors = man["plan"], man["outputs"]["files"], man["outputs"]["tensors"]
     if blake3 is not None:
-        if blake3(canonical({k: v for k, v in man.items() if k != "manifest_hash"})).hexdigest() != man["manifest_hash"]:
+        if hash_without(man, "manifest_hash") != man["manifest_hash"]:
             raise Mismatch(f"{out / MANIFEST}: manifest_hash does not match its content")
-        if blake3(canonical({k: v for k, v in plan.items() if k != "plan_hash"})).hexdigest() != plan["plan_hash"] \
-                or plan["plan_hash"] != man["plan_hash"]:
+        if hash_without(plan, "plan_hash") != plan["plan_hash"] or plan["plan_hash"] != man["plan_hash"]:
             raise Mismatch(f"{out / MANIFEST}: plan_hash does not match the recorded plan")
     present = {p.name for p in out.iterdir() if p.is_file()} - {MANIFEST, SIGNATURE}
     odd = sorted(present ^ set(files))
     if odd:
-        raise Mismatch(f"{out / odd[0]}: " + ("not recorded in the manifest" if odd[0] in present else "missing"))
+        what = "not recorded in the manifest" if odd[0] in present else "missing"
+        raise Mismatch(f"{out / odd[0]}: {what}")
     found: list[str] = []
     for name, rec in sorted(files.items()):
         if "tree" in rec:
@@ -155,7 +163,8 @@ def main(argv: list[str]) -> int:
         print(f"MISMATCH: {out}: not a readable mergepipe output ({type(e).__name__}: {e})", file=sys.stderr)
         return 1
     if blake3 is None:
-        print(f"{line.replace(': OK', ': structure OK')}; no hash checked: pip install blake3", file=sys.stderr)
+        print(f"{line.replace(': OK', ': structure OK')}; no hash checked: pip install blake3",
+              file=sys.stderr)
         return 3
     print(line)
     return 0

@@ -23,6 +23,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "manifest.sch
 HASH = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 COUNT = {"type": "integer", "minimum": 0}
 COUNTS = {"type": "object", "additionalProperties": COUNT}
+INPUT = {"$ref": "#/$defs/PlanInputRecord"}
 FILE_NAME = "^(?!\\.{1,2}$)[^/\\\\]+$"  # a plain file name of the folder's top level
 
 
@@ -38,6 +39,7 @@ def manifest_schema() -> dict:
                 description="An input that is a mergepipe output: its manifest_hash, and blake3 of the "
                             "canonical JSON of its outputs.tensors")
     weight_file = _obj({"tree": HASH, "size": COUNT}, description="A *.safetensors file: its block hash tree")
+    links = {"type": "object", "minProperties": 1, "additionalProperties": link}
     other_file = _obj({"blake3": HASH}, {"size": COUNT}, description="Any other file: blake3 of its bytes")
     byte_counts = {k: COUNT for k in ("planned_expert_bytes", "total_expert_bytes", "expert_bytes_read",
                                       "base_bytes_read", "base_bytes_copied", "bytes_written")}
@@ -54,8 +56,7 @@ def manifest_schema() -> dict:
             "versions": _obj({k: {"type": "string"} for k in ("mergepipe", "torch", "safetensors")}),
             "plan_hash": HASH,
             "plan": {"$ref": "#/$defs/Plan"},
-            "inputs": _obj({"base": {"$ref": "#/$defs/PlanInputRecord"},
-                            "experts": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/PlanInputRecord"}}}),
+            "inputs": _obj({"base": INPUT, "experts": {"type": "array", "minItems": 1, "items": INPUT}}),
             "budget": _obj({"spec": {"type": "string"}, "bytes": COUNT}),
             "bytes": _obj(byte_counts, {"planned_sketch_bytes": COUNT, "sketch_bytes_read": COUNT}),
             "bound": {"$ref": "#/$defs/BoundRecord"},
@@ -65,8 +66,7 @@ def manifest_schema() -> dict:
                 "tensors": {"type": "object", "additionalProperties": HASH},
             }),
             "manifest_hash": HASH,
-        }, {"lineage": _obj({}, {"base": link, "experts": {"type": "object", "minProperties": 1,
-                                                            "additionalProperties": link}}, minProperties=1)}),
+        }, {"lineage": _obj({}, {"base": link, "experts": links}, minProperties=1)}),
         "$defs": {"Plan": plan, **defs},
     }
 
@@ -77,7 +77,8 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if the schema file is stale instead of writing it")
+    parser.add_argument("--check", action="store_true",
+                        help="fail if the schema file is stale instead of writing it")
     args = parser.parse_args(argv)
     text = render()
     current = SCHEMA_PATH.read_text(encoding="utf-8") if SCHEMA_PATH.exists() else None

@@ -4,8 +4,10 @@ for mergepipe to check (tests/test_signing.py runs this when MODEL_SIGNING_PYTHO
 interpreter that has it; mergepipe does not depend on it: it pulls in sigstore and ~30 packages).
 
 Usage (an interpreter with `pip install model-signing==1.1.1`; 1.1.1 also needs pyOpenSSL):
-  python scripts/model_signing_crosscheck.py verify OUT PUB.pem [--signature SIG]   model-signing verifies OUT
-  python scripts/model_signing_crosscheck.py sign OUT KEY.pem                       model-signing signs OUT/model.sig
+  python scripts/model_signing_crosscheck.py verify OUT PUB.pem [--signature SIG]
+      model-signing's verifier checks OUT against its signature
+  python scripts/model_signing_crosscheck.py sign OUT KEY.pem
+      model-signing signs OUT into OUT/model.sig
 Exit 0 when model-signing accepts (or signed), 1 with its error on stderr.
 """
 from __future__ import annotations
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     sig = args.signature or args.folder / SIGNATURE
     try:
         if args.action == "verify":
-            model_signing.verifying.Config().use_elliptic_key_verifier(public_key=args.key).verify(args.folder, sig)
+            verifier = model_signing.verifying.Config().use_elliptic_key_verifier(public_key=args.key)
+            verifier.verify(args.folder, sig)
         else:
             hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE])
             model_signing.signing.Config().use_elliptic_key_signer(private_key=args.key) \

@@ -27,7 +27,8 @@ SCHEMA = ROOT / "schemas" / "manifest.schema.json"
 
 
 def check(out: Path, *, python: list[str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*(python or [sys.executable]), str(SCRIPT), str(out)], capture_output=True, text=True)
+    return subprocess.run([*(python or [sys.executable]), str(SCRIPT), str(out)], capture_output=True,
+                          text=True)
 
 
 def validator() -> jsonschema.Draft202012Validator:
@@ -83,7 +84,7 @@ def test_checker_agrees_with_verify_deep_on_every_golden_merge(golden, case, cap
 
 
 def test_checker_follows_vocabulary_blocks_output_shards_and_lineage(layouts):
-    emb, plain, nested = load_manifest(layouts["emb"]), load_manifest(layouts["plain"]), load_manifest(layouts["nested"])
+    emb, plain, nested = (load_manifest(layouts[k]) for k in ("emb", "plain", "nested"))
     assert len([n for n in emb["outputs"]["files"] if n.endswith(".safetensors")]) > 1
     name = "model.embed_tokens.weight"  # the same bytes at full budget, hashed under smaller blocks
     assert emb["outputs"]["tensors"][name] != plain["outputs"]["tensors"][name]

@@ -27,7 +27,8 @@ from tests.helpers import write_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_key(folder: Path, name: str, *, curve=ec.SECP256R1(), password: bytes | None = None) -> tuple[Path, Path]:
+def write_key(folder: Path, name: str, *, curve=ec.SECP256R1(),
+              password: bytes | None = None) -> tuple[Path, Path]:
     """(private PEM, public PEM) of a new EC key."""
     key = ec.generate_private_key(curve)
     enc = serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption()
@@ -197,7 +198,8 @@ def test_keys_outside_the_model_signing_format_are_refused_in_one_line(out, tmp_
     assert rc == 2 and "not a PEM public key" in err
 
 
-def test_an_encrypted_p384_key_signs_with_its_password_from_the_environment(out, tmp_path, capsys, monkeypatch):
+def test_an_encrypted_p384_key_signs_with_its_password_from_the_environment(out, tmp_path, capsys,
+                                                                            monkeypatch):
     priv, pub = write_key(tmp_path, "vault", curve=ec.SECP384R1(), password=b"s3cret")
     rc, _, err = cli(capsys, "sign", out, "--key", priv)
     assert rc == 2 and "is encrypted" in err
@@ -260,7 +262,7 @@ def test_signed_provenance_opens_only_with_the_signers_key(out, tmp_path, keys):
         read_provenance(dest, [keys["other"][1]])
     assert main(["sign", str(out), "--key", str(priv), "-q"]) == 0
     with pytest.raises(IntegrityError, match="predicateType is not https://slsa.dev/provenance/v1"):
-        read_provenance(out / SIGNATURE, [pub])  # a model signature is no provenance, though the same key made it
+        read_provenance(out / SIGNATURE, [pub])  # a model signature is no provenance, though one key made both
 
 
 def test_bundle_signature_is_ecdsa_over_the_dsse_pae(out, keys):
@@ -270,7 +272,8 @@ def test_bundle_signature_is_ecdsa_over_the_dsse_pae(out, keys):
     bundle = json.loads((out / SIGNATURE).read_text())
     env = bundle["dsseEnvelope"]
     payload = base64.b64decode(env["payload"])
-    pae = b"DSSEv1 %d %s %d %s" % (len(env["payloadType"]), env["payloadType"].encode(), len(payload), payload)
+    kind = env["payloadType"].encode()
+    pae = b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
     key = serialization.load_pem_public_key(pub.read_bytes())
     key.verify(base64.b64decode(env["signatures"][0]["sig"]), pae, ec.ECDSA(dsse._hash_for(key.curve)))
     assert bundle["mediaType"] == dsse.BUNDLE_MEDIA_TYPE

@@ -79,8 +79,8 @@ def load_private_key(path: Path, *, password_env: str | None = None):
     try:
         key = serialization.load_pem_private_key(data, password)
     except TypeError:  # encrypted and no password, or a password for a key that has none
-        need = "is encrypted: give its password's environment variable with --password-env" if password is None \
-            else "is not encrypted: drop --password-env"
+        need = ("is encrypted: give its password's environment variable with --password-env"
+                if password is None else "is not encrypted: drop --password-env")
         raise ConfigError(f"{path}: the private key {need}") from None
     except ValueError as e:
         raise ConfigError(f"{path}: not a PEM private key, or a wrong password ({e})") from None
@@ -127,7 +127,8 @@ def sign_statement(statement: dict, private_key) -> bytes:
     sig = private_key.sign(pae(payload), ec.ECDSA(_hash_for(private_key.curve)))
     bundle = {
         "mediaType": BUNDLE_MEDIA_TYPE,
-        "verificationMaterial": {"publicKey": {"hint": fingerprint(private_key.public_key())}, "tlogEntries": []},
+        "verificationMaterial": {"publicKey": {"hint": fingerprint(private_key.public_key())},
+                                 "tlogEntries": []},
         "dsseEnvelope": {"payload": base64.b64encode(payload).decode(), "payloadType": PAYLOAD_TYPE,
                          "signatures": [{"sig": base64.b64encode(sig).decode(), "keyid": ""}]},
     }
@@ -152,21 +153,23 @@ def read_bundle(path: Path) -> dict:
     try:
         bundle = json.loads(read_json_object_text(path))
     except FileNotFoundError:
-        raise IntegrityError(f"{path}: no signature there (sign with `mergepipe sign OUT --key KEY.pem`)") from None
+        raise IntegrityError(f"{path}: no signature there (sign with `mergepipe sign OUT --key KEY.pem`)") \
+            from None
     except OSError as e:
         raise IntegrityError(f"{path}: cannot read the signature: {e.strerror}") from None
     except (ValueError, RecursionError):
         raise IntegrityError(f"{path}: not a signature bundle (not a JSON object)") from None
     if bundle.get("mediaType") != BUNDLE_MEDIA_TYPE:
-        raise IntegrityError(f"{path}: mediaType {str(bundle.get('mediaType'))[:80]!r} is not {BUNDLE_MEDIA_TYPE} "
-                             "(only key-signed model-signing bundles are checked)")
+        raise IntegrityError(f"{path}: mediaType {str(bundle.get('mediaType'))[:80]!r} is not "
+                             f"{BUNDLE_MEDIA_TYPE} (only key-signed model-signing bundles are checked)")
     env = bundle.get("dsseEnvelope")
     sigs = env.get("signatures") if isinstance(env, dict) else None
     if not isinstance(sigs, list) or len(sigs) != 1 or not isinstance(sigs[0], dict) \
             or not isinstance(sigs[0].get("sig"), str) or not isinstance(env.get("payload"), str):
         raise IntegrityError(f"{path}: dsseEnvelope must hold a payload and exactly one signature")
     if env.get("payloadType") != PAYLOAD_TYPE:
-        raise IntegrityError(f"{path}: payloadType {str(env.get('payloadType'))[:80]!r} is not {PAYLOAD_TYPE}")
+        raise IntegrityError(f"{path}: payloadType {str(env.get('payloadType'))[:80]!r} is not "
+                             f"{PAYLOAD_TYPE}")
     return bundle
 
 
@@ -192,7 +195,8 @@ def open_bundle(path: Path, trusted: list[Path]) -> Opened:
     candidates = [(p, k) for p, k in keys if hint is None or fingerprint(k) == hint]
     if not candidates:
         ours = ", ".join(f"{p} sha256:{fingerprint(k)[:16]}" for p, k in keys)
-        raise IntegrityError(f"{path}: signed by key sha256:{hint}, which is none of the trusted keys ({ours})")
+        raise IntegrityError(f"{path}: signed by key sha256:{hint}, which is none of the trusted keys "
+                             f"({ours})")
     env = bundle["dsseEnvelope"]
     try:
         payload = base64.b64decode(env["payload"], validate=True)
@@ -206,8 +210,8 @@ def open_bundle(path: Path, trusted: list[Path]) -> Opened:
             continue
         return Opened(_statement(payload, path), fingerprint(key), key_path)
     names = ", ".join(str(p) for p, _ in candidates)
-    raise IntegrityError(f"{path}: the signature does not verify with {names} (the statement was altered after "
-                         "signing, or another key signed it)")
+    raise IntegrityError(f"{path}: the signature does not verify with {names} (the statement was altered "
+                         "after signing, or another key signed it)")
 
 
 def _statement(payload: bytes, path: Path) -> dict:

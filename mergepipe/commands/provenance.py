@@ -31,7 +31,8 @@ from mergepipe.util.fs import atomic_write_bytes, canonical_json
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "urn:mergepipe:merge:v1"
 BUILDER_ID = "urn:mergepipe:cli"
-CONTENT_HASH = "mergepipeContentHash"  # docs/design.md "Index": sharding-independent, under the plan's block_bytes
+# a model's content hash (docs/design.md "Index"): sharding-independent, under the plan's block_bytes
+CONTENT_HASH = "mergepipeContentHash"
 SETTINGS = ("method", "parameters", "seed", "budget", "budget_bytes", "block_bytes", "embedding_block_bytes",
             "nonfinite", "tensor_parameters")
 
@@ -108,10 +109,11 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
         IntegrityError: the folder does not verify. ConfigError: the key is unusable.
     """
     if out_dir.resolve() in dest.resolve().parents:
-        raise OutputError(f"-o {dest}: inside {out_dir}, where it would be a file the manifest does not record; "
-                          "write it beside the folder")
+        raise OutputError(f"-o {dest}: inside {out_dir}, where it would be a file the manifest does not "
+                          "record; write it beside the folder")
     if dest.is_dir() or (dest.exists() and not force):
-        raise OutputError(f"-o {dest}: exists; refusing to overwrite it (choose another name, or pass --force)")
+        raise OutputError(f"-o {dest}: exists; refusing to overwrite it (choose another name, or pass "
+                          "--force)")
     private = None if key is None else dsse.load_private_key(key, password_env=password_env)
     statement = provenance_statement(out_dir, deep=deep)
     data = canonical_json(statement, indent=2) if private is None else dsse.sign_statement(statement, private)
@@ -119,7 +121,8 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
         atomic_write_bytes(dest, data)
     except OSError as e:
         raise OutputError(f"-o {dest}: cannot write: {e.strerror}") from None
-    how = "unsigned" if private is None else f"signed with key sha256:{dsse.fingerprint(private.public_key())}"
+    how = "unsigned" if private is None else \
+        f"signed with key sha256:{dsse.fingerprint(private.public_key())}"
     return f"{dest}: SLSA provenance of {len(statement['subject'])} files of {out_dir} ({how})"
 
 

@@ -29,7 +29,8 @@ from mergepipe.output.manifest import MANIFEST, SIGNATURE, verify_outputs
 from mergepipe.util.fs import atomic_write_bytes
 
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
-SERIALIZATION = {"method": "files", "hash_type": "sha256", "allow_symlinks": False, "ignore_paths": [SIGNATURE]}
+SERIALIZATION = {"method": "files", "hash_type": "sha256", "allow_symlinks": False,
+                 "ignore_paths": [SIGNATURE]}
 
 
 def sha256_file(path: Path) -> str:
@@ -48,7 +49,8 @@ def folder_files(out_dir: Path) -> list[str]:
         rel = path.relative_to(out_dir).as_posix()
         mode = path.lstat().st_mode
         if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise IntegrityError(f"{path}: a symbolic link or special file; a signature covers regular files only")
+            raise IntegrityError(f"{path}: a symbolic link or special file; a signature covers regular "
+                                 "files only")
         if stat.S_ISREG(mode) and rel != SIGNATURE:
             names.append(rel)
     return names
@@ -74,8 +76,8 @@ def checked_output(out_dir: Path, *, deep: bool = False) -> dict:
     recorded = set(man["outputs"]["files"]) | {MANIFEST}
     foreign = [n for n in folder_files(out_dir) if n not in recorded]
     if foreign:
-        raise IntegrityError(f"{out_dir / foreign[0]}: not recorded in the manifest; a signature covers every file "
-                             "of the folder: move it out first")
+        raise IntegrityError(f"{out_dir / foreign[0]}: not recorded in the manifest; a signature covers "
+                             "every file of the folder: move it out first")
     return man
 
 
@@ -89,14 +91,15 @@ def signature_path(out_dir: Path, signature: Path | None) -> Path:
     other than model.sig would be a file the manifest does not record)."""
     if signature is None:
         return out_dir / SIGNATURE
-    if out_dir.resolve() in signature.resolve().parents and signature.resolve() != (out_dir / SIGNATURE).resolve():
+    where = signature.resolve()
+    if out_dir.resolve() in where.parents and where != (out_dir / SIGNATURE).resolve():
         raise ConfigError(f"--signature {signature}: inside {out_dir}; there it must be {SIGNATURE} "
                           "(any other file there is one its manifest does not record)")
     return signature
 
 
-def sign_output(out_dir: Path, key_path: Path, *, signature: Path | None = None, password_env: str | None = None,
-                force: bool = False, deep: bool = False) -> str:
+def sign_output(out_dir: Path, key_path: Path, *, signature: Path | None = None,
+                password_env: str | None = None, force: bool = False, deep: bool = False) -> str:
     """Sign `out_dir` (checked against its manifest first) with the private key at `key_path`;
     write the bundle to `signature` (default OUT/model.sig). Returns the one-line report.
 
@@ -117,8 +120,8 @@ def sign_output(out_dir: Path, key_path: Path, *, signature: Path | None = None,
         atomic_write_bytes(dest, bundle)
     except OSError as e:
         raise OutputError(f"{dest}: cannot write the signature: {e.strerror}") from None
-    return (f"{dest}: signed {len(digests)} files of {out_dir} (manifest {man['manifest_hash'][:16]}) with key "
-            f"sha256:{dsse.fingerprint(key.public_key())}")
+    return (f"{dest}: signed {len(digests)} files of {out_dir} (manifest {man['manifest_hash'][:16]}) "
+            f"with key sha256:{dsse.fingerprint(key.public_key())}")
 
 
 def _check_replaceable(dest: Path, ours: str, *, force: bool) -> None:
@@ -152,12 +155,13 @@ def read_model_signature(path: Path, trusted: list[Path]) -> Signed:
     opened = dsse.open_bundle(path, trusted)
     st = opened.statement
     if st.get("predicateType") != PREDICATE_TYPE:
-        raise IntegrityError(f"{path}: predicateType {str(st.get('predicateType'))[:80]!r} is not {PREDICATE_TYPE}")
+        raise IntegrityError(f"{path}: predicateType {str(st.get('predicateType'))[:80]!r} is not "
+                             f"{PREDICATE_TYPE}")
     pred = st.get("predicate") if isinstance(st.get("predicate"), dict) else {}
     ser = pred.get("serialization") if isinstance(pred.get("serialization"), dict) else {}
     if ser.get("method") != "files" or ser.get("hash_type") != "sha256":
-        raise IntegrityError(f"{path}: serialization {ser.get('method')!r}/{ser.get('hash_type')!r}; mergepipe "
-                             "checks the files/sha256 serialization only")
+        raise IntegrityError(f"{path}: serialization {ser.get('method')!r}/{ser.get('hash_type')!r}; "
+                             "mergepipe checks the files/sha256 serialization only")
     resources = pred.get("resources")
     if not isinstance(resources, list) or not all(
             isinstance(r, dict) and isinstance(r.get("name"), str) and r.get("algorithm") == "sha256"
@@ -190,7 +194,8 @@ def check_signature(out_dir: Path, trusted: list[Path], *, signature: Path | Non
     names = folder_files(out_dir)
     extra = [n for n in names if n not in signed.digests]
     if extra:
-        raise IntegrityError(f"{out_dir / extra[0]}: not covered by the signature {path} (added after signing)")
+        raise IntegrityError(f"{out_dir / extra[0]}: not covered by the signature {path} (added after "
+                             "signing)")
     missing = sorted(set(signed.digests) - set(names))
     if missing:
         raise IntegrityError(f"{out_dir / missing[0]}: signed by {path} but missing")
@@ -199,7 +204,8 @@ def check_signature(out_dir: Path, trusted: list[Path], *, signature: Path | Non
             what = "not the manifest that was signed (forged or rebuilt since?)" if name == MANIFEST \
                 else "not the bytes that were signed (edited since?)"
             raise IntegrityError(f"{out_dir / name}: {what}")
-    return f"signed by key sha256:{signed.signer} ({signed.key_path}): {len(names)} files, {MANIFEST} included"
+    return (f"signed by key sha256:{signed.signer} ({signed.key_path}): {len(names)} files, "
+            f"{MANIFEST} included")
 
 
 def trusted_keys(paths: list[str]) -> list[Path]:
