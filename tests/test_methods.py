@@ -50,7 +50,7 @@ CASES = [
     ("ramplus_tl", {"epsilon": 0.05, "r": 0.5, "alpha": 0.9}, {}, 3),
     ("nuslerp", {}, {}, 2),
     ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True, "base_weight": 0.7}, {}, 1),
-    ("della", {}, {"density": 0.5}, 3),
+    ("della", {"rescale_mode": "keep_probability"}, {"density": 0.5}, 3),
     ("della", {"rescale_mode": "l1", "lambda": 0.9}, {"density": 0.6}, 3),
     ("della_linear", {"epsilon": 0.1, "normalize": True}, {"density": 0.4}, 3),
     ("nuslerp", {"nuslerp_flatten": False}, {}, 2),

@@ -7,21 +7,26 @@ so the largest magnitudes are kept most often and the row keeps `density` on ave
 are row-local, so a block of whole rows needs nothing from the rest of the tensor.
 
 Kept elements are rescaled (`rescale: true`, the default in both methods). By default
-(`rescale_mode: keep_probability`) by 1/p_i, each element's own keep probability, as the DELLA
-paper does: E[kept] = delta exactly. mergekit 0.1.5 instead multiplies by the whole tensor's L1
-ratio sum|delta| / sum|kept| (unscaled where either is below 1e-7); `rescale_mode: l1` does
-that: both sums, per expert, come from the engine's joint scan (L1_SUMS: the scan regenerates
-each block's seeded mask; fixed-order fp64 sums rounded to fp32, then mergekit's fp32 ratio),
-so with the same mask the result is mergekit's by the equivalence rule. Declaring the scan makes
-a budgeted della read each block for all experts or none, in both modes.
+(`rescale_mode: l1`) as mergekit 0.1.5 does: times the whole tensor's L1 ratio
+sum|delta| / sum|kept| (unscaled where either is below 1e-7). Both sums, per expert, come
+from the engine's joint scan (L1_SUMS: the scan regenerates each block's seeded mask;
+fixed-order fp64 sums rounded to fp32, then mergekit's fp32 ratio), so with the same mask
+the result is mergekit's by the equivalence rule. `rescale_mode: keep_probability` divides
+each kept element by its own p_i instead, as the DELLA paper does (E[kept] = delta exactly;
+no scan). Declaring the scan makes a budgeted della read each block for all experts or
+none, in both modes.
 
-Differences from mergekit, by design: its mask comes from torch's global RNG (so it depends
-on tensor and thread order); here each (expert, block) draws one fp32 uniform per element
-from its own generator (methods.base.block_rng, as DARE) and keeps u < p_i, so the mask does
-not depend on expert order, threads or budget. Equal magnitudes are ranked in flat-index
-order (stable sort); mergekit's unstable argsort ranks them in an order of its own. A row of
-one element has no rank (mergekit fails: 0/0): it is kept with probability `density`. The
-probabilities follow mergekit's fp32 operations exactly.
+Differences from mergekit, by design: its mask comes from torch.bernoulli on the global RNG
+(so it depends on tensor and thread order, and cannot be reproduced); here each (expert,
+block) draws one fp32 uniform per element from its own generator (methods.base.block_rng, as
+DARE) and keeps u < p_i, so the mask does not depend on expert order, threads or budget.
+Equal magnitudes are ranked in flat-index order (stable sort): a row's probabilities are
+mergekit's as a set, and element by element wherever |delta| is unique in its row
+(mergekit's unstable argsort ranks ties in an order of its own, which depends on torch's CPU
+sort kernel). A row of one element has no rank (mergekit fails: 0/0): it is kept with
+probability `density`. The probabilities follow mergekit's fp32 operations exactly (mergekit
+computes in fp32 only with `dtype: float32`; with bf16 inputs and no dtype its ranks are
+rounded to bf16).
 """
 from __future__ import annotations
 
@@ -46,9 +51,9 @@ class MagPruneParams(DensityParams):
     epsilon: float = Field(0.15, ge=0.0, description=EPSILON_DOC)
     # true: rescale kept elements (how: rescale_mode); false: keep them unscaled
     rescale: bool = True
-    # keep_probability: each kept element / its p_i (the paper; default); l1: times the whole
-    # tensor's sum|delta| / sum|kept| (mergekit 0.1.5), from the joint scan
-    rescale_mode: Literal["keep_probability", "l1"] = "keep_probability"
+    # l1: times the whole tensor's sum|delta| / sum|kept| (mergekit 0.1.5's rescale, from the
+    # joint scan; default); keep_probability: each kept element / its p_i (the paper's)
+    rescale_mode: Literal["keep_probability", "l1"] = "l1"
 
     @model_validator(mode="after")
     def _probabilities_in_range(self) -> MagPruneParams:

@@ -1,14 +1,15 @@
 """DELLA-Merging with TIES' sign consensus (Deep et al. 2024, arXiv:2406.11617; mergekit's `della`).
 
 Prune each delta with MagPrune (methods/_della.py: row-local magnitude ranks, keep element i
-with probability p_i in [density - epsilon, density + epsilon], rescale kept ones by 1/p_i),
-elect a sign per element (sign of sum_k w_k pruned_k), keep the agreeing entries:
+with probability p_i in [density - epsilon, density + epsilon], rescale what is kept), elect
+a sign per element (sign of sum_k w_k pruned_k), keep the agreeing entries:
 theta = W0 + lambda * sum_k m_k w_k pruned_k / sum_k m_k w_k (the division only if normalize).
 
-mergekit 0.1.5's defaults: normalize true, rescale true, epsilon 0.15, density 1, lambda 1.
-Its rescale is the whole tensor's L1 ratio, ours 1/p_i by default; `rescale_mode: l1` is
-mergekit's (from the joint scan; see _della.py, also for the seeded mask). epsilon is one value
-for every expert here (per-model in mergekit; import-mergekit requires them equal).
+mergekit 0.1.5's defaults: normalize true, rescale true, epsilon 0.15, density 1, lambda 1; and
+its rescale, the whole tensor's L1 ratio (`rescale_mode: l1`, from the joint scan);
+`rescale_mode: keep_probability` is the paper's 1/p_i instead (see _della.py, also for the
+seeded mask). epsilon is one value for every expert here (per-model in mergekit;
+import-mergekit requires them equal).
 """
 from __future__ import annotations
 

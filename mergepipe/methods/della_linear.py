@@ -3,10 +3,11 @@
 Prune each delta with MagPrune (methods/_della.py), then
 theta = W0 + lambda * sum_k w_k pruned_k (/ sum_k w_k if normalize).
 
-mergekit 0.1.5's defaults: normalize false, rescale true, epsilon 0.15, density 1, lambda 1.
-Its rescale is the whole tensor's L1 ratio, ours 1/p_i by default; `rescale_mode: l1` is
-mergekit's (from the joint scan; see _della.py, also for the seeded mask). epsilon is one value
-for every expert here (per-model in mergekit; import-mergekit requires them equal).
+mergekit 0.1.5's defaults: normalize false, rescale true, epsilon 0.15, density 1, lambda 1; and
+its rescale, the whole tensor's L1 ratio (`rescale_mode: l1`, from the joint scan);
+`rescale_mode: keep_probability` is the paper's 1/p_i instead (see _della.py, also for the
+seeded mask). epsilon is one value for every expert here (per-model in mergekit;
+import-mergekit requires them equal).
 """
 from __future__ import annotations
 

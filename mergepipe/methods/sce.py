@@ -4,8 +4,12 @@ With deltas d_k (k experts):
 1. select (only when 0 < select_topk < 1): the population variance over experts of each
    element, var_i; keep the k = int(fp32(nonzero) * fp32(select_topk)) elements of the
    whole tensor with the largest variance (nonzero = elements with var != 0), ties at the
-   threshold in flat-index order (mergekit's topk keeps an arbitrary subset of them);
+   threshold in flat-index order (mergekit's topk keeps an arbitrary subset of them, chosen
+   by a selection over the whole tensor in memory, which blocks cannot reproduce);
    d_k <- d_k * mask. select_topk <= 0 keeps nothing (theta = W0).
+   The selection enters every w_k below, so where a tie at the threshold is split otherwise
+   than mergekit splits it, every element of the tensor moves a little (several bf16 ulps
+   where the result cancels); with mergekit's selection the formula gives mergekit's output.
 2. calculate: w_k = mean(d_k^2) over the whole tensor / sum_j mean(d_j^2) (1/k each when
    that sum is below 1e-6);
 3. erase: the TIES sign election s = sign(sum_k d_k) (+ where >= 0), m_k = [sign d_k = s];
