@@ -342,7 +342,7 @@ def _calibration_text(cfg) -> list[Path]:
 def cmd_verify(args: argparse.Namespace) -> int:
     from mergepipe.commands.sign import signature_report, trusted_keys
     from mergepipe.commands.verify import verify
-    keys = trusted_keys(args.public_key)
+    keys = trusted_keys(args.public_key, signature=args.signature)
     line = verify(Path(args.outdir), deep=args.deep, inputs=args.inputs, replay=args.replay, root=Path(args.root),
                   threads=args.threads)
     signed = signature_report(Path(args.outdir), keys,
@@ -354,7 +354,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from mergepipe.commands.audit import audit
     from mergepipe.commands.sign import signature_report, trusted_keys
-    keys = trusted_keys(args.public_key)
+    keys = trusted_keys(args.public_key, signature=args.signature)
     report = audit(Path(args.outdir), search=[Path(d) for d in args.search], cache_dir=Path(args.cache_dir),
                    recursive=args.recursive, threads=args.threads)
     sys.stdout.write(report.text())

@@ -196,6 +196,8 @@ def test_keys_outside_the_model_signing_format_are_refused_in_one_line(out, tmp_
     assert rc == 2 and "ECDSA keys on P-256, P-384 or P-521 only" in err
     rc, _, err = cli(capsys, "verify", out, "--public-key", out / "config.json")
     assert rc == 2 and "not a PEM public key" in err
+    rc, _, err = cli(capsys, "verify", out, "--signature", out / SIGNATURE)
+    assert rc == 2 and "give the signer's public key with --public-key" in err
 
 
 def test_an_encrypted_p384_key_signs_with_its_password_from_the_environment(out, tmp_path, capsys,

@@ -208,12 +208,15 @@ def check_signature(out_dir: Path, trusted: list[Path], *, signature: Path | Non
             f"{MANIFEST} included")
 
 
-def trusted_keys(paths: list[str]) -> list[Path]:
-    """The public key files given, each loaded once as a check, so a bad one fails before any rehash.
+def trusted_keys(paths: list[str], *, signature: str | None = None) -> list[Path]:
+    """The public key files given, each loaded once as a check, so a bad one (or a `--signature`
+    given without a key) fails before any rehash.
 
     Raises:
-        ConfigError: a key file is unreadable, not a PEM public key, or not EC.
+        ConfigError: a key file is unreadable, not a PEM public key, or not EC; no key for `signature`.
     """
+    if signature is not None and not paths:
+        raise ConfigError(f"--signature {signature}: give the signer's public key with --public-key PUB.pem")
     keys = [Path(p) for p in paths]
     for key in keys:
         dsse.load_public_key(key)
@@ -225,12 +228,10 @@ def signature_report(out_dir: Path, trusted: list[Path], *, signature: Path | No
     one is there unchecked (no key given: never passed over in silence), or None (none there).
 
     Raises:
-        ConfigError: `signature` given without a key. IntegrityError: as check_signature.
+        IntegrityError: as check_signature.
     """
     if trusted:
         return check_signature(out_dir, trusted, signature=signature)
-    if signature is not None:
-        raise ConfigError(f"--signature {signature}: give the signer's public key with --public-key PUB.pem")
     if (out_dir / SIGNATURE).exists():
         return f"{SIGNATURE} not checked (give the signer's public key with --public-key PUB.pem)"
     return None
