@@ -11,7 +11,8 @@ mergekit"), all in one mergekit process; outputs are compared by tests/_equivale
   handed our mask for the tensor and model it draws for, and records the keep probabilities it
   asked for. The imported recipe, with mergekit's default rescale, must then give mergekit's
   model, and the probabilities must be mergekit's.
-- arcee_fusion: mergekit's model bit for bit; its mask one cut of mergekit's own importance.
+- arcee_fusion: the masks differ only at the threshold (mergekit's fp32 importance within a few ulps of
+  ours, which is fp64 rounded to fp32, the same on every CPU); ours is one cut of our importance.
   Also on whole tensors built to be hard: ties, and rows of near-equal importance.
 - sce: mergekit keeps an arbitrary subset of the elements tied at the variance threshold (its
   topk), and the selection sets each expert's weight mean(d^2) over the whole tensor, so a
@@ -36,7 +37,7 @@ from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.cli import main
 from mergepipe.methods._della import della_mask, keep_probabilities
 from mergepipe.methods.arcee_fusion import importance_bits
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
+from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge, ulp
 
 pytestmark = [
     pytest.mark.slow,
@@ -311,56 +312,86 @@ def test_della_keep_probabilities_are_mergekits(parity, recipe):
     assert tied_somewhere  # the family has tied magnitudes
 
 
-def test_imported_arcee_fusion_is_mergekits_model(parity):
-    """Bit for bit (each element is the base's or the expert's): the same mask as mergekit's."""
-    ours, theirs = parity["ours"]["arcee_fusion"], parity["theirs"]["arcee_fusion"]
-    assert set(theirs) <= set(ours)
-    for name, reference in theirs.items():
-        assert torch.equal(ours[name].view(torch.int16), reference.view(torch.int16)), name
-
-
 def _assert_one_cut(importance: torch.Tensor, kept: torch.Tensor, where: str) -> None:
     """kept is exactly {importance >= t} for one t: no kept importance below a dropped one."""
     if bool(kept.any()) and bool((~kept).any()):
         assert float(importance[kept].min()) >= float(importance[~kept].max()), where
 
 
-def test_arcee_fusion_importance_and_cut_are_mergekits(parity):
-    """On the family: our importance is mergekit's bit for bit, and what the merge kept is one
-    cut of it."""
+def _our_importance(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    rows = base.reshape(1, -1) if base.dim() < 2 else base
+    bits = importance_bits(rows.numpy(), delta.reshape(rows.shape).numpy(), tuple(base.shape))
+    return torch.from_numpy(bits.view(np.float32).copy()).reshape(base.shape)
+
+
+def _exact_importance(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The formula in fp64 (torch's double kernels), rounded to fp32."""
+    rows = (base.reshape(1, -1) if base.dim() < 2 else base).double()
+    d = delta.reshape(rows.shape).double()
+    p, q = torch.softmax(rows + d, dim=-1) + 1e-8, torch.softmax(rows, dim=-1) + 1e-8
+    return (d.abs() * (p * torch.log(p / q)).sum(-1, keepdim=True)).float().reshape(base.shape)
+
+
+def _assert_differs_only_within_mergekits_noise(ours: torch.Tensor, theirs: torch.Tensor, mine: torch.Tensor,
+                                                mergekits: torch.Tensor, where: str) -> int:
+    """mergekit computes the importance in fp32 (its KL cancels: p/q is near 1), so each of its
+    values is ours give or take `band`, the largest gap between the two. Where the masks
+    disagree, our importance is within 2 bands of our threshold: mergekit's noise crossed it."""
+    differ = ours != theirs
+    if not bool(differ.any()):
+        return 0
+    band = float((mine.double() - mergekits.double()).abs().max())
+    threshold = float(mine[ours].min()) if bool(ours.any()) else float(mine.max())
+    assert float((mine[differ].double() - threshold).abs().max()) <= 2 * band, where
+    return int(differ.sum())
+
+
+def test_imported_arcee_fusion_is_mergekits_model_but_for_its_noise(parity):
+    """Each element is the base's or the expert's bits; the masks differ only where mergekit's
+    fp32 importance cannot tell an element from the threshold; ours is one cut of ours."""
     models, extra = parity["models"], parity["extra"]
-    ours = parity["ours"]["arcee_fusion"]
+    ours, theirs = parity["ours"]["arcee_fusion"], parity["theirs"]["arcee_fusion"]
+    assert set(theirs) <= set(ours)
+    differ = 0
+    for name, reference in theirs.items():
+        base, expert = models["base"][name], models["expert_0"][name]
+        assert bool(((ours[name] == base) | (ours[name] == expert)).all()), name
+        changed = base != expert
+        mine = _our_importance(base.float(), (expert.float() - base.float()))
+        kept_ours, kept_theirs = (ours[name] == expert)[changed], (reference == expert)[changed]
+        _assert_one_cut(mine[changed], kept_ours, name)
+        differ += _assert_differs_only_within_mergekits_noise(
+            kept_ours, kept_theirs, mine[changed], extra[f"{name}|importance"].reshape(base.shape)[changed], name)
+    print(f"arcee_fusion: {differ} changed elements kept by one of mergekit and mergepipe only")
+
+
+def test_arcee_fusion_importance_is_the_formula_on_every_cpu(parity):
+    """Our importance is the formula in fp64 rounded to fp32 (within an ulp): no CPU-dependent
+    fp32 kernel enters it, so the mask is the same on every machine."""
+    models = parity["models"]
     for name, w0 in models["base"].items():
-        base, expert = w0.float(), models["expert_0"][name].float()
-        delta = expert - base
-        rows = base.reshape(1, -1) if base.dim() < 2 else base
-        bits = importance_bits(rows.numpy(), delta.reshape(rows.shape).numpy(), tuple(base.shape))
-        theirs = extra[f"{name}|importance"]
-        assert np.array_equal(bits, theirs.reshape(-1).numpy().view(np.int32)), name
-        changed = delta != 0  # where base and expert differ, the output says kept or dropped
-        kept = ours[name].float() == expert
-        _assert_one_cut(theirs.reshape(base.shape)[changed], kept[changed], name)
+        base, delta = w0.float(), models["expert_0"][name].float() - w0.float()
+        mine, exact = _our_importance(base, delta), _exact_importance(base, delta)
+        assert bool(((mine.double() - exact.double()).abs() <= ulp(exact, torch.float32)).all()), name
 
 
 @pytest.mark.parametrize("case", ["ties", "near_equal"])
-def test_arcee_fusion_on_hard_tensors_is_mergekits_mask(parity, case):
+def test_arcee_fusion_on_hard_tensors_cuts_once(parity, case):
     base, expert = _fusion_cases()[case]
     extra = parity["extra"]
     delta = expert - base
     ours = run_joint("arcee_fusion", {}, base, [{"name": "e0", "hash": "00", "weight": 1.0, "delta": delta}],
                      boundaries=[7, 13, 29])
-    assert torch.equal(ours, extra[f"{case}|merged"])
-    importance = extra[f"{case}|importance"]
+    mine = _our_importance(base, delta)
     kept = ours == expert
-    assert 0 < int(kept.sum()) < kept.numel()
-    _assert_one_cut(importance, kept, case)
-    if case == "near_equal":  # in exact arithmetic every importance is one value: only fp32 rounding orders them
-        b, e = base.double(), expert.double()
-        p, q = torch.softmax(e, dim=-1) + 1e-8, torch.softmax(b, dim=-1) + 1e-8
-        exact = (e - b).abs() * (p * torch.log(p / q)).sum(-1, keepdim=True)
-        assert exact.float().unique().numel() == 1 and importance.unique().numel() > 10
+    _assert_one_cut(mine, kept, case)
+    _assert_differs_only_within_mergekits_noise(kept, extra[f"{case}|merged"] == expert, mine,
+                                                extra[f"{case}|importance"], case)
+    if case == "near_equal":  # in exact arithmetic every importance is one value: every element is at the cut
+        assert bool(kept.all()) and mine.unique().numel() <= 2
     else:  # the cut is at a value that most elements share
-        assert int((importance == importance[kept].min()).sum()) > kept.numel() // 2
+        assert 0 < int(kept.sum()) < kept.numel()
+        assert int((mine == mine[kept].min()).sum()) > kept.numel() // 2
 
 
 def _sce_formula(base: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,36 @@ def masked_square_sums(deltas: np.ndarray, mask: np.ndarray, out: np.ndarray) ->
 
 
 @njit(nogil=True, cache=True)
+def fusion_importance(base: np.ndarray, delta: np.ndarray, out: np.ndarray) -> None:
+    """arcee_fusion's importance per element of (vectors, n) fp32 blocks: |d| times the KL
+    divergence, per vector, of softmax(W0 + d) + 1e-8 from softmax(W0) + 1e-8. The KL is
+    computed in fp64 in a fixed order (scalar libm exp/log, no vectorized math library)
+    and rounded to fp32; the product is fp32, as mergekit's."""
+    m, n = base.shape
+    for r in range(m):
+        hi1 = -np.inf
+        hi0 = -np.inf
+        for i in range(n):
+            w1 = np.float64(np.float32(base[r, i] + delta[r, i]))
+            w0 = np.float64(base[r, i])
+            hi1 = max(hi1, w1)
+            hi0 = max(hi0, w0)
+        s1 = 0.0
+        s0 = 0.0
+        for i in range(n):
+            s1 += np.exp(np.float64(np.float32(base[r, i] + delta[r, i])) - hi1)
+            s0 += np.exp(np.float64(base[r, i]) - hi0)
+        kl = 0.0
+        for i in range(n):
+            p = np.exp(np.float64(np.float32(base[r, i] + delta[r, i])) - hi1) / s1 + 1e-8
+            q = np.exp(np.float64(base[r, i]) - hi0) / s0 + 1e-8
+            kl += p * np.log(p / q)
+        k32 = np.float32(kl)
+        for i in range(n):
+            out[r, i] = np.float32(abs(delta[r, i])) * k32
+
+
+@njit(nogil=True, cache=True)
 def hist_low_multi(bits: np.ndarray, highs: np.ndarray, hist: np.ndarray) -> None:
     """hist[j, bits & 0xFFFF] += 1 for the elements whose upper 16 bits are highs[j]."""
     for i in range(bits.size):

@@ -5,16 +5,6 @@ along the last axis (a matrix's rows; a 1-d tensor is one vector); threshold = m
 1.5 (Q3 - Q1) of the importance over the whole tensor, the quartiles being the sorted
 values at index int(fp32(q) * fp32(n - 1)); theta = W0 + d * [importance >= threshold].
 
-The importance is mergekit's own: the same torch fp32 operations in the same order
-(`fusion_importance`), in the scan and in the merge, so the mask is one cut of one set of
-values, and it is mergekit's mask. Per vector those operations give the same bits whatever
-block holds the vector: softmax and the elementwise steps are per element or per row, and
-torch reduces each of several rows serially (a lone row it would split across threads above
-32768 elements, so a lone row is reduced beside a copy of itself; mergekit's one-vector
-tensors of that size depend on its thread count). Like mergekit's, the bits depend on torch's
-CPU kernels (ATEN_CPU_CAPABILITY): an element at the threshold can land on the other side on
-another kind of CPU. W1 is taken as W0 + d, which is exact for 16-bit inputs.
-
 The quartiles are whole-tensor statistics (methods/joint.py): pass 1 histograms the upper
 16 bits of the importance's order key (its fp32 pattern mapped to a uint32 that sorts as
 torch.sort sorts the values: -0.0 as 0.0, every NaN last), pass 2 the lower 16 bits inside
@@ -25,7 +15,10 @@ threshold NaN (no element selected), and an element whose delta is NaN or Inf st
 Difference from mergekit: above 1M elements mergekit takes its quartiles from 1M elements
 sampled with replacement by an unseeded RNG (a different threshold every run); ours are
 always the exact order statistics of every element (deterministic, no seed needed: the
-value mergekit's sample estimates).
+value mergekit's sample estimates). The importance is computed the same way in the scan and
+the merge (methods/_joint_kernels.fusion_importance: fp64 KL, rounded to fp32), so the
+mask is exactly the one the statistics describe; mergekit's fp32 softmax can move an
+element's importance by an ulp, which matters only for elements at the threshold.
 """
 from __future__ import annotations
 
@@ -37,31 +30,17 @@ from mergepipe.util.lazy import torch
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods._gram import block_rows
-from mergepipe.methods._joint_kernels import hist_high, hist_low_multi
+from mergepipe.methods._joint_kernels import fusion_importance, hist_high, hist_low_multi
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.joint import JointBlock, JointPass, JointSpec, TensorContext
 from mergepipe.methods.registry import Mergekit, register
 
 BINS = 1 << 16
 QUANTILES = (0.25, 0.5, 0.75)
-KL_EPS = 1e-8  # mergekit's, added to both softmaxes
 
 
 class ArceeFusionParams(BaseModel):
     model_config = PARAMS_CONFIG
-
-
-def fusion_importance(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """mergekit's importance of (vectors, n) fp32 rows, by its torch operations in its order."""
-    expert = base + delta
-    p = torch.nn.functional.softmax(expert, dim=-1) + KL_EPS
-    q = torch.nn.functional.softmax(base, dim=-1) + KL_EPS
-    terms = p * torch.log(p / q)
-    if terms.shape[0] == 1:  # a lone row: reduced as one of several, serially (see the module docstring)
-        kl = torch.sum(torch.cat([terms, terms]), dim=-1, keepdim=True)[:1]
-    else:
-        kl = torch.sum(terms, dim=-1, keepdim=True)
-    return delta.abs() * kl
 
 
 def importance_bits(base_rows: np.ndarray, delta_rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -69,8 +48,9 @@ def importance_bits(base_rows: np.ndarray, delta_rows: np.ndarray, shape: tuple[
     last = shape[-1] if len(shape) >= 2 else base_rows.size
     base = np.ascontiguousarray(base_rows, dtype=np.float32).reshape(-1, max(1, last))
     delta = np.ascontiguousarray(delta_rows, dtype=np.float32).reshape(-1, max(1, last))
-    importance = fusion_importance(torch.from_numpy(base), torch.from_numpy(delta))
-    return np.ascontiguousarray(importance.numpy()).reshape(-1).view(np.int32)
+    out = np.empty(base.shape, dtype=np.float32)
+    fusion_importance(base, delta, out)
+    return out.reshape(-1).view(np.int32)
 
 
 _SIGN = np.uint32(0x80000000)
