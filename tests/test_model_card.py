@@ -1,6 +1,7 @@
 """The merged folder's README.md is a card the Hub reads (mergekit's shape: front matter with
 base_model, library_name and tags; the method; the models merged; the configuration as YAML),
-in the user's order, naming a stack's real source models, with every byte read and a usage
+experts by name (the order a params.yaml lists them changes no byte), naming a stack's real
+source models, with every byte read and a usage
 snippet; an imported mergekit recipe is kept as mergekit_config.yml. Byte-stable."""
 from __future__ import annotations
 
@@ -38,19 +39,20 @@ def _card(tmp_path, family, name, **overrides):
     return (d / "out" / "README.md").read_text(), yaml.safe_load(cfg.read_text())
 
 
-def test_card_front_matter_names_every_input_in_the_users_order_and_is_stable(tiny_family, tmp_path):
+def test_card_front_matter_names_every_input_by_name_whatever_the_list_order(tiny_family, tmp_path):
     text, cfg = _card(tmp_path, tiny_family, "a")
     front = _front(text)
     assert front["base_model_relation"] == "merge" and front["library_name"] == "transformers"
     assert front["tags"] == ["merge", "mergepipe"]
-    assert front["base_model"] == [cfg["base"], *(e["path"] for e in cfg["experts"])]
+    by_name = sorted(cfg["experts"], key=lambda e: e["name"])
+    assert front["base_model"] == [cfg["base"], *(e["path"] for e in by_name)]
     again, _ = _card(tmp_path, tiny_family, "b")  # own cache: built again, not restored
     assert again.replace(str(tmp_path / "b"), str(tmp_path / "a")) == text
     rev = list(reversed(cfg["experts"]))
     reordered, _ = _card(tmp_path, tiny_family, "c", experts=rev, cache_dir=str(tmp_path / "a" / "cache"))
-    assert _front(reordered)["base_model"] == [cfg["base"], *(e["path"] for e in rev)]
+    assert reordered.replace(str(tmp_path / "c"), str(tmp_path / "a")) == text  # the list order changes no byte
     rows = [line.split("|")[2].strip() for line in reordered.splitlines() if line.startswith("| `")]
-    assert rows == [e["name"] for e in rev]
+    assert rows == [e["name"] for e in by_name]
     a, c = load_manifest(tmp_path / "a" / "out"), load_manifest(tmp_path / "c" / "out")
     assert a["plan_hash"] == c["plan_hash"] and a["outputs"]["tensors"] == c["outputs"]["tensors"]
     # c was restored from a's store entry (hard links): its card was replaced, a's and the store's kept
@@ -145,4 +147,4 @@ def test_a_plan_merged_with_its_params_gets_the_card_run_writes(tiny_family, tmp
     assert main(["merge", str(tmp_path / "plan.json"), "-o", str(tmp_path / "m"), "--root", str(tmp_path / "a"),
                  "--cache-dir", cfg["cache_dir"], "--params", str(params), "-q"]) == 0
     assert (tmp_path / "m" / "README.md").read_text() == text
-    assert [e["name"] for e in _yaml_blocks(text)[0]["experts"]] == ["e2", "e1", "e0"]
+    assert [e["name"] for e in _yaml_blocks(text)[0]["experts"]] == ["e0", "e1", "e2"]  # by name, not as listed

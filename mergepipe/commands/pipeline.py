@@ -143,17 +143,17 @@ def _scalar_or(value, default):
 
 
 def card_recipe(cfg) -> Recipe:
-    """What the card says beyond the plan: the user's expert order, the recipe as params.yaml
-    (the normalized config without where things go on this machine: output.dir, cache_dir),
+    """What the card says beyond the plan: the recipe as params.yaml (the normalized config,
+    experts by name, without where things go on this machine: output.dir, cache_dir),
     and the mergekit YAML it was imported from (output.mergekit_config)."""
     norm = cfg.normalized()
     output = {k: v for k, v in norm["output"].items() if k not in ("dir", "mergekit_config") and v is not None}
     recipe = {k: v for k, v in norm.items() if k not in ("output", "cache_dir")}
-    recipe["experts"] = [{k: v for k, v in e.items() if v is not None} for e in norm["experts"]]
+    recipe["experts"] = sorted(({k: v for k, v in e.items() if v is not None} for e in norm["experts"]),
+                               key=lambda e: e["name"])  # by name: list order changes no output byte
     if output:
         recipe["output"] = output
-    return Recipe(tuple(e.name for e in cfg.experts), dump_params(recipe),
-                  getattr(cfg.output, "mergekit_config", None))
+    return Recipe(dump_params(recipe), getattr(cfg.output, "mergekit_config", None))
 
 
 def output_card(plan: dict, inputs: Inputs, recipe: Recipe | None) -> dict[str, bytes]:

@@ -3,9 +3,11 @@ imported from mergekit: the files a Hub page is made of, in the shape mergekit's
 (front matter with base_model, library_name and tags; the method; the models merged; the
 configuration as YAML), plus what this merge read under its budget and how to load it.
 
-A function of the plan, the `Recipe` (the user's expert order and the recipe's YAML: the plan
-keeps experts in content-hash order) and the base's stack record, so the same inputs give the
-same bytes. No file I/O here but reading a stack record.
+A function of the plan, the `Recipe` (the recipe's YAML) and the base's stack record, so the
+same inputs give the same bytes. Experts are listed by name, never in the order a params.yaml
+lists them: that order changes no byte of an output or its manifest (docs/design.md
+"Determinism contract"), and the card is one of the output's files. No file I/O here but
+reading a stack record.
 """
 from __future__ import annotations
 
@@ -25,11 +27,9 @@ CARD_FILES = (README, MERGEKIT_CONFIG)
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
-    """What the card says beyond the plan. `experts`: the expert names in the user's order;
-    `params_yaml`: the recipe as params.yaml; `mergekit_yaml`: the mergekit YAML it was
-    imported from, if it was."""
+    """What the card says beyond the plan. `params_yaml`: the recipe as params.yaml (experts by
+    name); `mergekit_yaml`: the mergekit YAML it was imported from, if it was."""
 
-    experts: tuple[str, ...]
     params_yaml: str
     mergekit_yaml: str | None = None
 
@@ -54,11 +54,10 @@ def _fenced(text: str, lang: str) -> list[str]:
     return [f"{fence}{lang}", text.rstrip("\n"), fence]
 
 
-def _experts_in_order(plan: dict, recipe: Recipe | None) -> list[dict]:
-    """The plan's experts in the recipe's order (any the recipe does not name after them)."""
-    by_name = {e["name"]: e for e in plan["experts"]}
-    order = [n for n in (recipe.experts if recipe else ()) if n in by_name]
-    return [by_name[n] for n in order] + [e for e in plan["experts"] if e["name"] not in order]
+def _experts_by_name(plan: dict) -> list[dict]:
+    """The plan's experts by name (names are unique in a plan): the order a user can find
+    theirs in, and one no list order changes."""
+    return sorted(plan["experts"], key=lambda e: e["name"])
 
 
 def _unique(items: list[str]) -> list[str]:
@@ -91,7 +90,7 @@ def model_card(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | 
     """README.md: front matter (base_model: the base, then the experts in the user's order, or a
     stack's source models; library_name; tags), the method, the models merged, the
     configuration as YAML, what was read, and a usage snippet."""
-    experts = _experts_in_order(plan, recipe)
+    experts = _experts_by_name(plan)
     base = plan["base"]["path"]
     if stack is not None:
         models = _unique([s["model"] for s in stack])
