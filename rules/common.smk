@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,12 @@ from mergepipe.checkpoint.blocks import parse_block_bytes
 from mergepipe.units import parse_bytes
 
 INDEX_JSON = "model.safetensors.index.json"
+
+# A rule's stderr goes through `tee` to its log, so the CLI sees no terminal: where Snakemake's
+# own stdout is one, ask it for progress bars on the terminal itself (mergepipe/util/progress.py:
+# on /dev/tty, the log gets each step's end line only). MERGEPIPE_PROGRESS=0 turns them off.
+if sys.stdout.isatty():
+    os.environ.setdefault("MERGEPIPE_PROGRESS", "1")
 
 # Workflow settings, not part of the merge (so not in params.yaml or its schema):
 #   merge_parts:  split the merge into this many jobs plus a gather (same bytes)

@@ -80,7 +80,8 @@ def test_plot_x_is_every_byte_each_budget_reads(tmp_path, tiny_family):
     scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     read = {}
     for row in result.rows:
-        b = json.loads((tmp_path / "s" / "models" / row.output.rsplit("/", 1)[-1] / "manifest.json").read_text())["bytes"]
+        folder = tmp_path / "s" / "models" / row.output.rsplit("/", 1)[-1]
+        b = json.loads((folder / "manifest.json").read_text())["bytes"]
         read[row.budget] = b["expert_bytes_read"] + b.get("sketch_bytes_read", 0)
     order = sorted(result.rows, key=lambda r: r.bytes_read)
     for line in _series(fig):

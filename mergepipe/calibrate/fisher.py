@@ -21,7 +21,6 @@ byte-reproducible given its artifact (docs/design.md, "Calibrated plans").
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint
 from mergepipe.errors import ConfigError
+from mergepipe.util.progress import Progress
 
 Importance = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -138,21 +138,20 @@ def _fisher(base: Checkpoint, text: str, *, max_tokens: int, seq_len: int,
                 torch.zeros(math.prod(p.shape[1:]) if p.dim() > 1 else 1, dtype=torch.float64))
             for n, p in covered.items()}
     t0 = time.monotonic()
-    for k, s in enumerate(seqs, 1):
-        x = torch.tensor([s])
-        model.zero_grad(set_to_none=True)
-        model(input_ids=x, labels=x).loss.backward()
-        for n, p in covered.items():
-            if p.grad is None:
-                continue
-            # squared in place in fp64 (one temporary, not two: the tied embedding's gradient is
-            # 28M elements per sequence); the same values as .double().square()
-            g2 = p.grad.detach().to(torch.float64, copy=True).reshape(sums[n][0].numel(), -1).square_()
-            sums[n][0].add_(g2.sum(dim=1))
-            sums[n][1].add_(g2.sum(dim=0))
-        if progress and sys.stderr.isatty():
-            sys.stderr.write(f"\rcalibrating {k}/{len(seqs)} sequences  {time.monotonic() - t0:.0f} s")
-            sys.stderr.write("\n" if k == len(seqs) else "")
+    with Progress(len(seqs), "calibrating", progress, unit="seq") as prog:
+        for s in seqs:
+            x = torch.tensor([s])
+            model.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=x).loss.backward()
+            for n, p in covered.items():
+                if p.grad is None:
+                    continue
+                # squared in place in fp64 (one temporary, not two: the tied embedding's gradient is
+                # 28M elements per sequence); the same values as .double().square()
+                g2 = p.grad.detach().to(torch.float64, copy=True).reshape(sums[n][0].numel(), -1).square_()
+                sums[n][0].add_(g2.sum(dim=1))
+                sums[n][1].add_(g2.sum(dim=0))
+            prog.step(1)
     out: Importance = {}
     n_seq = len(seqs)
     for n, (r, c) in sums.items():

@@ -14,6 +14,7 @@ from mergepipe.errors import IntegrityError
 from mergepipe.index import weighted
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store, cache_write_error
+from mergepipe.util.progress import Progress
 
 RECIPE = "fisher-rank1"
 
@@ -63,7 +64,10 @@ def calibration_inputs(options: dict, text_path: Path, store: Store, base: Check
         except IntegrityError:
             found = None  # damaged: rebuilt
         if found is None or set(found) != covered:  # (an entry missing tensors would rank them last)
-            found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads)
+            total = 2 * sum(base.tensors[n].nbytes for n in covered)
+            with Progress(total, f"scoring {name}", progress) as prog:
+                found = weighted.block_energies(base, base_index, ckpt, importance, counter=store.index_reads,
+                                                progress=prog)
             _cache_write(cache, weighted.save, found, art_hash)
         energies[name] = found
     return {"artifact": art_hash, "text": text_hash, "energies": energies}

@@ -81,8 +81,8 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
 
 
 def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool = False) -> tuple[dict, Inputs]:
-    """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`:
-    the calibration pass's libraries print nothing but errors (-q)."""
+    """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`
+    (-q): no progress bars, and the calibration pass's libraries print nothing but errors."""
     from mergepipe.config.paths import check_models_exist
     preflight(cfg, budget=budget)  # what `mergepipe check` finds, from headers, before any index reads a weight
     check_models_exist(cfg)  # a missing one named by its key and expert, not only its folder
@@ -91,12 +91,12 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     for folder in {cfg.base, *(e.path for e in cfg.experts)}:
         check_fresh(folder)  # a stacked folder whose source models changed is refused
     check_expert_kinds(cfg)  # an adapter folder is listed as adapter:, a model folder as path:
-    base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads)
+    base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads, progress=not quiet)
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):
         # one scan per new expert: block hashes and delta statistics from the same reads
         experts[e.name], expert_indexes[e.name], deltas[e.name] = store.expert_index(
-            e.path, base, base_index, threads=threads)
+            e.path, base, base_index, threads=threads, progress=not quiet)
         # a per-tensor weight/density/gamma is in the plan's tensor_parameters, not here
         plan_inputs.append(PlanInput(e.name, e_norm.get("path", e_norm.get("adapter")),
                                      expert_indexes[e.name].content_hash,
@@ -110,7 +110,7 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
         from mergepipe.commands.calibration import calibration_inputs
         calibration = calibration_inputs(norm["plan"], cfg.config_path(norm["plan"]["text"]), store, base,
                                          base_index, {n: (experts[n], expert_indexes[n]) for n in experts},
-                                         quiet=quiet)
+                                         progress=not quiet, quiet=quiet)
     sketches = None
     if (strategy or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
         sketches = sketch_inputs(store, base, base_index,

@@ -29,9 +29,9 @@ def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
             except IntegrityError:
                 opened = None  # the store is untrusted: rebuilt
         if opened is None:
-            prog = Progress(2 * base.total_bytes, f"sketching {name}", progress)
-            sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads, progress=prog,
-                         bf16_scan=getattr(_ckernels.load(), "sketch_bf16", None))
+            with Progress(2 * base.total_bytes, f"sketching {name}", progress) as prog:
+                sketch.build(path, base, base_index, ckpt, index, delta, counter=store.index_reads, progress=prog,
+                             bf16_scan=getattr(_ckernels.load(), "sketch_bf16", None))
             opened = sketch.Sketch(path, expert=index.content_hash, base=base_index.content_hash,
                                    base_index=base_index)
         out[name] = opened

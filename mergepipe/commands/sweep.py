@@ -335,7 +335,8 @@ def _cell(key: str, row: SweepRow) -> str:
 
 
 def to_markdown(result: SweepResult) -> str:
-    heads = [h if k != "bound_relative" else f"{_bound_name(result.rows[0].bound_kind)} (rel.)" for k, h in COLUMNS]
+    bound = f"{_bound_name(result.rows[0].bound_kind)} (rel.)"
+    heads = [bound if k == "bound_relative" else h for k, h in COLUMNS]
     lines = [f"Budget sweep, method `{result.method}`; inputs indexed once in {result.index_seconds:.1f} s "
              f"({result.index_bytes_read / 2**20:,.1f} MiB index reads; 0 when cached).", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -460,7 +461,8 @@ def _time_bars(ax, rows: list[SweepRow]) -> None:
     names = [r.budget for r in rows]
     known = [r.computed_merge_seconds is not None for r in rows]
     heights = [r.plan_seconds + r.computed_merge_seconds if k else 0.0 for r, k in zip(rows, known)]
-    bars = ax.bar(names, heights, color=["none" if r.restored else "tab:gray" for r in rows], edgecolor="tab:gray")
+    fill = ["none" if r.restored else "tab:gray" for r in rows]
+    bars = ax.bar(names, heights, color=fill, edgecolor="tab:gray")
     for bar, r, k in zip(bars, rows, known):
         if r.restored:
             bar.set_hatch("//")

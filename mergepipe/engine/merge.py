@@ -205,7 +205,6 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                                         direct=direct) for fname, ts in layout.items()}
     out_of = _OutOf(layout, writers)
     reader = UnitReader(base, inputs.base_index, inputs.experts, inputs.expert_indexes, reads)
-    prog = Progress(base.total_bytes, "merging", progress)
     kernel = method.compiled(params, plan_experts) if method.compiled is not None and compiled else None
     joint = joint_statistics(plan, inputs, method, params, threads=threads)  # None unless method.joint
     if joint is not None:
@@ -222,6 +221,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     base_fds: dict[Path, int] = {}
     # direct writes: the copied runs' reads (their counter is the bytes the output keeps unmerged)
     copy_reader = CheckpointReader(base, random_access=False) if direct else None
+    prog = Progress(base.total_bytes, "merging", progress)
     try:
         for h in base.files:
             base_fds[h.path] = os.open(h.path, os.O_RDONLY)
@@ -309,6 +309,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
             w.abort()
         raise
     finally:
+        prog.close()
         reader.close()
         if copy_reader is not None:
             copy_reader.close()

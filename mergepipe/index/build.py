@@ -53,9 +53,9 @@ def build_model_index(ckpt: Checkpoint, *, block_bytes: int | BlockLayout, threa
                       counter: ReadCounter | None = None, progress: bool = False) -> ModelIndex:
     """Hash every block of a checkpoint (one read of every byte)."""
     block_bytes = BlockLayout.of(block_bytes)
-    prog = Progress(ckpt.total_bytes, f"hashing {ckpt.root.name}", progress)
     ranges = {name: _blocks(t, block_bytes) for name, t in ckpt.tensors.items()}
-    with CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
+    with Progress(ckpt.total_bytes, f"hashing {ckpt.root.name}", progress) as prog, \
+            CheckpointReader(ckpt, counter=counter, random_access=False) as reader:
         def task(names: list[str]) -> list[TensorEntry]:
             with _readers(names, ranges, reader) as r:
                 return [_hash_tensor(r, ckpt.tensors[n], block_bytes, prog) for n in names]
@@ -117,11 +117,11 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
           expected: dict[str, tuple[str, ...]] | None, progress: bool) -> tuple[dict, dict[str, TensorDelta]]:
     """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
     check_compatible(base, expert)
-    prog = Progress(expert.total_bytes, f"indexing {expert.root.name} against {base.root.name}", progress)
     keep_freed_memory()
     if base_index.layout != block_bytes:
         raise ValueError(f"base index has blocks {base_index.layout.key}, expert {block_bytes.key}")
-    with CheckpointReader(base, counter=counter, random_access=False) as base_all, \
+    with Progress(expert.total_bytes, f"indexing {expert.root.name} against {base.root.name}", progress) as prog, \
+            CheckpointReader(base, counter=counter, random_access=False) as base_all, \
             CheckpointReader(expert, counter=counter, random_access=False) as exp_all:
         def scan(name: str, base_r, exp_r) -> tuple[tuple[str, ...], TensorDelta]:
             t = expert.tensors[name]

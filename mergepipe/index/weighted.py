@@ -28,6 +28,7 @@ from mergepipe.errors import IntegrityError
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
+from mergepipe.util.progress import Progress
 
 WEIGHTED_FORMAT = 2  # 2: `artifact` and the `blake3` of the energies
 Importance = dict[str, tuple[np.ndarray, np.ndarray]]  # tensor -> (rows fp32, cols fp32)
@@ -41,8 +42,9 @@ def covered_tensors(base: Checkpoint, base_index: ModelIndex, importance: Import
 
 
 def block_energies(base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, importance: Importance, *,
-                   counter=None) -> BlockEnergy:
-    """energy_kb for every block of every float tensor that `importance` covers."""
+                   counter=None, progress: Progress | None = None) -> BlockEnergy:
+    """energy_kb for every block of every float tensor that `importance` covers; `progress`
+    counts the base and expert bytes read."""
     out: BlockEnergy = {}
     covered = covered_tensors(base, base_index, importance)
     from mergepipe.index import kernels
@@ -59,6 +61,8 @@ def block_energies(base: Checkpoint, base_index: ModelIndex, expert: Checkpoint,
                 b = _decode(br.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
                 e = _decode(er.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32))
                 energies.append(float(kernels.weighted_energy(b, e, rows[r0:r1], cols)))
+                if progress:
+                    progress.step(2 * n * t.itemsize)
             out[name] = energies
     return out
 
