@@ -1,4 +1,4 @@
-"""Command line: `mergepipe index|plan|merge|run|verify|explain|sweep|import-mergekit|demo`.
+"""Command line: `mergepipe COMMAND`, one handler per command (`mergepipe --help` lists them).
 
 The only place that catches MergepipeError: it prints one line and exits with the
 error's code. Any other exception is a bug and keeps its traceback. Longer than the
