@@ -228,3 +228,83 @@ def test_every_vector_width_gives_the_same_bytes(level):
             kernels.ties_bf16(b, es, *targs, got)
             numba_kernels.ties_bf16(b, es, *targs, want)
             assert got.tobytes() == want.tobytes()
+
+
+def _build(level: int):
+    import ctypes
+    return _ckernels._bind(ctypes.CDLL(str(kernel_build(_ckernels.MODULE, level))), cpu.NAMES[level])
+
+
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_ties_limits_anywhere_in_a_chunk_give_the_numba_bytes(level):
+    """Each expert's limit (where threshold-equal |delta| stop being kept) at chunk edges, inside
+    a chunk, several in one chunk, before the block and past it: every build equals numba."""
+    kernels = _build(level)
+    n = 3 * 1024 + 37  # four chunks of the kernels' 1024 elements, the last one short
+    for seed, k in [(5, 1), (6, 2), (7, 3), (8, 4), (9, 5)]:
+        g, base, experts = _family(seed, n, k)
+        b, es = _u16(base), tuple(_u16(e) for e in experts)
+        w = np.array([1.0, 0.5, -0.4, 0.7, 0.3][:k], np.float32)
+        deltas = [(e.float() - base.float()).abs() for e in experts]
+        values = np.array([float(d[d > 0].min()) if i % 2 else 0.0 for i, d in enumerate(deltas)], np.float32)
+        modes = np.full(k, numba_kernels.CUT, np.int64)
+        for limits in ([0] * k, [n] * k, [1024] * k, [1023, 1024, 1025, 2048, n - 1][:k],
+                       [700, 701, 950, 3, 1024][:k], [-5, n + 9, 2047, 0, 3072][:k]):
+            limits = np.array(limits, np.int64)
+            for normalize, lam in [(True, 1.0), (False, 0.8)]:
+                got, want = np.empty(n, np.uint16), np.empty(n, np.uint16)
+                targs = (w, modes, values, limits, normalize, np.float32(lam), lam != 1)
+                kernels.ties_bf16(b, es, *targs, got)
+                numba_kernels.ties_bf16(b, es, *targs, want)
+                assert got.tobytes() == want.tobytes(), (seed, k, limits.tolist(), normalize)
+
+
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_eq_limit_at_every_count_equals_numba(level):
+    """eq_limit for every eq_keep from 0 to one past the count of threshold-equal elements, the
+    equal elements spread over several chunks."""
+    kernels = _build(level)
+    g, base, experts = _family(11, 5000, 1)
+    b, e = _u16(base), _u16(experts[0])
+    for value in (0.0, float((experts[0].float() - base.float()).abs()[17])):
+        count = int(((experts[0].float() - base.float()).abs() == value).sum())
+        assert count > 1
+        for eq_keep in range(count + 2):
+            assert kernels.eq_limit(b, e, np.float32(value), eq_keep) == \
+                numba_kernels.eq_limit(b, e, np.float32(value), eq_keep)
+
+
+def _ns_per_element(fn, n: int, repeats: int = 7) -> float:
+    import time
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e9 / n
+
+
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_ties_costs_a_few_task_arithmetic_passes_at_every_vector_width(level):
+    """Full TIES on bf16 blocks within 6x of task arithmetic's kernel (about 3x where the loops
+    vectorize: 35-90x below AVX-512 when a select stayed a branch), and eq_limit's scan under
+    1.5x of it. Ratios of the best of 7 runs in one process, so a busy machine slows both."""
+    kernels = _build(level)
+    n = 1 << 19
+    rng = np.random.default_rng(0)
+    base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16
+    b = base.astype(np.uint16)
+    bf = (b.astype(np.uint32) << 16).view(np.float32)
+    es = tuple(((bf + rng.standard_normal(n).astype(np.float32) * 1e-3).view(np.uint32) >> 16).astype(np.uint16)
+               for _ in range(3))
+    w = np.array([1.0, 0.7, 0.5], np.float32)
+    values = np.full(3, 1e-3, np.float32)
+    out = np.empty(n, np.uint16)
+    ta = _ns_per_element(lambda: kernels.task_arithmetic_bf16(b, es, w, np.float32(2.2), False, np.float32(1.0),
+                                                              False, out), n)
+    ties = _ns_per_element(lambda: kernels.ties_bf16(b, es, w, np.full(3, kernels.CUT, np.int64), values,
+                                                     np.full(3, n // 2, np.int64), True, np.float32(1.0), False,
+                                                     out), n)
+    scan = _ns_per_element(lambda: kernels.eq_limit(b, es[0], np.float32(-1.0), 1), n)
+    assert ties < 6 * ta, f"{cpu.NAMES[level]}: TIES {ties:.2f} ns/element, task arithmetic {ta:.2f}"
+    assert scan < 1.5 * ta, f"{cpu.NAMES[level]}: eq_limit {scan:.2f} ns/element, task arithmetic {ta:.2f}"

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define CHUNK 1024 /* elements per chunk: up to 16 experts' fp32 terms stay in L1/L2 */
 enum { KEEP_ALL = 0, DROP_ALL = 1, CUT = 2 };
@@ -141,82 +142,229 @@ void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const 
     }
 }
 
+/* 1.0f where c (0 or 1, a comparison), else +0.0f, made from bits: a select GCC vectorizes at
+ * every x86-64 level (`c ? 1.0f : 0.0f` feeding a multiply, or `c != 0` here, stayed a branch
+ * for SSE2 and AVX2: TIES ran 60x slower there) */
+static inline float one_if(int c) {
+    uint32_t bits = (0u - (uint32_t)c) & 0x3F800000u;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* |d|'s bits as an int32. For d not NaN, |d| > v exactly where they exceed above(v), and
+ * |d| >= v where they exceed at_least(v): non-negative floats order as their bits, and
+ * integer compares need no second compare for the equal case and ignore any
+ * denormals-are-zero mode. A NaN d makes a NaN term whether it is kept or not. */
+static inline int32_t magnitude_bits(float d) {
+    uint32_t bits;
+    memcpy(&bits, &d, sizeof bits);
+    return (int32_t)(bits & 0x7FFFFFFFu);
+}
+
+static inline int32_t above(float v) {
+    if (v != v) return 0x7F800000; /* |d| > NaN never holds (bits past inf's are a NaN d) */
+    if (v < 0) return -1;          /* every |d| */
+    return magnitude_bits(v);      /* -0 as 0 */
+}
+
+static inline int32_t at_least(float v) { return v >= 0 ? above(v) - 1 : above(v); }
+
+/* TIES's divisor: 1 where the sum of agreeing weights is 0 (as `x == 0 ? 1 : x`, which
+ * stayed a branch below AVX-512) */
+static inline float nonzero(float x) { return x + one_if(x == 0.0f); }
+
+static inline int is_threshold(uint16_t e, uint16_t b, float value) {
+    float d = bf16_to_f32(e) - bf16_to_f32(b);
+    return (d < 0 ? -d : d) == value;
+}
+
 int64_t mp_eq_limit(const uint16_t *base, const uint16_t *expert, float value, int64_t eq_keep, int64_t n) {
-    /* flat position just past the eq_keep-th element with |E - B| == value, or n */
+    /* flat position just past the eq_keep-th element with |E - B| == value, or n: counted a
+     * chunk at a time (a loop the compiler vectorizes), then found inside its chunk */
     if (eq_keep <= 0) return 0;
     int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float d = bf16_to_f32(expert[i]) - bf16_to_f32(base[i]);
-        if ((d < 0 ? -d : d) == value && ++count == eq_keep) return i + 1;
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t m = n - s < CHUNK ? n - s : CHUNK;
+        const uint16_t *bs = base + s, *es = expert + s;
+        int32_t c = 0;
+        for (int64_t j = 0; j < m; j++) c += is_threshold(es[j], bs[j], value);
+        if (count + c < eq_keep) {
+            count += c;
+            continue;
+        }
+        for (int64_t j = 0; j < m; j++)
+            if (is_threshold(es[j], bs[j], value) && ++count == eq_keep) return s + j + 1;
     }
     return n;
 }
 
+/* Expert k's trim as bit thresholds: keep d where magnitude_bits(d) > eq_thr before flat
+ * position lim, > gt_thr from it. CUT at v keeps |d| > v, and |d| == v before its limit;
+ * KEEP_ALL is v = -inf (d * 1 is d) and DROP_ALL v = +inf, without a limit. */
+struct trim {
+    int32_t gt_thr, eq_thr;
+    int64_t lim;
+};
+
+static inline struct trim trim_of(int64_t mode, float value, int64_t limit) {
+    float v = mode == KEEP_ALL ? -INFINITY : mode == DROP_ALL ? INFINITY : value;
+    struct trim t = {above(v), at_least(v), mode == CUT ? limit : 0};
+    return t;
+}
+
+/* sign(t) agrees with the election: t > 0 where flip is 0 (sum >= 0), t < 0 where flip is
+ * the sign bit; in bits, t ^ flip is a positive float (+0 and NaN excluded), one unsigned
+ * compare where float selects stayed branches below AVX-512 */
+static inline int agrees(float t, uint32_t flip) {
+    uint32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    return ((bits ^ flip) - 1u) < 0x7F800000u;
+}
+
+#define MAX_FUSED 4 /* experts whose terms the one-pass TIES loop keeps in registers */
+
+/* Elements [lo, hi) of a chunk (bs, e[k], o at its start), every expert a read block, in one
+ * pass per element; p and normalize are constants where this is inlined, so the expert loops
+ * unroll. Expert k keeps d where magnitude_bits(d) > thr[k]. lambda_ is 1 where not applied
+ * (x * 1 is x). The same operations as the chunked loops of mp_ties_bf16. */
+static inline __attribute__((always_inline)) void ties_piece(const int p, const int normalize,
+        const uint16_t *bs, const uint16_t *const *e, const float *w, const int32_t *thr, int64_t lo, int64_t hi,
+        float lambda_, uint16_t *o) {
+    const float zero = 0.0f;
+    for (int64_t j = lo; j < hi; j++) {
+        float b = bf16_to_f32(bs[j]), t[MAX_FUSED], total = zero, mixed = zero, div = zero;
+        for (int k = 0; k < p; k++) {
+            float d = bf16_to_f32(e[k][j]) - b;
+            t[k] = (d * one_if(magnitude_bits(d) > thr[k])) * w[k];
+            total = k == 0 ? t[k] : total + t[k];
+        }
+        uint32_t flip = (uint32_t)!(total >= zero) << 31;
+        for (int k = 0; k < p; k++) {
+            float a = one_if(agrees(t[k], flip));
+            mixed = k == 0 ? t[k] * a : mixed + t[k] * a;
+            div = k == 0 ? a * w[k] : div + a * w[k];
+        }
+        if (normalize) mixed = mixed / nonzero(div);
+        o[j] = f32_to_bf16(b + mixed * lambda_);
+    }
+}
+
+/* TIES over 1..MAX_FUSED read blocks (no sketch) in one pass per element. Each chunk is cut
+ * where an expert's limit falls, so that inside a piece each expert compares with one
+ * threshold. Returns -1 (and does nothing) for a call it does not take. */
+static int ties_fused(const uint16_t *base, const uint16_t *const *experts, int64_t p, const float *weights,
+                      const int64_t *modes, const float *values, const int64_t *limits, int normalize,
+                      float lambda_, int apply_lambda, uint16_t *out, int64_t n) {
+    struct trim tr[MAX_FUSED];
+    float w[MAX_FUSED], lam = apply_lambda ? lambda_ : 1.0f;
+    if (p < 1 || p > MAX_FUSED) return -1;
+    for (int64_t k = 0; k < p; k++) {
+        if (experts[k] == NULL) return -1;
+        tr[k] = trim_of(modes[k], values[k], limits[k]);
+        w[k] = weights[k];
+    }
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t m = n - s < CHUNK ? n - s : CHUNK;
+        const uint16_t *e[MAX_FUSED], *bs = base + s;
+        uint16_t *o = out + s;
+        for (int64_t k = 0; k < p; k++) e[k] = experts[k] + s;
+        for (int64_t lo = 0, hi; lo < m; lo = hi) {
+            int32_t thr[MAX_FUSED];
+            hi = m;
+            for (int64_t k = 0; k < p; k++) {
+                int64_t lim = tr[k].lim - s;
+                thr[k] = lo < lim ? tr[k].eq_thr : tr[k].gt_thr;
+                if (lim > lo && lim < hi) hi = lim;
+            }
+            switch (p * 2 + (normalize != 0)) { /* constants for the inlined loop */
+            case 2: ties_piece(1, 0, bs, e, w, thr, lo, hi, lam, o); break;
+            case 3: ties_piece(1, 1, bs, e, w, thr, lo, hi, lam, o); break;
+            case 4: ties_piece(2, 0, bs, e, w, thr, lo, hi, lam, o); break;
+            case 5: ties_piece(2, 1, bs, e, w, thr, lo, hi, lam, o); break;
+            case 6: ties_piece(3, 0, bs, e, w, thr, lo, hi, lam, o); break;
+            case 7: ties_piece(3, 1, bs, e, w, thr, lo, hi, lam, o); break;
+            case 8: ties_piece(4, 0, bs, e, w, thr, lo, hi, lam, o); break;
+            default: ties_piece(4, 1, bs, e, w, thr, lo, hi, lam, o); break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* One read expert's chunk of terms, t = (d * keep) * w, added to total (set by the first). */
+static inline void trimmed_terms(const uint16_t *ek, const float *b, float w, struct trim tr, int64_t s, int64_t m,
+                                 int first, float *tk, float *total) {
+    int64_t lim = tr.lim - s < 0 ? 0 : tr.lim - s > m ? m : tr.lim - s;
+    for (int64_t j = 0; j < lim; j++) {
+        float d = bf16_to_f32(ek[j]) - b[j];
+        tk[j] = (d * one_if(magnitude_bits(d) > tr.eq_thr)) * w;
+    }
+    for (int64_t j = lim; j < m; j++) {
+        float d = bf16_to_f32(ek[j]) - b[j];
+        tk[j] = (d * one_if(magnitude_bits(d) > tr.gt_thr)) * w;
+    }
+    if (first)
+        for (int64_t j = 0; j < m; j++) total[j] = tk[j];
+    else
+        for (int64_t j = 0; j < m; j++) total[j] = total[j] + tk[j];
+}
+
 /* Returns 0, or -1 when p < 1 or the per-expert chunk buffer cannot be allocated.
  * codes (may be NULL): where experts[k] is NULL, expert k is the ternary sketch codes[k] with
- * scale alphas[k] (as in mp_task_arithmetic_sketch_bf16), untrimmed: term = (alpha * code) * w. */
+ * scale alphas[k] (as in mp_task_arithmetic_sketch_bf16), untrimmed: term = (alpha * code) * w.
+ * Up to MAX_FUSED read experts take ties_fused; the others a chunk of fp32 terms per expert. */
 int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, const uint8_t *const *codes,
                  const float *alphas, int64_t p, const float *weights,
                  const int64_t *modes, const float *values, const int64_t *limits, int normalize,
                  float lambda_, int apply_lambda, uint16_t *out, int64_t n) {
+    if (codes == NULL && ties_fused(base, experts, p, weights, modes, values, limits, normalize, lambda_,
+                                    apply_lambda, out, n) == 0)
+        return 0;
     if (p < 1) return -1;
     float (*terms)[CHUNK] = malloc((size_t)p * sizeof *terms); /* p chunks of fp32 terms */
     if (terms == NULL) return -1;
     float b[CHUNK], total[CHUNK], mixed[CHUNK], div[CHUNK];
-    const float one = 1.0f, zero = 0.0f;
+    const float zero = 0.0f, lam = apply_lambda ? lambda_ : 1.0f;
     for (int64_t s = 0; s < n; s += CHUNK) {
         int64_t m = n - s < CHUNK ? n - s : CHUNK;
         const uint16_t *bs = base + s;
         for (int64_t j = 0; j < m; j++) b[j] = bf16_to_f32(bs[j]);
         for (int64_t k = 0; k < p; k++) {
             float *tk = terms[k];
-            float w = weights[k], v = values[k];
-            if (experts[k] == NULL) {
-                sketch_decode(codes[k] + (s >> 2), alphas[k], tk, m);
-                for (int64_t j = 0; j < m; j++) tk[j] = tk[j] * w;
+            float w = weights[k];
+            if (experts[k] != NULL) {
+                trimmed_terms(experts[k] + s, b, w, trim_of(modes[k], values[k], limits[k]), s, m, k == 0, tk, total);
                 continue;
             }
-            const uint16_t *ek = experts[k] + s;
-            int64_t lim = limits[k] - s; /* j < lim may keep a threshold-equal |delta| */
-            if (modes[k] == KEEP_ALL) {
-                for (int64_t j = 0; j < m; j++) tk[j] = (bf16_to_f32(ek[j]) - b[j]) * w;
-            } else if (modes[k] == DROP_ALL) {
-                for (int64_t j = 0; j < m; j++) tk[j] = ((bf16_to_f32(ek[j]) - b[j]) * zero) * w;
-            } else {
-                for (int64_t j = 0; j < m; j++) {
-                    float d = bf16_to_f32(ek[j]) - b[j];
-                    float a = d < 0 ? -d : d;
-                    int keep = (a > v) | ((a == v) & (j < lim));
-                    tk[j] = (d * (keep ? one : zero)) * w;
-                }
-            }
+            sketch_decode(codes[k] + (s >> 2), alphas[k], tk, m);
+            for (int64_t j = 0; j < m; j++) tk[j] = tk[j] * w;
+            if (k == 0)
+                for (int64_t j = 0; j < m; j++) total[j] = tk[j];
+            else
+                for (int64_t j = 0; j < m; j++) total[j] = total[j] + tk[j];
         }
-        for (int64_t j = 0; j < m; j++) total[j] = terms[0][j];
-        for (int64_t k = 1; k < p; k++)
-            for (int64_t j = 0; j < m; j++) total[j] = total[j] + terms[k][j];
         for (int64_t k = 0; k < p; k++) {
             const float *tk = terms[k];
             float w = weights[k];
-            for (int64_t j = 0; j < m; j++) {
-                float t = tk[j];
-                int pos = total[j] >= zero;
-                float a = ((t > zero && pos) || (t < zero && !pos)) ? one : zero;
-                if (k == 0) {
-                    mixed[j] = t * a;
+            if (k == 0) {
+                for (int64_t j = 0; j < m; j++) {
+                    float a = one_if(agrees(tk[j], (uint32_t)!(total[j] >= zero) << 31));
+                    mixed[j] = tk[j] * a;
                     div[j] = a * w;
-                } else {
-                    mixed[j] = mixed[j] + t * a;
+                }
+            } else {
+                for (int64_t j = 0; j < m; j++) {
+                    float a = one_if(agrees(tk[j], (uint32_t)!(total[j] >= zero) << 31));
+                    mixed[j] = mixed[j] + tk[j] * a;
                     div[j] = div[j] + a * w;
                 }
             }
         }
         uint16_t *o = out + s;
-        for (int64_t j = 0; j < m; j++) {
-            float x = mixed[j];
-            if (normalize) x = x / (div[j] == zero ? one : div[j]);
-            if (apply_lambda) x = x * lambda_;
-            o[j] = f32_to_bf16(b[j] + x);
-        }
+        if (normalize)
+            for (int64_t j = 0; j < m; j++) mixed[j] = mixed[j] / nonzero(div[j]);
+        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(b[j] + mixed[j] * lam);
     }
     free(terms);
     return 0;
