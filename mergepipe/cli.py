@@ -20,8 +20,9 @@ from mergepipe import __version__
 from mergepipe.errors import ConfigError, MergepipeError
 
 # numpy's OpenBLAS starts a thread per core at import, and they spin before they sleep:
-# on two cores that took ~0.15 CPU-s from every command (perf, BENCHMARKS.md). No result
-# of mergepipe's comes from BLAS (index/kernels.py sums in a fixed order), so one thread.
+# on two cores that took ~0.15 CPU-s from every command (perf,
+# docs/history/benchmarks-rounds.md). No result of mergepipe's comes from BLAS
+# (index/kernels.py sums in a fixed order), so one thread.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 

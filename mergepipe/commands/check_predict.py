@@ -26,7 +26,8 @@ from mergepipe.units import format_bytes
 
 PROBE_BYTES = 8 << 20  # what the bandwidth probe reads, at most
 STARTUP_SECONDS = 1.0  # a `mergepipe run` process importing torch, before it reads anything
-MERGE_SHARE = 0.25  # the lowest share of the read bandwidth full merges reached (BENCHMARKS.md, cold runs)
+# the lowest share of the read bandwidth full merges reached (cold runs, docs/history/benchmarks-rounds.md)
+MERGE_SHARE = 0.25
 PROCESS_BYTES = 300 << 20  # Python, torch and numpy imported (ru_maxrss of the imports, measured)
 # index entry sizes (index/binfmt.py): a model index holds per block its row range and blake3, per
 # tensor its name, dtype and shape; a delta index per block l2, max, nnz and identical, per tensor
