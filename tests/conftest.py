@@ -29,6 +29,20 @@ def _kernel_levels() -> str:
     return f"C kernels: CPU runs {cpu.NAMES[detected]}; kernels load {cpu.NAMES[allowed]}{cap}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def store_key_file(tmp_path_factory):
+    """This session's store key (index/store_key.py), before any fixture merges: tests and the
+    CLI processes they start (they inherit os.environ) never read or create ~/.config's."""
+    from mergepipe.index.store_key import KEY_ENV
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = str(tmp_path_factory.getbasetemp() / "store-key" / "store.key")
+    yield Path(os.environ[KEY_ENV])
+    if old is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory) -> dict:
     """base + 3 bf16 experts (expert_0 sharded), Llama layout, a few MB each."""

@@ -82,6 +82,7 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     no exception, and the entry left is complete."""
     from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, dumps, manifest_hash, verify_outputs
     from mergepipe.commands.pipeline import _restore, _save_to_store
+    from mergepipe.index.store_key import STORE_MAC
     from blake3 import blake3
     man = {"schema": MANIFEST_SCHEMA, "plan_hash": "plan", "plan": {"plan_hash": "plan"}, "outputs": {"tensors": {}, "files": {
         f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}}}
@@ -125,7 +126,7 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     assert errors == []
     assert restored  # some restores found a complete entry
     assert sorted(p.name for p in cached.parent.iterdir()) == ["plan"]
-    assert sorted(p.name for p in cached.iterdir()) == sorted([f"f{j}" for j in range(8)] + [MANIFEST])
+    assert sorted(p.name for p in cached.iterdir()) == sorted([f"f{j}" for j in range(8)] + [MANIFEST, STORE_MAC])
 
 
 def test_lock_owned_by_a_live_process_is_respected(tmp_path):

@@ -26,12 +26,13 @@ from pathlib import Path
 from mergepipe.engine.layout import one_file_record, plan_layout
 from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
-from mergepipe.output.manifest import load_manifest
+from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.tensor_table import subset
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
+from mergepipe.index.store_key import STORE_MAC, load_key, mac_matches
 from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
@@ -97,13 +98,17 @@ def part_is_ours(path: Path) -> bool:
 
 
 def _stored(store: Store, plan: dict) -> bool:
-    """A finished merge of this plan is in the store (its files are rehashed on restore)."""
+    """A finished merge of this plan that this user stored (restoring authenticates and rehashes it
+    again): a forged or another user's entry must not make the part jobs skip their tensors."""
     cached = store.root / "merges" / plan["plan_hash"]
+    key = load_key()
     try:
+        authentic = mac_matches(key, "merges", cached.name, (cached / MANIFEST).read_bytes(),
+                                (cached / STORE_MAC).read_bytes())
         man = load_manifest(cached)
-    except IntegrityError:
+    except (OSError, IntegrityError):
         return False
-    return man.get("plan_hash") == plan["plan_hash"] and all(
+    return authentic and man.get("plan_hash") == plan["plan_hash"] and all(
         (cached / name).is_file() for name in man["outputs"]["files"])
 
 

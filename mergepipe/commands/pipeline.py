@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from mergepipe.output.hf_config import output_config
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
+from mergepipe.index.store_key import STORE_MAC, entry_mac, load_key, mac_matches
 from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
 from mergepipe.config.mergekit import dump_params
 
@@ -291,27 +293,48 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
 
 
 def _restore(cached: Path, tmp: Path, plan: dict, lineage: dict | None = None) -> bool:
-    """Hard-link a previously built merge of this exact plan into tmp, if intact and with this
-    `lineage` (the same input bytes, once plain, may now hold a mergepipe manifest)."""
+    """Hard-link a previously built merge of this exact plan into tmp, if this user's run stored
+    it (its MAC verifies under this user's key, index/store_key.py: a shared cache folder's
+    writers can put any self-consistent entry there), it is intact, and it has this `lineage`
+    (the same input bytes, once plain, may now hold a mergepipe manifest)."""
+    key = load_key()  # before any work: a broken key file is an error, not a silent rebuild
     try:
-        man = load_manifest(cached)
-    except IntegrityError:
-        return False
-    if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan or man.get("schema") != MANIFEST_SCHEMA \
-            or man.get("lineage", {}) != (lineage or {}):
-        return False  # another plan or lineage, or a manifest format of an earlier version: merge again
-    try:
-        for name in [*man["outputs"]["files"], MANIFEST]:
-            _link_or_copy(cached / name, tmp / name)
-        verify_outputs(tmp, deep=True)  # rehashes every file: a store entry is untrusted until then
-    except (IntegrityError, OSError):  # damaged, or removed by a concurrent run's save meanwhile
+        recorded = (cached / STORE_MAC).read_bytes()
+        _link_owned(cached / MANIFEST, tmp / MANIFEST)
+        # the bytes the MAC covers are the ones linked into tmp, which only this user can replace
+        authentic = mac_matches(key, "merges", cached.name, (tmp / MANIFEST).read_bytes(), recorded)
+        man = load_manifest(tmp) if authentic else None
+        if man is None or man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan \
+                or man.get("schema") != MANIFEST_SCHEMA or man.get("lineage", {}) != (lineage or {}):
+            raise _NotRestorable  # another user's or a forged entry, another plan or lineage, an older format
+        for name in man["outputs"]["files"]:
+            _link_owned(cached / name, tmp / name)
+        verify_outputs(tmp, deep=True)  # rehashes every file against the authenticated manifest
+    except (_NotRestorable, IntegrityError, OSError):  # also: removed by a concurrent run's save meanwhile
         for p in tmp.iterdir():
             p.unlink()
         return False
     return True
 
 
+class _NotRestorable(Exception):
+    """A store entry that is absent, not this user's, or not of this plan and lineage."""
+
+
+def _link_owned(src: Path, dst: Path) -> None:
+    """A hard link when this user owns `src` (the owner of an inode could rewrite the published
+    file in place later), else a copy."""
+    _link_or_copy(src, dst)
+    st = os.lstat(dst)
+    if not stat.S_ISREG(st.st_mode):  # a link or a folder in an entry: not one a run wrote
+        raise _NotRestorable
+    if st.st_uid != os.geteuid():
+        dst.unlink()
+        shutil.copyfile(src, dst, follow_symlinks=False)
+
+
 def _save_to_store(tmp: Path, cached: Path) -> None:
+    key = load_key()
     # A staging folder of our own: two runs of one plan (to different targets) may save at once.
     staging = cached.with_name(f"{cached.name}.partial-{uuid.uuid4().hex[:12]}")
     try:
@@ -319,8 +342,10 @@ def _save_to_store(tmp: Path, cached: Path) -> None:
         for p in tmp.iterdir():
             if p.is_file():
                 _link_or_copy(p, staging / p.name)
+        manifest = (staging / MANIFEST).read_bytes()
+        (staging / STORE_MAC).write_text(entry_mac(key, "merges", cached.name, manifest))
         if cached.exists():
-            shutil.rmtree(cached, ignore_errors=True)  # a damaged entry that _restore refused
+            shutil.rmtree(cached, ignore_errors=True)  # an entry _restore refused: damaged, forged, another user's
         os.replace(staging, cached)
     except OSError:
         pass  # the store is only a cache: another run saved this plan first, or no space for a copy
