@@ -48,5 +48,5 @@ def test_demo_through_the_slurm_profile(slurm, tmp_path):
     verify_outputs(ws / "merged")
     # the same bytes as one local job (own cache: nothing restored from the workspace's store)
     assert main(["merge", str(ws / "plans" / "plan.json"), "-o", str(tmp_path / "local"), "--root", str(ws),
-                 "--cache-dir", str(tmp_path / "cache"), "-q"]) == 0
+                 "--cache-dir", str(tmp_path / "cache"), "--params", str(ws / "params.yaml"), "-q"]) == 0
     assert output_bytes(ws / "merged") == output_bytes(tmp_path / "local")

@@ -104,14 +104,15 @@ def rank_cut_mask(magnitudes: torch.Tensor, cut: RankCut) -> torch.Tensor:
     Keeps |delta| > value, then the first `eq_keep` elements (flat order) with
     |delta| == value: the order (|delta| desc, flat index asc) of RankCut.
     """
-    keep = magnitudes > cut.value
-    if cut.eq_keep > 0:
-        equal = magnitudes == cut.value
-        if int(equal.sum()) > cut.eq_keep:  # the cut splits this block's run of equal values
-            flat = equal.reshape(-1)
-            equal = (flat & (torch.cumsum(flat, 0) <= cut.eq_keep)).reshape(magnitudes.shape)
-        keep = keep | equal
-    return keep
+    if cut.eq_keep <= 0:
+        return magnitudes > cut.value
+    if cut.eq_all:  # every element of this block with |delta| == value is kept: no count, no scan
+        return magnitudes >= cut.value
+    equal = magnitudes == cut.value
+    if int(equal.sum()) > cut.eq_keep:  # the cut splits this block's run of equal values
+        flat = equal.reshape(-1)
+        equal = (flat & (torch.cumsum(flat, 0) <= cut.eq_keep)).reshape(magnitudes.shape)
+    return (magnitudes > cut.value) | equal
 
 
 def top_rank_mask(magnitudes: torch.Tensor, expert: ExpertBlock, rank: int, n: int,
