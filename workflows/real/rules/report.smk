@@ -12,7 +12,7 @@ rule report:
         smollm_strategies_extra=SM["strategy_screen"].get("extra_results", []),
         smollm_strategies_notes="workflows/real/smollm_strategies_notes.md",
     output:
-        markdown="EVAL.md",
+        markdown="workflows/real/EVAL.generated.md",  # the generated tables; EVAL.md is the hand-written report
         plot="workflows/real/minilm_accuracy.png",
         summary="workflows/real/results/minilm.json",
         smollm_plot="workflows/real/smollm_accuracy.png",

@@ -168,4 +168,4 @@ rule sketch_report:
         LOGS + "/sketch_report.log",
     shell:
         "{PY} -m mergepipe_eval sketch-report {params.args} --protocol-seeds {input.seeds}"
-        " --minilm-seeds {input.minilm_seeds} --notes {input.notes} --plot {output.plot} --markdown EVAL.md > {log} 2>&1"
+        " --minilm-seeds {input.minilm_seeds} --notes {input.notes} --plot {output.plot} --markdown workflows/real/EVAL.generated.md > {log} 2>&1"

@@ -65,5 +65,5 @@ rule smollm_strategy_report:
     log:
         LOGS + "/smollm_strategy_report.log",
     shell:
-        "{PY} -m mergepipe_eval smollm-strategy-report --result {input.result} {params.extra} --markdown EVAL.md"
+        "{PY} -m mergepipe_eval smollm-strategy-report --result {input.result} {params.extra} --markdown workflows/real/EVAL.generated.md"
         " --notes {input.notes} --plot {output.plot} > {log} 2>&1"
