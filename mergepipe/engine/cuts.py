@@ -3,6 +3,7 @@ block, answered from the delta index (exact thresholds, per-block counts of equa
 so that a budgeted merge never rereads a tensor to find its magnitude thresholds."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 
 from mergepipe.errors import MethodError
@@ -15,8 +16,17 @@ class TensorCuts:
 
     def __init__(self, td: TensorDelta, expert: str) -> None:
         self.td, self.expert = td, expert
-        self.pos = {r: j for j, r in enumerate(td.ranks)}
         self.prefix: dict[int, list[int]] = {}
+
+    def position(self, rank: int) -> int | None:
+        """Where `rank` is in the index's ranks, or None: a binary search (index/ranks.py
+        stores them ascending), not a map of the hundreds of ranks a tensor holds; a linear
+        search where the index's ranks are in another order."""
+        ranks = self.td.ranks
+        j = bisect_left(ranks, rank)
+        if j < len(ranks) and ranks[j] == rank:
+            return j
+        return ranks.index(rank) if rank in ranks else None
 
     def for_block(self, i: int, block_numel: int) -> Callable[[int], RankCut]:
         """rank -> RankCut for block `i` (of `block_numel` elements)."""
@@ -25,7 +35,7 @@ class TensorCuts:
                 return RankCut(0, float("inf"), 0)
             if rank >= self.td.numel:  # everything: every |delta| > -inf
                 return RankCut(rank, float("-inf"), 0)
-            j = self.pos.get(rank)
+            j = self.position(rank)
             if j is None:
                 raise MethodError(f"expert {self.expert!r}, tensor {self.td.name!r}: no exact threshold for rank "
                                   f"{rank} of {self.td.numel}; densities and gammas must have at most 2 decimals")
