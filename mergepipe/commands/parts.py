@@ -32,7 +32,7 @@ from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.tensor_table import subset
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.store import Store
-from mergepipe.index.store_key import STORE_MAC, load_key, mac_matches
+from mergepipe.index.store_key import STORE_MAC, mac_matches, store_key
 from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
@@ -101,7 +101,9 @@ def _stored(store: Store, plan: dict) -> bool:
     """A finished merge of this plan that this user stored (restoring authenticates and rehashes it
     again): a forged or another user's entry must not make the part jobs skip their tensors."""
     cached = store.root / "merges" / plan["plan_hash"]
-    key = load_key()
+    key = store_key()
+    if key is None:
+        return False
     try:
         authentic = mac_matches(key, "merges", cached.name, (cached / MANIFEST).read_bytes(),
                                 (cached / STORE_MAC).read_bytes())

@@ -39,7 +39,7 @@ from mergepipe.output.hf_config import output_config
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
-from mergepipe.index.store_key import STORE_MAC, entry_mac, load_key, mac_matches
+from mergepipe.index.store_key import STORE_MAC, entry_mac, mac_matches, store_key
 from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
 from mergepipe.config.mergekit import dump_params
 
@@ -297,7 +297,9 @@ def _restore(cached: Path, tmp: Path, plan: dict, lineage: dict | None = None) -
     it (its MAC verifies under this user's key, index/store_key.py: a shared cache folder's
     writers can put any self-consistent entry there), it is intact, and it has this `lineage`
     (the same input bytes, once plain, may now hold a mergepipe manifest)."""
-    key = load_key()  # before any work: a broken key file is an error, not a silent rebuild
+    key = store_key()  # before any work: a broken key file is an error, not a silent rebuild
+    if key is None:  # no key can be made here: nothing stored can be authenticated
+        return False
     try:
         recorded = (cached / STORE_MAC).read_bytes()
         _link_owned(cached / MANIFEST, tmp / MANIFEST)
@@ -334,7 +336,9 @@ def _link_owned(src: Path, dst: Path) -> None:
 
 
 def _save_to_store(tmp: Path, cached: Path) -> None:
-    key = load_key()
+    key = store_key()
+    if key is None:  # an entry without this user's MAC would never be restored
+        return
     # A staging folder of our own: two runs of one plan (to different targets) may save at once.
     staging = cached.with_name(f"{cached.name}.partial-{uuid.uuid4().hex[:12]}")
     try:

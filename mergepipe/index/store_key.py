@@ -7,6 +7,7 @@ cache (`$MERGEPIPE_STORE_KEY_FILE`, else `$XDG_CONFIG_HOME/mergepipe/store.key`,
 `~/.config/mergepipe/store.key`): 32 random bytes, mode 0600, created on first use. A key
 file that exists but cannot serve (a folder, unreadable, another length, readable by others)
 is an error naming it, never replaced: replacing it would disown every entry it signed.
+Where no key exists and none can be created, the store of merges is off (`store_key`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ def load_key() -> bytes:
         return _read_key(path)
     except FileNotFoundError:
         raise OutputError(f"{path}: store key vanished right after it was created; run again") from None
+
+
+def store_key() -> bytes | None:
+    """This user's key, or None where none exists and none can be made (a read-only home on a
+    cluster node): stored merges are then neither restored nor saved, and the merge runs.
+    A key file that exists but cannot serve is still an error (ConfigError): silently ignoring
+    it would rebuild every merge without saying why."""
+    try:
+        return load_key()
+    except OutputError:
+        return None
 
 
 def _read_key(path: Path) -> bytes:
