@@ -272,39 +272,3 @@ def test_eq_limit_at_every_count_equals_numba(level):
         for eq_keep in range(count + 2):
             assert kernels.eq_limit(b, e, np.float32(value), eq_keep) == \
                 numba_kernels.eq_limit(b, e, np.float32(value), eq_keep)
-
-
-def _ns_per_element(fn, n: int, repeats: int = 7) -> float:
-    import time
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e9 / n
-
-
-@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
-def test_ties_costs_a_few_task_arithmetic_passes_at_every_vector_width(level):
-    """Full TIES on bf16 blocks within 6x of task arithmetic's kernel (about 3x where the loops
-    vectorize: 35-90x below AVX-512 when a select stayed a branch), and eq_limit's scan under
-    1.5x of it. Ratios of the best of 7 runs in one process, so a busy machine slows both."""
-    kernels = _build(level)
-    n = 1 << 19
-    rng = np.random.default_rng(0)
-    base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16
-    b = base.astype(np.uint16)
-    bf = (b.astype(np.uint32) << 16).view(np.float32)
-    es = tuple(((bf + rng.standard_normal(n).astype(np.float32) * 1e-3).view(np.uint32) >> 16).astype(np.uint16)
-               for _ in range(3))
-    w = np.array([1.0, 0.7, 0.5], np.float32)
-    values = np.full(3, 1e-3, np.float32)
-    out = np.empty(n, np.uint16)
-    ta = _ns_per_element(lambda: kernels.task_arithmetic_bf16(b, es, w, np.float32(2.2), False, np.float32(1.0),
-                                                              False, out), n)
-    ties = _ns_per_element(lambda: kernels.ties_bf16(b, es, w, np.full(3, kernels.CUT, np.int64), values,
-                                                     np.full(3, n // 2, np.int64), True, np.float32(1.0), False,
-                                                     out), n)
-    scan = _ns_per_element(lambda: kernels.eq_limit(b, es[0], np.float32(-1.0), 1), n)
-    assert ties < 6 * ta, f"{cpu.NAMES[level]}: TIES {ties:.2f} ns/element, task arithmetic {ta:.2f}"
-    assert scan < 1.5 * ta, f"{cpu.NAMES[level]}: eq_limit {scan:.2f} ns/element, task arithmetic {ta:.2f}"
