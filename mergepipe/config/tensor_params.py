@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 KNOBS = ("density", "gamma")
 
 
-def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
+# Branchy: per tensor, per expert, per knob, each value checked where it is resolved so the error names all three.
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901
     """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
     config has no per-tensor setting (then plans are as before settings existed).
 
