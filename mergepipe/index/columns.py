@@ -1,5 +1,5 @@
 """Columnar index records: a decoded index's tensors as a few flat arrays, not an object
-per tensor (issue 15: 100,000 tensors).
+per tensor (a checkpoint may have 100,000 tensors).
 
 `ModelColumns` and `DeltaColumns` are read-only mappings, name -> TensorEntry /
 TensorDelta, that make the entry when it is looked up: code that asks for one tensor
