@@ -329,8 +329,8 @@ def _input_paths(cfg) -> list[Path]:
     from mergepipe.commands.stack import stack_sources
     paths = [cfg.base, *(e.path for e in cfg.experts)]
     paths += sorted({src for m in paths for src in stack_sources(m)})  # a stacked folder's sources
-    if cfg.output.tokenizer_source is not None:
-        paths.append(cfg.output.tokenizer_source)
+    if cfg.output.tokenizer_dir is not None:
+        paths.append(cfg.output.tokenizer_dir)
     return paths + _calibration_text(cfg)
 
 

@@ -287,10 +287,10 @@ models:
      "mk.yml: base_model: LoRA reference"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: org/e@main, parameters: {weight: 1}}]\n",
      "mk.yml: models[0].model: revision reference"),
-    ("merge_method: ties\nbase_model: b\ntokenizer_source: union\nmodels: [{model: e, parameters: {weight: 1}}]\n",
-     "mk.yml: tokenizer_source: 'union'"),
-    ("merge_method: ties\nbase_model: b\ntokenizer: {source: union}\nmodels: [{model: e, parameters: {weight: 1}}]\n",
-     "mk.yml: tokenizer.source"),
+    ("merge_method: ties\nbase_model: b\ntokenizer_source: union\ntokenizer: {source: union}\n"
+     "models: [{model: e, parameters: {weight: 1}}]\n", "mk.yml: tokenizer: give tokenizer_source or tokenizer"),
+    ("merge_method: ties\nbase_model: b\ntokenizer: {tokens: {x: {source: f}}}\n"
+     "models: [{model: e, parameters: {weight: 1}}]\n", "mk.yml: tokenizer.tokens.x.source: 'f' is not a model"),
     ("merge_method: ties\nbase_model: b\nchat_template: chatml\nmodels: [{model: e, parameters: {weight: 1}}]\n",
      "mk.yml: chat_template"),
     ("merge_method: ties\nbase_model: b\nfoo: 1\nmodels: [{model: e, parameters: {weight: 1}}]\n",
@@ -415,6 +415,11 @@ def test_tokenizer_source_model_and_base(tmp_path):
     assert params["output"]["tokenizer_source"] == "e"
     params = import_mergekit(_write(tmp_path, text + "tokenizer_source: base\n"))
     assert "tokenizer_source" not in params["output"]
+    # union, and tokenizer: (whose source is union by default): the output vocabulary (tests/test_vocab.py)
+    assert import_mergekit(_write(tmp_path, text + "tokenizer_source: union\n"))["output"]["tokenizer_source"] == "union"
+    params = import_mergekit(_write(tmp_path, text + "tokenizer: {pad_to_multiple_of: 8, tokens: {x: {source: e}}}\n"))
+    assert params["output"]["tokenizer_source"] == "union" and params["output"]["pad_to_multiple_of"] == 8
+    assert params["output"]["tokens"] == {"x": {"source": params["experts"][0]["name"]}}
 
 
 def test_hub_ids_resolve_from_the_local_cache(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -33,8 +34,7 @@ def test_exact_abs_sum_is_exactly_rounded_and_order_independent():
         assert sketch.exact_abs_sum(d) == want
         assert sketch.exact_abs_sum(rng.permutation(d)) == want
     assert sketch.exact_abs_sum(np.zeros(5, np.float32)) == 0.0
-    # subnormals, extremes
-    tiny = np.array([1e-45, -3e-44, 2e-40, -1.1754942e-38, 1.1754944e-38, 3.0e38, -3.0e38], np.float32)
+    tiny = np.array([1e-45, -3e-44, 2e-40, -1.1754942e-38, 1.1754944e-38, 3.0e38, -3.0e38], np.float32)  # subnormals, extremes
     assert sketch.exact_abs_sum(tiny) == math.fsum(abs(float(x)) for x in tiny)
 
 

@@ -24,6 +24,7 @@ from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
 from mergepipe.commands import check_models, check_predict
 from mergepipe.commands.stack import check_fresh
 from mergepipe.commands.tokenizer_source import plan_tokenizer
+from mergepipe.commands.vocabulary import header_views
 from mergepipe.config.params import MergeConfig, config_from_dict, load_config, read_yaml
 from mergepipe.config.paths import check_expert_kinds, check_models_exist
 from mergepipe.config.tensor_params import resolve_tensor_parameters
@@ -156,9 +157,10 @@ def _check(report: Report, cfg: MergeConfig, budget: Budget | str | None, *, det
     if opened is None:
         return None
     base, experts = opened
-    if cfg.output.tokenizer_source is not None:
+    if cfg.output.tokenizer_dir is not None:
         written = cfg.normalized()["output"]["tokenizer_source"]
-        if not report.attempt(lambda: plan_tokenizer(cfg.output.tokenizer_source, written, cfg.base))[0]:
+        if not report.attempt(lambda: plan_tokenizer(cfg.output.tokenizer_dir, written, cfg.base,
+                                                     same_vocabulary=not cfg.output.aligns_vocabulary))[0]:
             return None
         report.ok(f"output.tokenizer_source {written}: tokenizer files there, vocab_size as the base's")
     passed, budget = report.attempt(lambda: parse_budget(cfg.budget if budget is None else budget))
@@ -183,16 +185,29 @@ def _check_models(report: Report, cfg: MergeConfig, *, detail: bool
     if not report.attempt(inputs_exist)[0]:
         return None
     written = cfg.normalized()
-    passed, base = report.attempt(lambda: open_checkpoint(cfg.base))
+    passed, views = report.attempt(lambda: header_views(cfg))  # None: the base's vocabulary
+    if not passed:
+        return None
+
+    def rows_of(ckpt: Checkpoint) -> int | None:
+        return next((shape[0] for name, shape in zip(ckpt.tensors.names, ckpt.tensors.shapes)
+                     if is_vocabulary_tensor(name, shape)), None)
+
+    def opened(path: Path, name: str) -> Checkpoint:
+        return open_checkpoint(path) if views is None else views[name]
+    passed, base = report.attempt(lambda: opened(cfg.base, "base"))
     if not passed:
         return None
     facts = check_models.read_facts(cfg.base) if detail else None
     if detail:
         report.ok(f"base {written['base']}: {check_models.describe(base, facts)}")
+        if views is not None:  # every model seen in the output vocabulary (checkpoint/vocab.py)
+            report.ok(f"output vocabulary ({written['output'].get('tokenizer_source', 'base')}): embeddings rebuilt "
+                      f"with {rows_of(base)} rows")
     rows = None if not detail else next((shape[0] for name, shape in zip(base.tensors.names,
                                                                           base.tensors.shapes)
                                          if is_vocabulary_tensor(name, shape)), None)  # embedding rows
-    tokenizer_from = "the base's" if cfg.output.tokenizer_source is None else \
+    tokenizer_from = "the base's" if cfg.output.tokenizer_dir is None else \
         f"{written['output']['tokenizer_source']}'s"
     experts: dict[str, Checkpoint | None] = {}
     for e, e_written in zip(cfg.experts, written["experts"]):
@@ -202,11 +217,11 @@ def _check_models(report: Report, cfg: MergeConfig, *, detail: bool
             if detail:
                 report.ok(f"{where}: a LoRA adapter of the base (its tensors are the base's)")
             continue
-        passed, ckpt = report.attempt(lambda e=e: open_checkpoint(e.path))
+        passed, ckpt = report.attempt(lambda e=e: opened(e.path, e.name))
         if not passed:
             return None
         experts[e.name] = ckpt
-        differences = [] if facts is None else check_models.fact_differences(
+        differences = [] if facts is None or views is not None else check_models.fact_differences(
             e.name, facts, check_models.read_facts(e.path), base_rows=rows, tokenizer_from=tokenizer_from)
         mismatches = check_models.tensor_mismatches(base, ckpt)
         if mismatches:
@@ -300,7 +315,7 @@ def _check_output(report: Report, cfg: MergeConfig, config_file: Path | None, fo
     out = cfg.output.dir
     models = SimpleNamespace(base=SimpleNamespace(root=cfg.base),
                              experts={e.name: SimpleNamespace(root=e.path) for e in cfg.experts},
-                             tokenizer_dir=cfg.output.tokenizer_source)
+                             tokenizer_dir=cfg.output.tokenizer_dir)
     protect = [] if config_file is None else [Path(config_file)]
     text = (cfg.plan_options or {}).get("text")
     if text is not None:

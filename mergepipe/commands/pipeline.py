@@ -18,16 +18,21 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
-from mergepipe.commands.base_files import check_planned_files, copy_base_files, plan_base_files
 from mergepipe.commands.check import preflight
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
-from mergepipe.commands.tokenizer_source import copy_tokenizer, plan_tokenizer
+from mergepipe.checkpoint.vocab import ModelView, VocabularyViews
+from mergepipe.commands.vocabulary import Recipe as VocabularyRecipe
+from mergepipe.commands.vocabulary import views as vocabulary_views
+from mergepipe.commands.vocabulary import config_recipe as vocabulary_recipe
+from mergepipe.commands.vocabulary import plan_vocabulary, vocabulary_record
+from mergepipe.output.vocab_files import write_vocabulary_files
+from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
 from mergepipe.config.paths import check_expert_kinds
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
-from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.errors import CheckpointError, IntegrityError, OutputError
 from mergepipe.output import run_record as records
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
                                       manifest_hash, verify_outputs, write_manifest)
@@ -36,12 +41,17 @@ from mergepipe.output.run_record import stat_key
 from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
+from mergepipe.output.hf_config import output_config
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
 from mergepipe.index.store_key import STORE_MAC, entry_mac, mac_matches, store_key
 from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
 from mergepipe.config.mergekit import dump_params
+
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+             "stack.json")  # stack.json: a stacked base's tensor sources (commands/stack.py)
 
 
 def resolve(path: str, root: Path) -> Path:
@@ -59,24 +69,24 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
     if check_stacks:
         for m in (plan["base"], *plan["experts"]):
             check_fresh(resolve(m["path"], root))
-    base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads)
+    views = plan_vocabulary(plan, root, store, threads=threads)  # None: the base's vocabulary
+    base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads,
+                                         view=_view(views, "base"))
     experts, expert_indexes, deltas = {}, {}, {}
     for e in plan["experts"]:
         experts[e["name"]], expert_indexes[e["name"]] = store.model_index(
-            resolve(e["path"], root), block_bytes=bb, threads=threads, base=(base, base_index))
+            resolve(e["path"], root), block_bytes=bb, threads=threads, base=(base, base_index),
+            view=_view(views, e["name"]))
     check_plan_inputs(plan, base_index, expert_indexes)
-    tokenizer = plan["output"].get("tokenizer_source")
-    tokenizer_dir = None if tokenizer is None else resolve(tokenizer["path"], root)
-    # before a store restore too: a stored merge of this plan holds the planned non-weight files
-    check_planned_files(plan, base, tokenizer_dir)
     for e in plan["experts"]:
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
     if "layout" in plan["output"]:  # one naming other tensors is refused before any weight is read
         plan_layout(plan, base.tensors, where=where)
+    tokenizer = plan["output"].get("tokenizer_source")
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
-                  tokenizer_dir=tokenizer_dir,
+                  tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root),
                   sketches=plan_sketches(plan, store, base, base_index, {
                       n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, where))
 
@@ -92,12 +102,18 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     for folder in {cfg.base, *(e.path for e in cfg.experts)}:
         check_fresh(folder)  # a stacked folder whose source models changed is refused
     check_expert_kinds(cfg)  # an adapter folder is listed as adapter:, a model folder as path:
-    base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads, progress=not quiet)
+    vocabulary = vocabulary_recipe(cfg)  # embeddings rebuilt in an output vocabulary (checkpoint/vocab.py)
+    views = built = None
+    if vocabulary is not None:
+        vocabulary, *built, views = vocabulary_views(store, vocabulary, bb.block_bytes, threads=threads,
+                                                     progress=not quiet)
+    base, base_index = store.model_index(cfg.base, block_bytes=bb, threads=threads, progress=not quiet,
+                                         view=_view(views, "base"))
     experts, expert_indexes, deltas, plan_inputs = {}, {}, {}, []
     for e, e_norm in zip(cfg.experts, norm["experts"]):
         # one scan per new expert: block hashes and delta statistics from the same reads
         experts[e.name], expert_indexes[e.name], deltas[e.name] = store.expert_index(
-            e.path, base, base_index, threads=threads, progress=not quiet)
+            e.path, base, base_index, threads=threads, progress=not quiet, view=_view(views, e.name))
         # a per-tensor weight/density/gamma is in the plan's tensor_parameters, not here
         plan_inputs.append(PlanInput(e.name, e_norm.get("path", e_norm.get("adapter")),
                                      expert_indexes[e.name].content_hash,
@@ -116,29 +132,32 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     if (strategy or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
         sketches = sketch_inputs(store, base, base_index,
                                  {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, progress=not quiet)
-    base_files = plan_base_files(base, tokenizer_source=cfg.output.tokenizer_source is not None,
-                                 dtype=norm["output"]["dtype"])
-    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files),
-                     base_index=base_index,
+    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
-                     output=_plan_output(cfg, norm, base),
+                     output=_plan_output(cfg, norm, base, vocabulary, built),
                      nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
                      tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration, sketches=sketches)
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
-                        tokenizer_dir=cfg.output.tokenizer_source, sketches=sketches or {})
+                        tokenizer_dir=cfg.output.tokenizer_dir, sketches=sketches or {})
 
 
-def _plan_output(cfg, norm: dict, base) -> dict:
+def _view(views: VocabularyViews | None, name: str) -> ModelView | None:
+    return None if views is None else views.of(name)
+
+
+def _plan_output(cfg, norm: dict, base, vocabulary: VocabularyRecipe | None = None, built=None) -> dict:
     """The plan's `output`: dtype, shard_bytes and, only when set, the tokenizer source (hashed)
     and the base-mirroring file layout (engine/layout.py: absent where it is the canonical one)."""
     out = {"dtype": norm["output"]["dtype"], "shard_bytes": norm["output"]["shard_bytes"]}
     layout = layout_record(base, dtype=out["dtype"], shard_bytes=out["shard_bytes"])
     if layout is not None:
         out["layout"] = layout
-    if cfg.output.tokenizer_source is not None:
-        out["tokenizer_source"] = plan_tokenizer(cfg.output.tokenizer_source,
-                                                 norm["output"]["tokenizer_source"], cfg.base)
+    if cfg.output.tokenizer_dir is not None:
+        out["tokenizer_source"] = plan_tokenizer(cfg.output.tokenizer_dir, norm["output"]["tokenizer_source"],
+                                                 cfg.base, same_vocabulary=not cfg.output.aligns_vocabulary)
+    if vocabulary is not None:  # the output vocabulary and where its rows come from (commands/vocabulary.py)
+        out["vocabulary"] = vocabulary_record(vocabulary, *built)
     return out
 
 
@@ -255,10 +274,26 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             # an input edited in place meanwhile: copied base bytes no longer match their recorded hashes
             store.check_unchanged([h.path for c in (inputs.base, *inputs.experts.values()) for h in c.files])
             aux = {}
+            weight_files = {os.path.realpath(h.path) for h in inputs.base.files}
             tokenizer = plan["output"].get("tokenizer_source")
             if tokenizer is not None:  # that model's tokenizer files, checked against the plan
                 aux.update(copy_tokenizer(tokenizer, inputs.tokenizer_dir, tmp))
-            aux.update(copy_base_files(plan, inputs.base, tmp))  # the plan's base.files, checked again
+            for name in AUX_FILES:
+                if tokenizer is not None and name in TOKENIZER_FILES:
+                    continue
+                src = inputs.base.root / name
+                if os.path.lexists(src) and not src.is_file():  # the output would lack it, and verify say OK
+                    raise CheckpointError(f"{src}: not a regular file (a dangling link, a folder or a special "
+                                          "file); the output would be published without it; fix the base folder")
+                # a base weight shard may be named config.json (legal in a weight_map): never a config
+                if src.is_file() and os.path.realpath(src) not in weight_files:
+                    if name == "config.json":  # its dtype fields name the dtype the weights are in
+                        (tmp / name).write_bytes(output_config(src, plan["output"].get("dtype")))
+                    else:
+                        shutil.copyfile(src, tmp / name)
+                    aux[name] = hash_file(tmp / name)
+            if "vocabulary" in plan["output"]:  # added tokens and vocab_size of the rebuilt embeddings
+                aux.update(write_vocabulary_files(plan["output"]["vocabulary"], tmp))
             for name, data in card.items():
                 (tmp / name).write_bytes(data)
                 aux[name] = hash_file(tmp / name)

@@ -2,8 +2,9 @@
 
 At plan time the folder's tokenizer files are hashed into the plan (`output.tokenizer_source`
 = {path as written, files: {name: blake3}}), so the plan hash covers them; the merge copies
-them and refuses files that changed since. The vocabulary must be the base's (config.json
-`vocab_size`): embeddings are not remapped (mergekit would permute them).
+them and refuses files that changed since. Unless the embeddings are rebuilt in its
+vocabulary (`tokens:`, `pad_to_multiple_of`: checkpoint/vocab.py), its vocabulary must be the
+base's (config.json `vocab_size`).
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def _vocab_size(folder: Path) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def plan_tokenizer(folder: Path, written: str, base_root: Path) -> dict:
-    """The plan's `output.tokenizer_source` for `folder` (written as `written`).
+def plan_tokenizer(folder: Path, written: str, base_root: Path, *, same_vocabulary: bool = True) -> dict:
+    """The plan's `output.tokenizer_source` for `folder` (written as `written`). `same_vocabulary`:
+    its vocab_size must be the base's (False: the embeddings are rebuilt in its vocabulary,
+    checkpoint/vocab.py).
 
     Raises:
         ConfigError: not a folder, a tokenizer name that is not a readable file (a dangling
@@ -49,7 +52,7 @@ def plan_tokenizer(folder: Path, written: str, base_root: Path) -> dict:
         raise ConfigError(f"output.tokenizer_source: {folder} has none of the tokenizer files "
                           f"({', '.join(TOKENIZER_FILES)})")
     ours, base = _vocab_size(folder), _vocab_size(base_root)
-    if ours is not None and base is not None and ours != base:
+    if same_vocabulary and ours is not None and base is not None and ours != base:
         raise ConfigError(f"output.tokenizer_source: {folder} has vocab_size {ours}, the base {base}; "
                           "mergepipe does not remap embeddings to another vocabulary")
     return {"path": written, "files": dict(sorted(files.items()))}

@@ -2,7 +2,7 @@
 
 Owns the mapping from mergekit's config language to params.yaml. Only what
 mergepipe can reproduce exactly is converted; everything else (modules, LoRA or
-revision references, tokenizer merging, unsupported methods) is a ConfigError
+revision references, unsupported methods) is a ConfigError
 that names the mergekit key, never a silent approximation. Reads the mergekit
 file and writes params files; opens no model (a Hugging Face id is looked up
 in the local cache, config/hf_cache.py).
@@ -25,7 +25,10 @@ Semantics carried over from mergekit:
   a model's filtered setting with no catch-all falls back to the global one,
   which is appended as its last condition.
 - `tokenizer_source: base` keeps the base's tokenizer; a model copies that
-  model's tokenizer files (`output.tokenizer_source`); `union` is refused.
+  model's tokenizer files (`output.tokenizer_source`); `union` and `tokenizer: {source,
+  tokens, pad_to_multiple_of}` (source union by default, as mergekit's) become
+  `output.tokenizer_source: union`, `output.tokens` (models named as params.yaml names
+  them) and `output.pad_to_multiple_of` (checkpoint/vocab.py rebuilds the embeddings).
 """
 from __future__ import annotations
 
@@ -232,22 +235,70 @@ def _dtype(value: Any, key: str, source: str) -> str:
 
 
 def _check_tokenizer(data: dict[str, Any], source: str) -> None:
-    token_source = data.get("tokenizer_source")
-    if token_source == "union":
-        raise _fail(source, "tokenizer_source", "'union' (a merged vocabulary) cannot be expressed; "
-                                                "use 'base' or one model's tokenizer")
+    """The tokenizer keys' shape (mergekit's TokenizerConfig); their models are mapped later."""
     tokenizer = data.get("tokenizer")
     if tokenizer is None:
         return
+    if data.get("tokenizer_source") is not None:
+        raise _fail(source, "tokenizer", "give tokenizer_source or tokenizer, not both (mergekit refuses both)")
     if not isinstance(tokenizer, dict):
         raise _fail(source, "tokenizer", f"must be a mapping, got {short_repr(tokenizer)}")
-    for key, value in tokenizer.items():
-        if key == "source" and value in (None, "base"):
-            continue
-        if key in ("tokens", "pad_to_multiple_of") and not value:
-            continue
-        raise _fail(source, f"tokenizer.{key}", "tokenizer changes cannot be expressed; "
-                                                "mergepipe keeps the base's tokenizer")
+    for key in tokenizer:
+        if key not in ("source", "tokens", "pad_to_multiple_of"):
+            raise _fail(source, f"tokenizer.{key}", "unknown key; supported: source, tokens, pad_to_multiple_of")
+    if not isinstance(tokenizer.get("tokens") or {}, dict):
+        raise _fail(source, "tokenizer.tokens", f"must be a mapping of token to source, got "
+                                                f"{short_repr(tokenizer['tokens'])}")
+
+
+def _token_model(value: Any, key: str, source: str, paths: ModelPaths | None, names: dict[str, str]) -> str:
+    """A model reference of `tokens:` as params.yaml names the model: 'base' or an expert's name."""
+    path = _model_ref(value, key, source, paths)
+    for written, name in names.items():
+        if _same_model(path, written):
+            return name
+    raise _fail(source, key, f"{short_repr(value)} is not a model of this merge; name the base model or one of "
+                             "the models")
+
+
+def _token_rules(tokens: dict, source: str, paths: ModelPaths | None, names: dict[str, str]) -> dict[str, Any]:
+    """mergekit's `tokenizer.tokens` as params.yaml's `output.tokens` (config/vocabulary.py)."""
+    out: dict[str, Any] = {}
+    for token, spec in tokens.items():
+        key = f"tokenizer.tokens.{token}"
+        if not isinstance(spec, dict) or set(spec) - {"source", "force"}:
+            raise _fail(source, key, f"must be {{source, force}}, got {short_repr(spec)}")
+        src = spec.get("source")
+        if isinstance(src, dict) and src.get("kind") == "model_token":
+            src = {**src, "model": _token_model(src.get("model"), f"{key}.source.model", source, paths, names)}
+        elif not isinstance(src, dict):
+            src = _token_model(src, f"{key}.source", source, paths, names)
+        out[str(token)] = {"source": src, **({"force": spec["force"]} if "force" in spec else {})}
+    return out
+
+
+def _tokenizer_output(data: dict[str, Any], source: str, paths: ModelPaths | None, base: str | None,
+                      experts: list[dict[str, Any]]) -> dict[str, Any]:
+    """params.yaml's output.tokenizer_source / tokens / pad_to_multiple_of for mergekit's
+    `tokenizer_source` or `tokenizer: {source (default union), tokens, pad_to_multiple_of}`."""
+    tokenizer = data.get("tokenizer")
+    token_source = data.get("tokenizer_source") if tokenizer is None else tokenizer.get("source", "union")
+    key = "tokenizer_source" if tokenizer is None else "tokenizer.source"
+    out: dict[str, Any] = {}
+    if token_source == "union":
+        out["tokenizer_source"] = "union"
+    elif token_source not in (None, "base"):
+        token_path = _model_ref(token_source, key, source, paths)
+        if base is None or not _same_model(token_path, base):
+            out["tokenizer_source"] = token_path
+    if tokenizer is not None:
+        names = {**({} if base is None else {base: "base"}),
+                 **{e.get("path", e.get("adapter")): e["name"] for e in experts}}
+        if tokenizer.get("tokens"):
+            out["tokens"] = _token_rules(tokenizer["tokens"], source, paths, names)
+        if tokenizer.get("pad_to_multiple_of") is not None:
+            out["pad_to_multiple_of"] = tokenizer["pad_to_multiple_of"]
+    return out
 
 
 def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,
@@ -437,11 +488,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     dtype = data.get(dtype_key)
     out["output"] = {"dir": recipe_output_dir(source) if output_dir is None else output_dir,
                      "dtype": None if dtype is None else _dtype(dtype, dtype_key, source)}
-    token_source = data.get("tokenizer_source")
-    if token_source not in (None, "base"):
-        token_path = _model_ref(token_source, "tokenizer_source", source, paths)
-        if not _same_model(token_path, base):
-            out["output"]["tokenizer_source"] = token_path
+    out["output"].update(_tokenizer_output(data, source, paths, base, experts))
     if recipe is not None:
         out["output"]["mergekit_config"] = recipe
     return out
@@ -645,11 +692,12 @@ _KEY_ORDER = ("base", "experts", "method", "parameters", "seed", "budget", "bloc
               "tokenizer_source", "mergekit_config")
 
 
-def _ordered(node: Any) -> Any:
+def _ordered(node: Any, *, keep: bool = False) -> Any:
+    """`keep`: the dict's own order (output.tokens: new tokens are added in their order)."""
     if isinstance(node, dict):
         rank = {k: i for i, k in enumerate(_KEY_ORDER)}
-        keys = sorted(node, key=lambda k: (rank.get(k, len(rank)), str(k)))
-        return {k: _ordered(node[k]) for k in keys}
+        keys = list(node) if keep else sorted(node, key=lambda k: (rank.get(k, len(rank)), str(k)))
+        return {k: _ordered(node[k], keep=k == "tokens") for k in keys}
     if isinstance(node, list | tuple):
         return [_ordered(v) for v in node]
     if isinstance(node, os.PathLike):

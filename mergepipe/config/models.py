@@ -35,6 +35,7 @@ from mergepipe.config.fields import (
     TensorWeight,
 )
 from mergepipe.config.settings import Setting, is_setting, parse_setting
+from mergepipe.config.vocabulary import Tokens
 from mergepipe.config.messages import describe, did_you_mean
 from mergepipe.methods import METHODS
 from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_options
@@ -88,9 +89,25 @@ class OutputConfig(BaseModel):
         None, description="output dtype; null keeps the base's dtypes")
     shard_bytes: ShardBytes | None = Field(
         None, description="shard size; null mirrors the base's sharding")
-    tokenizer_source: ConfigPath | None = Field(
+    tokenizer_source: Literal["union"] | ConfigPath | None = Field(
         None, description="model folder whose tokenizer files the output gets, relative to "
-        "params.yaml; null: the base's (embeddings are not remapped: same vocabulary only)")
+        "params.yaml; 'union': the base's tokenizer plus every expert's tokens, embeddings rebuilt in "
+        "that vocabulary (mergekit's union); null: the base's")
+    tokens: Tokens | None = Field(
+        None, description="output token -> where its embedding rows come from (mergekit's tokenizer.tokens); "
+        "a token not in the vocabulary is added")
+    pad_to_multiple_of: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] | None = Field(
+        None, description="embedding rows rounded up to a multiple of this (padding rows: each model's mean row)")
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The model folder whose tokenizer files the output gets (None: the base's, or the union)."""
+        return self.tokenizer_source if isinstance(self.tokenizer_source, Path) else None
+
+    @property
+    def aligns_vocabulary(self) -> bool:
+        """Whether embeddings are rebuilt in an output vocabulary (docs/design.md, "Vocabularies")."""
+        return self.tokenizer_source == "union" or self.tokens is not None or self.pad_to_multiple_of is not None
     mergekit_config: Annotated[str, Field(strict=True, max_length=MAX_MERGEKIT_CONFIG_CHARS)] | None = Field(
         None, description="the mergekit YAML this config was imported from (set by import-mergekit), as "
         "text, for the output to carry; null: not imported")
@@ -296,8 +313,13 @@ class MergeConfig(BaseModel):
                 "dtype": self.output.dtype,
                 "shard_bytes": self.output.shard_bytes,
                 # only when set, so that configs without it keep their normalized form
-                **({} if self.output.tokenizer_source is None else
-                   {"tokenizer_source": written("output.tokenizer_source", self.output.tokenizer_source)}),
+                **({} if self.output.tokenizer_dir is None else
+                   {"tokenizer_source": written("output.tokenizer_source", self.output.tokenizer_dir)}),
+                **({} if self.output.tokenizer_source != "union" else {"tokenizer_source": "union"}),
+                **({} if self.output.tokens is None else
+                   {"tokens": {t: c.model_dump(mode="json", exclude_none=True) for t, c in self.output.tokens.items()}}),
+                **({} if self.output.pad_to_multiple_of is None else
+                   {"pad_to_multiple_of": self.output.pad_to_multiple_of}),
                 **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),
             },
             "cache_dir": written("cache_dir", self.cache_dir),

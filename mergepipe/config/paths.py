@@ -66,9 +66,9 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
         written[f"experts[{i}].path"] = expert.path.as_posix()
         experts.append(expert.model_copy(update={"path": _absolute(root, expert.path)}))
     output = {"dir": _absolute(root, cfg.output.dir)}
-    if cfg.output.tokenizer_source is not None:
-        written["output.tokenizer_source"] = cfg.output.tokenizer_source.as_posix()
-        output["tokenizer_source"] = _absolute(root, cfg.output.tokenizer_source)
+    if cfg.output.tokenizer_dir is not None:
+        written["output.tokenizer_source"] = cfg.output.tokenizer_dir.as_posix()
+        output["tokenizer_source"] = _absolute(root, cfg.output.tokenizer_dir)
     _refuse_variables(written, source)
     resolved = cfg.model_copy(update={
         "base": _absolute(root, cfg.base),

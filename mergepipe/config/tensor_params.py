@@ -35,11 +35,9 @@ if TYPE_CHECKING:
 KNOBS = ("density", "gamma")
 
 
-# Branchy: per tensor, per expert, per knob, each value checked where it is resolved so the error names all three.
-def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
     """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
-    config has no per-tensor setting (then the plan has no `tensor_parameters` key, and its hash
-    is that of the same config without the grammar).
+    config has no per-tensor setting (then plans are as before settings existed).
 
     Raises:
         ConfigError: a weight no condition gives for some tensor, a value that is out of range

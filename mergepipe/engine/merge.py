@@ -52,6 +52,7 @@ from mergepipe.methods.base import BlockInputs, ExpertBlock, RawBlock, expert_kn
 from mergepipe.methods.slerp import cosine_from_sums
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.treehash import hash_weight_file
+from mergepipe.checkpoint.vocab import VocabCheckpoint
 from mergepipe.util.fs import hash_file, shares_extents
 from mergepipe.util.memory import keep_freed_memory
 from mergepipe.util.progress import Progress
@@ -221,6 +222,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     base_fds: dict[Path, int] = {}
     # direct writes: the copied runs' reads (their counter is the bytes the output keeps unmerged)
     copy_reader = CheckpointReader(base, random_access=False) if direct else None
+    # a virtual base's tensors in no file of its own (checkpoint/vocab.py) are copied through it
+    virtual_reader = CheckpointReader(base, random_access=False) if isinstance(base, VocabCheckpoint) else None
     prog = Progress(base.total_bytes, "merging", progress)
     try:
         for h in base.files:
@@ -248,6 +251,10 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
             t, (r0, r1) = base.tensors[name], rows(name, blocks)
             nbytes = (r1 - r0) * t.row_bytes()
+            if t.file not in base_fds:
+                begin = t.begin + r0 * t.row_bytes()
+                writers[out_of[name][0]].write_rows(name, r0, virtual_reader.read_range(t, begin, begin + nbytes))
+                return nbytes, 0
             return nbytes, writers[out_of[name][0]].copy_rows(name, r0, base_fds[t.file],
                                                                t.begin + r0 * t.row_bytes(), nbytes)
 
@@ -266,7 +273,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                             writers[name.out_file].write_rows(name.names[0], 0, next(loaded)[1])
                             prog.step(name.end - name.begin)
                         else:
-                            copies.submit(_copy_pack, name, writers, base_fds)
+                            copies.submit(_copy_pack, name, writers, base_fds, virtual_reader)
                         m.hasher.add_whole(name.names, block_digests(inputs.base_index, name.names), digests=True)
                     else:
                         _finish_pack(m, name, next(loaded)[1], out_of, writers)
@@ -313,6 +320,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
         reader.close()
         if copy_reader is not None:
             copy_reader.close()
+        if virtual_reader is not None:
+            virtual_reader.close()
         for sk in inputs.sketches.values():
             sk.close()
         for fd in base_fds.values():
@@ -487,9 +496,14 @@ def _is_copy(item: tuple) -> bool:
     return kind == COPY or (kind == PACK and name.kind == COPY)
 
 
-def _copy_pack(pack: Pack, writers: dict[str, SafetensorsWriter], base_fds: dict[Path, int]) -> tuple[int, int]:
-    """On the copier's thread: copy a COPY pack file to file; (bytes, bytes the kernel copied)."""
+def _copy_pack(pack: Pack, writers: dict[str, SafetensorsWriter], base_fds: dict[Path, int],
+               virtual_reader: CheckpointReader | None = None) -> tuple[int, int]:
+    """On the copier's thread: copy a COPY pack file to file (a virtual file's through its
+    reader); (bytes, bytes the kernel copied)."""
     nbytes = pack.end - pack.begin
+    if pack.file not in base_fds:
+        writers[pack.out_file].write_rows(pack.names[0], 0, virtual_reader.read_range(pack.first, pack.begin, pack.end))
+        return nbytes, 0
     return nbytes, writers[pack.out_file].copy_rows(pack.names[0], 0, base_fds[pack.file], pack.begin, nbytes)
 
 

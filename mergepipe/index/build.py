@@ -162,10 +162,10 @@ def _tasks(ckpt: Checkpoint, order: list[str], ranges: dict) -> list[list[str]]:
     A future per tiny tensor cost more than indexing it (checkpoints of 100k tensors)."""
     is_small = {n: _small(ckpt.tensors[n], ranges[n]) for n in order}
     tasks = [[n] for n in order if not is_small[n]]
-    file_no = {h.path: i for i, h in enumerate(ckpt.files)}
+    file_no = {h.path: i for i, h in enumerate(ckpt.files)}  # a virtual file (checkpoint/vocab.py): last
     batch, size = [], 0
     in_file_order = sorted((n for n in order if is_small[n]),
-                           key=lambda n: (file_no[ckpt.tensors[n].file], ckpt.tensors[n].begin))
+                           key=lambda n: (file_no.get(ckpt.tensors[n].file, len(file_no)), ckpt.tensors[n].begin))
     for n in in_file_order:
         if batch and (size + ckpt.tensors[n].nbytes > BATCH_BYTES or len(batch) >= BATCH_TENSORS):
             tasks.append(batch)

@@ -28,6 +28,7 @@ from mergepipe.index.columns import DeltaColumns, ModelColumns, delta_describes,
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
 from mergepipe.checkpoint.lora import AdapterCheckpoint, is_adapter, open_adapter
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
+from mergepipe.checkpoint.vocab import ModelView, VocabCheckpoint
 from mergepipe.util.fs import atomic_write_bytes
 
 # index/build.py (numpy, the scan kernels) is imported only when something is (re)built:
@@ -122,15 +123,25 @@ def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
     return out
 
 
-def open_model(path: str | Path, base: tuple[Checkpoint, ModelIndex] | None = None) -> Checkpoint:
+def _identity(ckpt: Checkpoint) -> str | None:
+    """What a virtual checkpoint's cache entries are keyed by (its files are another model's);
+    None for a model folder (keyed by its files' fingerprints)."""
+    return ckpt.identity if isinstance(ckpt, AdapterCheckpoint | VocabCheckpoint) else None
+
+
+def open_model(path: str | Path, base: tuple[Checkpoint, ModelIndex] | None = None,
+               view: ModelView | None = None) -> Checkpoint:
     """The checkpoint at `path`: a model folder or file, or, for an expert of `base`, a PEFT LoRA
-    adapter folder (checkpoint/lora.py: the base's tensors with the adapter's Δ). The one place
-    an input is opened.
+    adapter folder (checkpoint/lora.py: the base's tensors with the adapter's Δ); with `view`, the
+    model seen in the merge's output vocabulary (checkpoint/vocab.py). The one place an input
+    is opened.
 
     Raises:
         CheckpointError: a malformed checkpoint, or an adapter folder opened without its base.
         ConfigError: an adapter that is not of this base or not plain LoRA.
     """
+    if view is not None:
+        return view.open()
     if is_adapter(path):
         if base is None:
             raise CheckpointError(f"{path}: a PEFT LoRA adapter, which is an expert of a base model, not a "
@@ -138,6 +149,11 @@ def open_model(path: str | Path, base: tuple[Checkpoint, ModelIndex] | None = No
                                   "adapter:")
         return open_adapter(path, base[0], base[1].content_hash)
     return open_checkpoint(path)
+
+
+def _identity_key(ckpt: Checkpoint) -> dict[str, str]:
+    kind = "adapter" if isinstance(ckpt, AdapterCheckpoint) else "vocabulary"
+    return {kind: _identity(ckpt)}
 
 
 DELTA_FORMAT = 3  # bump when DeltaIndex changes meaning: old cache entries are then ignored
@@ -179,8 +195,8 @@ class Store:
 
     def _cached_model(self, ckpt: Checkpoint, block_bytes: BlockLayout,
                       anchor: ModelIndex | None = None) -> ModelIndex | None:
-        if isinstance(ckpt, AdapterCheckpoint):  # keyed by the content it is made of: nothing to stat
-            index = _read_index(self._model_key({"adapter": ckpt.identity}, block_bytes), binfmt.decode_model)
+        if _identity(ckpt) is not None:  # keyed by the content it is made of: nothing to stat
+            index = _read_index(self._model_key(_identity_key(ckpt), block_bytes), binfmt.decode_model)
             if index is None or not _model_matches(index, ckpt, block_bytes, anchor):
                 return None
             self.hits += 1
@@ -214,8 +230,8 @@ class Store:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
             self.seen[h.path] = stats[h.path]
         data = binfmt.encode_model(index)
-        if isinstance(ckpt, AdapterCheckpoint):  # its files are the base's: their stat entries are the base's
-            _atomic_write(self._model_key({"adapter": ckpt.identity}, index.layout), data)
+        if _identity(ckpt) is not None:  # its files are another model's: their stat entries are that one's
+            _atomic_write(self._model_key(_identity_key(ckpt), index.layout), data)
             return binfmt.decode_model(data)
         fingerprints = file_fingerprints(ckpt, index)
         _atomic_write(self._model_key(fingerprints, index.layout), data)
@@ -225,16 +241,17 @@ class Store:
         return binfmt.decode_model(data)
 
     def model_index(self, path: str | Path, *, block_bytes: int | BlockLayout, threads: int = 2,
-                    progress: bool = False,
-                    base: tuple[Checkpoint, ModelIndex] | None = None) -> tuple[Checkpoint, ModelIndex]:
+                    progress: bool = False, base: tuple[Checkpoint, ModelIndex] | None = None,
+                    view: ModelView | None = None) -> tuple[Checkpoint, ModelIndex]:
         """Open a checkpoint and return its index, from the cache when every file is unchanged.
-        `base`: the base (and its index) an expert at `path` is of, needed where it is a LoRA adapter."""
+        `base`: the base (and its index) an expert at `path` is of, needed where it is a LoRA adapter;
+        `view`: the model in the merge's vocabulary (checkpoint/vocab.py)."""
         block_bytes = BlockLayout.of(block_bytes)
         anchor = None
         if block_bytes.embedding_block_bytes is not None:  # the plain index names the model
             anchor = self.model_index(path, block_bytes=block_bytes.block_bytes, threads=threads,
-                                      progress=progress, base=base)[1]
-        ckpt = open_model(path, base)
+                                      progress=progress, base=base, view=view)[1]
+        ckpt = open_model(path, base, view)
         index = self._cached_model(ckpt, block_bytes, anchor)
         if index is None:
             from mergepipe.index.build import build_model_index
@@ -248,14 +265,16 @@ class Store:
         return ckpt, index
 
     def expert_index(self, path: str | Path, base: Checkpoint, base_index: ModelIndex, *,
-                     threads: int = 2, progress: bool = False) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
+                     threads: int = 2, progress: bool = False,
+                     view: ModelView | None = None) -> tuple[Checkpoint, ModelIndex, DeltaIndex]:
         """An expert's ModelIndex and DeltaIndex against `base`, from the cache where possible;
-        when neither is cached, both come from one scan (the expert is read once)."""
+        when neither is cached, both come from one scan (the expert is read once). `view`: the
+        expert in the merge's vocabulary (checkpoint/vocab.py)."""
         anchor = None
         if base_index.embedding_block_bytes is not None:  # the plain index names the model
             anchor = self.model_index(path, block_bytes=base_index.block_bytes, threads=threads,
-                                      progress=progress, base=(base, base_index))[1]
-        ckpt = open_model(path, (base, base_index))
+                                      progress=progress, base=(base, base_index), view=view)[1]
+        ckpt = open_model(path, (base, base_index), view)
         index = self._cached_model(ckpt, base_index.layout, anchor)
         if index is not None:
             return ckpt, index, self.delta_index(base, base_index, ckpt, index, threads=threads, progress=progress)
@@ -269,6 +288,17 @@ class Store:
         self.builds += 1
         index = self._save_model(ckpt, index, stats)
         return ckpt, index, self._save_delta(self._delta_path(index, base_index), delta)
+
+    def own_models(self, paths: dict[str, Path], *, block_bytes: int, threads: int = 2,
+                   progress: bool = False) -> tuple[dict[str, Checkpoint], dict[str, str]]:
+        """Each model of `paths` (name -> folder) as its own checkpoint, indexed (cached) in the
+        plain layout of `block_bytes`, and its content hash: what names its vocabulary views
+        (checkpoint/vocab.py) and orders the models in the output vocabulary."""
+        donors, hashes = {}, {}
+        for name, path in paths.items():
+            donors[name], index = self.model_index(path, block_bytes=block_bytes, threads=threads, progress=progress)
+            hashes[name] = index.content_hash
+        return donors, hashes
 
     def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
         blocks = str(expert_index.layout.key).replace("/", "-")

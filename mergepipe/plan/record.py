@@ -27,7 +27,7 @@ import sys
 from itertools import chain
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 # The limits params.yaml enforces; a plan must not escape them.
 from mergepipe.checkpoint.blocks import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, BlockLayout
@@ -54,13 +54,6 @@ class PlanInputRecord(BaseModel):
     weight: float
     density: Annotated[float, Field(gt=0, le=1)] | None = None
     gamma: Annotated[float, Field(ge=0, lt=1)] | None = None
-
-
-class BaseInputRecord(PlanInputRecord):
-    """The base: also the non-weight files the output copies from it (config.json, ...) and
-    their blake3 (commands/base_files.py), so the plan hash covers every byte the output takes."""
-
-    files: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], Hash]
 
 
 class TokenizerRecord(BaseModel):
@@ -90,12 +83,43 @@ class LayoutRecord(BaseModel):
     order: list[StrictStr] | None = None
 
 
+class AddedTokenRecord(BaseModel):
+    """A token the output tokenizer gets, as tokenizer.json's `added_tokens` entry."""
+
+    model_config = _STRICT
+    id: Count
+    content: StrictStr
+    single_word: StrictBool
+    lstrip: StrictBool
+    rstrip: StrictBool
+    normalized: StrictBool
+    special: StrictBool
+
+
+class VocabularyRecord(BaseModel):
+    """output.vocabulary (commands/vocabulary.py): the output vocabulary's recipe, the tokenizer
+    files it was made from, its tokens' count and rows, the tokens added, each filled token's
+    rule ([id, token, rule]) and the digest of every model's row map (checkpoint/vocab_map.py)."""
+
+    model_config = _STRICT
+    source: Annotated[str, Field(min_length=1)]
+    tokens: dict[StrictStr, dict]
+    pad_to_multiple_of: Annotated[int, Field(strict=True, ge=1)] | None
+    tokenizers: dict[StrictStr, dict[StrictStr, Hash]]
+    size: Count
+    rows: Count
+    added: list[AddedTokenRecord]
+    filled: list[Annotated[list[Count | StrictStr], Field(min_length=3, max_length=3)]]
+    digest: Hash
+
+
 class OutputRecord(BaseModel):
     model_config = _STRICT
     dtype: Literal["bfloat16", "float16", "float32"] | None
     shard_bytes: Annotated[int, Field(strict=True, ge=MIN_SHARD_BYTES)] | None
     tokenizer_source: TokenizerRecord | None = None
     layout: LayoutRecord | None = None
+    vocabulary: VocabularyRecord | None = None
 
 
 class BytesRecord(BaseModel):
@@ -172,7 +196,7 @@ class PlanRecord(BaseModel):
     embedding_block_bytes: Annotated[int, Field(strict=True, ge=MIN_BLOCK_BYTES, le=MAX_BLOCK_BYTES)] | None = None
     output: OutputRecord
     nonfinite: Literal["error", "allow"]
-    base: BaseInputRecord
+    base: PlanInputRecord
     experts: Annotated[list[PlanInputRecord], Field(min_length=1)]
     reads: dict[StrictStr, dict[StrictStr, list[StrictInt]]]
     bytes: BytesRecord
