@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-no-avx512 venv clean-demo
+.PHONY: demo lint test test-fast test-no-avx512 venv clean-demo
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard mergepipe/*/*.c)
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ venv: $(VENV)/.installed
 demo: venv
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake merged/model.safetensors
 	$(BIN)/mergepipe verify merged
+
+# ruff's settings are in pyproject.toml ([tool.ruff]).
+LINTED := mergepipe tests bench scripts mergepipe_eval
+lint: venv
+	$(BIN)/ruff check $(LINTED)
 
 test: venv .venv-mergekit/.installed
 	$(BIN)/python -m pytest -q

@@ -46,7 +46,8 @@ def config(out: Path, family: Path, k: int, method: str, budget: str, name: str)
     # whole-block reads (strategy energy, named: without `plan:` a budget below full gets
     # sketch, whose cost bench/sketch_cost.py measures)
     lines += [f"method: {method}", f"parameters: {json.dumps(params)}", "seed: 0", f"budget: '{budget}'",
-              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {out / 'runs' / name}}}", f"cache_dir: {out / 'cache'}"]
+              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {out / 'runs' / name}}}",
+              f"cache_dir: {out / 'cache'}"]
     path = out / "configs" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -60,7 +61,8 @@ def med(xs: list[float]) -> str:
     return f"{m:.2f}" if len(xs) == 1 else f"{m:.2f} ({min(xs):.2f}–{max(xs):.2f})"
 
 
-def main() -> int:
+# Long: the benchmark's options, then each measured phase in the order the report reads them.
+def main() -> int:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", type=Path, required=True)
     ap.add_argument("--k", type=int, default=4)
@@ -180,7 +182,8 @@ def main() -> int:
                     res["mergekit"].append(m.to_json())
                 print(f"[{time.strftime('%H:%M:%S')}] mergekit {method} warm r{rnd}: {m.wall_s:.2f} s", flush=True)
                 # ours, right after, paired: rounds >= 100 (task arithmetic) or >= 200 (ties)
-                one(f"{method}-100%", cfgs[f"{method}-100%"], "warm", (100 if method == "task_arithmetic" else 200) + rnd)
+                one(f"{method}-100%", cfgs[f"{method}-100%"], "warm",
+                    (100 if method == "task_arithmetic" else 200) + rnd)
     if args.verify_deep:  # the deep verify of one output: every byte reread and rehashed
         name = "task_arithmetic-100%"
         one(name, cfgs[name], "cold" if args.no_warm else "warm", 300)

@@ -87,7 +87,8 @@ def main() -> int:
             assert m.returncode == 0, m.stderr_tail
             results["merge"].append(m)
             print(f"round {r + 1}: run {results['run'][-1].wall_s:.2f} s "
-                  f"{results['run'][-1].max_rss_bytes / 1e6:.0f} MB; merge {m.wall_s:.2f} s {m.max_rss_bytes / 1e6:.0f} MB",
+                  f"{results['run'][-1].max_rss_bytes / 1e6:.0f} MB; "
+                  f"merge {m.wall_s:.2f} s {m.max_rss_bytes / 1e6:.0f} MB",
                   file=sys.stderr)
         size = (work / "base" / "model.safetensors").stat().st_size
         summary = {"tensors": n, "dtype": args.dtype, "file_bytes": size, "method": args.method,

@@ -105,7 +105,8 @@ def contender_table(groups: dict[tuple, list[dict]], order: list[tuple], bw: dic
     return lines
 
 
-def write_report(results: dict, out: Path) -> dict:
+# Long: one BENCHMARKS.md section after another, each a table written only where its results exist.
+def write_report(results: dict, out: Path) -> dict:  # noqa: C901, PLR0915
     runs = results.get("runs", [])
     lines: list[str] = [f"# Benchmark report: suite `{results['suite']['name']}`", ""]
     m = results["machine"]
@@ -120,7 +121,8 @@ def write_report(results: dict, out: Path) -> dict:
     if fam:
         sizes = fam.get("model_bytes", {})
         lines += [f"Family: preset `{fam['want']['preset']}`, K={fam['want']['experts']}, "
-                  f"{sizes.get('base', 0) / 1e9:.3f} GB per model (bf16), generated in {fam.get('generate_s', 0):.0f} s.",
+                  f"{sizes.get('base', 0) / 1e9:.3f} GB per model (bf16), "
+                  f"generated in {fam.get('generate_s', 0):.0f} s.",
                   ""]
     bw = results.get("bandwidth", {})
     if bw:
@@ -176,7 +178,8 @@ def write_report(results: dict, out: Path) -> dict:
                 cold = [r for c in ("cold",) for r in _paired(head.get((f"mergepipe {method} 100%", c), []),
                                                                head.get((f"mergekit {method}", c), []))]
                 targets[f"{method} full-budget wall ≤ {goal}× mergekit"] = {
-                    "value": f"{ratio:.2f}× (medians, warm; per round {_fmt(_stats(paired), 1, 2)}; CPU {cpu_ratio:.2f}×)"
+                    "value": f"{ratio:.2f}× (medians, warm; per round {_fmt(_stats(paired), 1, 2)}; "
+                             f"CPU {cpu_ratio:.2f}×)"
                              + (f"; cold {_fmt(_stats(cold), 1, 2)}×" if cold else ""),
                     "met": ratio <= goal}
     bud = group(runs, "budgets")
@@ -186,7 +189,8 @@ def write_report(results: dict, out: Path) -> dict:
                   "files after a cold run (mincore; files evicted first), which shows what the kernel actually "
                   "brought in. Wall and ratios are medians.", "",
                   "| method | budget | budget MiB | expert MiB read (counter) | resident after cold run MiB "
-                  "| disk read cold MiB | wall warm s | wall cold s | peak RSS MiB | bytes ÷ full | wall ÷ full (warm) |",
+                  "| disk read cold MiB | wall warm s | wall cold s | peak RSS MiB | bytes ÷ full "
+                  "| wall ÷ full (warm) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for method in ("task_arithmetic", "ties"):
             full_w = bud.get((f"mergepipe {method} 100%", "warm"))
@@ -240,7 +244,8 @@ def write_report(results: dict, out: Path) -> dict:
         top = max(rss_all + rss_other)
         targets["peak RSS ≤ 1.5 GB (every mergepipe process)"] = {
             "value": f"max {top / 1e9:.2f} GB (merges {max(rss_all) / 1e9:.2f}, index/sweep "
-                     f"{max(rss_other, default=0) / 1e9:.2f}); mergekit {max((r['max_rss_bytes'] for r in runs if r['tool'] == 'mergekit'), default=0) / 1e9:.1f} GB",
+                     f"{max(rss_other, default=0) / 1e9:.2f}); mergekit "
+                     f"{max((r['max_rss_bytes'] for r in runs if r['tool'] == 'mergekit'), default=0) / 1e9:.1f} GB",
             "met": top <= 1.5e9}
     if head and limit:
         for method in ("task_arithmetic", "ties"):
@@ -263,13 +268,15 @@ def write_report(results: dict, out: Path) -> dict:
                   "From `mergepipe sweep` (same inputs, K as above). Realized deviation from the full-budget merge, "
                   "relative to the update ‖M_full − W0‖ and to the weights ‖M_full‖, next to the plan's bound "
                   "(certified for task_arithmetic; for ties the same omitted mass is only a heuristic).", "",
-                  "| method | budget | expert MiB read | % of expert bytes | bound (rel.) | realized ‖M_B−M_full‖/‖M_full−W0‖ "
+                  "| method | budget | expert MiB read | % of expert bytes | bound (rel.) "
+                  "| realized ‖M_B−M_full‖/‖M_full−W0‖ "
                   "| ‖M_B−M_full‖/‖M_full‖ | realized ≤ bound |", "|---|---|---|---|---|---|---|---|"]
         for method, rec in sweep.items():
             for row in rec["rows"]:
                 bound, real = float(row["bound_relative"]), float(row["deviation_update"])
                 lines.append(f"| {method} | {row['budget']} | {int(row['expert_bytes_read']) / MiB:,.1f} | "
-                             f"{100 * float(row['read_fraction']):.1f} | {bound:.3g} ({row['bound_kind']}) | {real:.3g} | "
+                             f"{100 * float(row['read_fraction']):.1f} | {bound:.3g} ({row['bound_kind']}) | "
+                             f"{real:.3g} | "
                              f"{float(row['deviation_weights']):.3g} | {'yes' if real <= bound + 1e-12 else 'no'} |")
         lines.append("")
         lines += [f"![sweep {m}](sweep_{m}.png)" for m in sweep] + [""]
@@ -298,24 +305,28 @@ def write_report(results: dict, out: Path) -> dict:
         idx_rchar = sum(r["io"].get("rchar", 0) for r in idx)
         idx_wall = sum(r["wall_s"] for r in idx)
         lines += ["## Sweep economics", "",
-                  f"{len(results['suite']['budgets'])} budget(s) ({', '.join(results['suite']['budgets'])}). mergepipe: one `mergepipe sweep` process "
+                  f"{len(results['suite']['budgets'])} budget(s) ({', '.join(results['suite']['budgets'])}). "
+                  "mergepipe: one `mergepipe sweep` process "
                   "(index cached; plans and merges for every budget, plus the deviation table and plot). mergekit has "
                   "no budget: five runs of the same full merge. One full read of the experts = "
                   f"{total_exp / MiB:,.0f} MiB.", "",
-                  "| | processes | total wall s | total CPU s | expert MiB read (counter) | rchar MiB | ÷ one full expert read |",
+                  "| | processes | total wall s | total CPU s | expert MiB read (counter) | rchar MiB "
+                  "| ÷ one full expert read |",
                   "|---|---|---|---|---|---|---|"]
         for method, rec in sweep.items():
             exp = sum(int(r["expert_bytes_read"]) for r in rec["rows"])
-            lines.append(f"| mergepipe sweep {method} | 1 | {rec['wall_s']:.1f} | {rec['cpu_s']:.1f} | {exp / MiB:,.0f} | "
+            lines.append(f"| mergepipe sweep {method} | 1 | {rec['wall_s']:.1f} | {rec['cpu_s']:.1f} | "
+                         f"{exp / MiB:,.0f} | "
                          f"{rec['io'].get('rchar', 0) / MiB:,.0f} | {exp / total_exp:.2f} (rchar "
                          f"{rec['io'].get('rchar', 0) / total_exp:.2f}) |")
             if method == "task_arithmetic":
-                targets["sweep expert reads ≤ 2× one full read"] = {"value": f"{exp / total_exp:.2f}×; with the one-time "
-                                                                    f"index {(exp + idx_rchar) / total_exp:.2f}×",
-                                                                    "met": exp <= 2 * total_exp}
+                targets["sweep expert reads ≤ 2× one full read"] = {
+                    "value": f"{exp / total_exp:.2f}×; with the one-time index {(exp + idx_rchar) / total_exp:.2f}×",
+                    "met": exp <= 2 * total_exp}
         if idx:
             lines.append(f"| + one-time index (base and these {len(idx)} experts) | {len(idx)} | {idx_wall:.1f} | "
-                         f"{sum(r['cpu_s'] for r in idx):.1f} | – | {idx_rchar / MiB:,.0f} | {idx_rchar / total_exp:.2f} |")
+                         f"{sum(r['cpu_s'] for r in idx):.1f} | – | {idx_rchar / MiB:,.0f} | "
+                         f"{idx_rchar / total_exp:.2f} |")
         n = len(results["suite"]["budgets"])
         if mk:
             mk_exp = sum(r["expert_file_bytes"] for r in mk)
@@ -327,7 +338,8 @@ def write_report(results: dict, out: Path) -> dict:
             lines.append(f"| mergekit task_arithmetic ×{n} (estimated: {n} × the head-to-head median) | {n} | "
                          f"{n * _med(metric(hk, 'wall_s')):.1f} | {n * _med(metric(hk, 'cpu_s')):.1f} | "
                          f"{n * hk[0]['expert_file_bytes'] / MiB:,.0f} (whole files) | "
-                         f"{n * _med(metric(hk, 'rchar')) / MiB:,.0f} | {n * hk[0]['expert_file_bytes'] / total_exp:.2f} |")
+                         f"{n * _med(metric(hk, 'rchar')) / MiB:,.0f} | "
+                         f"{n * hk[0]['expert_file_bytes'] / total_exp:.2f} |")
         lines.append("")
     eq = results.get("equivalence")
     if eq:
@@ -350,7 +362,8 @@ def write_report(results: dict, out: Path) -> dict:
     return targets
 
 
-def plots(results: dict, out: Path) -> None:
+# Long: one figure after another, each skipped where its results are absent.
+def plots(results: dict, out: Path) -> None:  # noqa: C901, PLR0915
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -129,7 +128,8 @@ def machine_facts() -> dict:
     cpu["avx512"] = "avx512f" in flags
     mem = sh("free -b | awk '/Mem:/ {print $2}'")
     return {"cpu": cpu, "mem_bytes": int(mem) if mem.isdigit() else None, "kernel": platform.release(),
-            "python": platform.python_version(), "disk": sh(f"df -h --output=source,fstype,size,avail {ROOT} | tail -1"),
+            "python": platform.python_version(),
+            "disk": sh(f"df -h --output=source,fstype,size,avail {ROOT} | tail -1"),
             "block_device": sh("lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null | head -5"),
             "loadavg_at_start": os.getloadavg()}
 
@@ -208,7 +208,8 @@ def mp_config(env: Env, method: str, k: int) -> Path:
     # whole-block reads (strategy energy, named: without `plan:` a budget below full gets
     # sketch, whose cost bench/sketch_cost.py measures)
     lines += [f"method: {method}", f"parameters: {json.dumps(params)}", "seed: 0", "budget: full",
-              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {env.out / 'runs' / 'unused'}}}", f"cache_dir: {env.cache}"]
+              "block_bytes: 1MiB", "plan: {strategy: energy}", f"output: {{dir: {env.out / 'runs' / 'unused'}}}",
+              f"cache_dir: {env.cache}"]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -211,7 +211,8 @@ def _fraction_budget(exact: Fraction, written: object) -> Budget:
     return Budget("fraction", fraction=exact)
 
 
-def parse_budget(value: Budget | str | int | float) -> Budget:
+# Branchy: one branch per written form of a budget (full, %, fraction, bytes with a unit), each its own error.
+def parse_budget(value: Budget | str | int | float) -> Budget:  # noqa: C901
     """Parse a budget as written in params.yaml or on the command line.
 
     "full" (any case); "25%" or "12.5%"; a float or decimal string in (0, 1]

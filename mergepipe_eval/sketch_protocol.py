@@ -94,7 +94,8 @@ def seed_table(res: dict) -> list[str]:
                      f"{kl} | {acc} | {cells} | {d} | {mcs} |")
     between = [r for r in res["test"]["rows"] if r["strategy"].endswith(" - energy")]
     if between:
-        lines += ["", "| method | budget | sketch − energy, Δ test acc (points) | McNemar (only sketch / only energy, p) |",
+        lines += ["", "| method | budget | sketch − energy, Δ test acc (points) "
+                  "| McNemar (only sketch / only energy, p) |",
                   "|---|---|---|---|"]
         for r in between:
             mc = r["mcnemar"]
@@ -132,8 +133,9 @@ def findings(mean: dict, per_seed: list[dict]) -> list[str]:
             out.append(f"- **{m}**, test accuracy against its full read ({100 * full['accuracy']:.1f}, mean over "
                        f"seeds), points, mean over seeds [paired 95% interval]: " + "; ".join(parts) + ".")
     for b in mean["between"]:
-        out.append(f"- sketch − energy, {b['method']} at {b['budget']}: {_pts(b['d_accuracy'])} points "
-                   f"({'interval above 0' if b['d_accuracy']['lo'] > 0 else 'interval below 0' if b['d_accuracy']['hi'] < 0 else 'interval includes 0'}).")
+        d = b["d_accuracy"]
+        side = "interval above 0" if d["lo"] > 0 else "interval below 0" if d["hi"] < 0 else "interval includes 0"
+        out.append(f"- sketch − energy, {b['method']} at {b['budget']}: {_pts(d)} points ({side}).")
     kls = {}
     for r in mean["rows"]:
         if "heldout_kl" in r:

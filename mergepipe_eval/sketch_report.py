@@ -27,8 +27,8 @@ def _seed(res: dict) -> str:
 
 
 def smollm_table(results: list[dict]) -> list[str]:
-    lines = ["| seed | method | budget | strategy | dev acc | Δ dev label log-lik vs full (nats) | held-out KL (nats/token) | "
-             "test acc | Δ test acc vs full (points) |",
+    lines = ["| seed | method | budget | strategy | dev acc | Δ dev label log-lik vs full (nats) "
+             "| held-out KL (nats/token) | test acc | Δ test acc vs full (points) |",
              "|---|---|---|---|---:|---|---:|---:|---|"]
     for res in results:
         test = {(r["method"], r["strategy"], r["budget"]): r for r in res["test"]["rows"]}
@@ -38,8 +38,8 @@ def smollm_table(results: list[dict]) -> list[str]:
             d_test = _ci(t["d_accuracy"], 100, 1) if t and "d_accuracy" in t else "–"
             dll = _ci(r["d_dev_label_ll"], 1, 3) if "d_dev_label_ll" in r else "–"
             kl = f"{r['heldout_kl']['mean']:.3f}" if "heldout_kl" in r else "–"
-            lines.append(f"| {_seed(res)} | {r['method']} | {r['budget']} | {r['strategy']} | {100 * r['dev_accuracy']:.1f} | {dll} | "
-                         f"{kl} | {t_acc} | {d_test} |")
+            lines.append(f"| {_seed(res)} | {r['method']} | {r['budget']} | {r['strategy']} | "
+                         f"{100 * r['dev_accuracy']:.1f} | {dll} | {kl} | {t_acc} | {d_test} |")
     n_test = sum(results[0]["n"]["test"].values()) if results else 0
     lines += ["", f"Sketch against energy, test accuracy (paired, same {n_test} examples):", "",
               "| seed | method | budget | Δ test acc (points) |", "|---|---|---|---|"]
@@ -77,7 +77,8 @@ def plot(smollm: list[dict], minilm_mean: dict | None, path: Path, protocol_mean
                         key=lambda r: float(r["budget"].rstrip("%")))
             xs = [float(r["budget"].rstrip("%")) for r in rs]
             ys = [100 * r[key]["mean"] for r in rs]
-            err = [[100 * (r[key]["mean"] - r[key]["lo"]) for r in rs], [100 * (r[key]["hi"] - r[key]["mean"]) for r in rs]]
+            err = [[100 * (r[key]["mean"] - r[key]["lo"]) for r in rs],
+                   [100 * (r[key]["hi"] - r[key]["mean"]) for r in rs]]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=strat)
         ax.axhline(0, color="gray", ls=":")
         ax.set_title(title, fontsize=9)

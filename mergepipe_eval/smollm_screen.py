@@ -612,8 +612,9 @@ def to_markdown(result: dict) -> str:
     if t and (t["rows"] or t["experts"]):
         lines += ["", f"Test accuracy ({ntest} test examples: "
                   f"{', '.join(f'{k} {v}' for k, v in n['test'].items())}; the SmolLM2 table's examples). "
-                  f"Best strategy by the screen: {', '.join(f'**{v}** ({k})' for k, v in t['best'].items())} ({t['rule']})"
-                  + (f"; tested besides energy (`--test-strategies`): "
+                  "Best strategy by the screen: "
+                  f"{', '.join(f'**{v}** ({k})' for k, v in t['best'].items())} ({t['rule']})"
+                  + ("; tested besides energy (`--test-strategies`): "
                      + "; ".join(f"{', '.join(v)} ({k})" for k, v in t["chosen"].items()) if t.get("chosen") else "")
                   + ". Δ against the full read (or "
                   "energy), paired bootstrap 95% interval; McNemar exact p from the discordant pairs.", "",
@@ -668,7 +669,8 @@ def render_section(result: dict, notes: str = "", plot_name: str | None = None) 
     figure = [f"![SmolLM2: KL and dev log-likelihood against the full read, per strategy]({plot_name})", ""] \
         if plot_name else []
     return "\n".join([BEGIN, "", "# Plan strategies on SmolLM2-135M (issue 12): energy vs calibrated vs balanced "
-                      "vs compensated, and vocabulary blocks", "", notes.strip(), "", *figure, "## Tables (SmolLM2 strategy screen)", "",
+                      "vs compensated, and vocabulary blocks", "", notes.strip(), "", *figure,
+                      "## Tables (SmolLM2 strategy screen)", "",
                       to_markdown(result).rstrip("\n"), "", END]) + "\n"
 
 

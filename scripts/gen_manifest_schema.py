@@ -24,6 +24,7 @@ HASH = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 COUNT = {"type": "integer", "minimum": 0}
 COUNTS = {"type": "object", "additionalProperties": COUNT}
 INPUT = {"$ref": "#/$defs/PlanInputRecord"}
+BASE_INPUT = {"$ref": "#/$defs/BaseInputRecord"}  # the plan's base: its copied files too
 FILE_NAME = "^(?!\\.{1,2}$)[^/\\\\]+$"  # a plain file name of the folder's top level
 
 
@@ -56,7 +57,7 @@ def manifest_schema() -> dict:
             "versions": _obj({k: {"type": "string"} for k in ("mergepipe", "torch", "safetensors")}),
             "plan_hash": HASH,
             "plan": {"$ref": "#/$defs/Plan"},
-            "inputs": _obj({"base": INPUT, "experts": {"type": "array", "minItems": 1, "items": INPUT}}),
+            "inputs": _obj({"base": BASE_INPUT, "experts": {"type": "array", "minItems": 1, "items": INPUT}}),
             "budget": _obj({"spec": {"type": "string"}, "bytes": COUNT}),
             "bytes": _obj(byte_counts, {"planned_sketch_bytes": COUNT, "sketch_bytes_read": COUNT}),
             "bound": {"$ref": "#/$defs/BoundRecord"},

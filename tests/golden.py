@@ -3,7 +3,8 @@
 `python -m tests.golden OUT [--threads N] [--torch-path]` writes the family under OUT,
 runs each case of CASES through `mergepipe run` (in process) and prints one JSON object:
 case -> {"weights": blake3 over the output's weight files, "plan": the manifest's
-version-free digest, "manifest": blake3 of its manifest.json}. tests/test_golden.py runs it under different CPU settings and compares.
+version-free digest, "manifest": blake3 of its manifest.json}. tests/test_golden.py runs it
+under different CPU settings and compares.
 
 The family is built from integers only (numpy's PCG64 integers, exact fp32 scaling, a
 bf16 rounding written with integer ops, safetensors written by hand), so its bytes are

@@ -49,7 +49,8 @@ def test_evict_and_residency(tmp_path):
 def test_smoke_suite_on_the_tiny_family(tmp_path, tiny_family):
     out = tmp_path / "bench"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--suite", "smoke", "--family",
-                        str(tiny_family["root"]), "--out", str(out), "--sections", "bandwidth,head,budgets,equivalence"],
+                        str(tiny_family["root"]), "--out", str(out),
+                        "--sections", "bandwidth,head,budgets,equivalence"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())

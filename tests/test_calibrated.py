@@ -133,7 +133,8 @@ def test_vocabulary_share_caps_the_first_pass():
             # than a non-vocabulary block go to vocabulary rows
             assert vocab_bytes(chosen) <= share * budget + 1023
             if 1024 <= budget and share * budget + 1023 < 40 * 64:  # the cap binds: fewer rows than uncapped
-                assert vocab_bytes(chosen) < vocab_bytes(s.select(cands, budget, ctx, CalibratedParams(text="x")).chosen)
+                uncapped = s.select(cands, budget, ctx, CalibratedParams(text="x")).chosen
+                assert vocab_bytes(chosen) < vocab_bytes(uncapped)
         assert all(s.select(cands, total, ctx, p).chosen)
     # leftovers: with room for every non-vocabulary block, the rest goes to vocabulary rows
     assert vocab_bytes(s.select(cands, 40 * 1024 + 1000, ctx, CalibratedParams(text="x", vocabulary_share=0.01)

@@ -84,8 +84,9 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     from mergepipe.commands.pipeline import _restore, _save_to_store
     from mergepipe.index.store_key import STORE_MAC
     from blake3 import blake3
-    man = {"schema": MANIFEST_SCHEMA, "plan_hash": "plan", "plan": {"plan_hash": "plan"}, "outputs": {"tensors": {}, "files": {
-        f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}}}
+    files = {f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}
+    man = {"schema": MANIFEST_SCHEMA, "plan_hash": "plan", "plan": {"plan_hash": "plan"},
+           "outputs": {"tensors": {}, "files": files}}
     man["manifest_hash"] = manifest_hash(man)
     outs = []
     for i in range(2):
@@ -135,7 +136,8 @@ def test_lock_owned_by_a_live_process_is_respected(tmp_path):
     try:
         (tmp_path / ".out.lock").write_text(f"{socket.gethostname()}:{sleeper.pid}")
         with pytest.raises(OutputError,
-                           match=f"locked by another mergepipe writer, .*:{sleeper.pid} \\(this host\\), still running"):
+                           match=f"locked by another mergepipe writer, .*:{sleeper.pid} "
+                                 "\\(this host\\), still running"):
             with Publisher(target):
                 pass
         assert (tmp_path / ".out.lock").exists()

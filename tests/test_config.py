@@ -232,7 +232,8 @@ BAD = [
     ({"experts.1.gamma": 0.8}, "experts[1]: density + gamma must be <= 1"),
     ({"parameters": {"density": 0.995, "gamma": 0.01}, "experts.1.density": None},
      "parameters: density + gamma must be <= 1"),
-    ({"experts.1.densty": 0.3}, "experts[1].densty: unknown key (did you mean 'density'?); allowed keys: name, path, adapter, weight, density, gamma"),
+    ({"experts.1.densty": 0.3}, "experts[1].densty: unknown key (did you mean 'density'?); "
+     "allowed keys: name, path, adapter, weight, density, gamma"),
     ({"experts.0.weight": float("nan")}, "experts[0].weight: must be a finite number"),
     ({"experts.0.weight": float("inf")}, "experts[0].weight: must be a finite number"),
     ({"experts.0.weight": "1.0"}, "experts[0].weight: must be a valid number, got '1.0'"),
@@ -253,7 +254,8 @@ BAD = [
     ({"experts.0": "math"}, "experts[0]: must be a mapping"),
     ({"method": "tiess"}, "method: unknown merge method 'tiess' (did you mean 'ties'?); known: "),
     ({"method": 3}, "method: must be a valid string"),
-    ({"parameters": {"lamda": 1.0}}, "parameters.lamda: unknown key (did you mean 'lambda'?); allowed keys: lambda, normalize, density, gamma"),
+    ({"parameters": {"lamda": 1.0}}, "parameters.lamda: unknown key (did you mean 'lambda'?); "
+     "allowed keys: lambda, normalize, density, gamma"),
     ({"parameters": {"density": 2}}, "parameters.density: must be less than or equal to 1"),
     ({"parameters": {"gamma": 0.999}, "experts.1.density": 1.0},
      "parameters: density + gamma must be <= 1, got 0.5 + 0.999"),

@@ -44,8 +44,9 @@ class Pool:
             w.close()
 
 
+# Long: one scenario (configs, kill loop, recovery checks) whose steps share the state it kills.
 @pytest.mark.slow
-def test_kill_9_at_random_moments(small_family, tmp_path, capsys):
+def test_kill_9_at_random_moments(small_family, tmp_path, capsys):  # noqa: PLR0915
     cache, pub = small_family["cache"], tmp_path / "pub"
     pub.mkdir()
     target = pub / "out"

@@ -15,9 +15,11 @@ copied runs can be reflinked (issue 13; tests/test_reflink.py). PLANS of the sha
 once more, its weights unchanged, when plans began to record a base-mirroring layout that is not
 the canonical one, output.layout (issue 28; engine/layout.py). PLANS of the dtype change
 changed once more, its weights unchanged, when config.json began to name the output dtype
-(issue 24; output/hf_config.py).) A hash that changes means the output bytes changed: a change
-of behaviour, to be made on purpose (and the hashes updated in the same commit), never
-by a refactor.
+(issue 24; output/hf_config.py). PLANS changed once more, every weight unchanged, when plans
+began to record the base's copied non-weight files, base.files {name: blake3} (issue 28:
+same plan hash, same bytes; commands/base_files.py).) A hash that changes means the output
+bytes changed: a change of behaviour, to be made on purpose (and the hashes updated in the
+same commit), never by a refactor.
 """
 from __future__ import annotations
 
@@ -57,25 +59,25 @@ GOLDEN = {
 # the manifests without their version fields (tests/golden.py::manifest_digest): plans,
 # access sets, byte counts, bounds and output hashes
 PLANS = {
-    "bf16-breadcrumbs": "7f476ce5d85ee0d5779b321a76ce7a21133d4c567bae48efee5835b75f1c2325",
-    "bf16-breadcrumbs_ties": "e303cd66a0afc7d8c64a2185c6da9bdc3eea334c3ababa5fa2dd3bd1550d53f4",
-    "bf16-dare_linear": "abf32359bef2abc784c883af82a98e098f3a7d8e191f13580358279b0713f3d3",
-    "bf16-dare_ties": "3b8a604ac58802dd08ded3a00e3ab5c13a2bd7d98f10801d1f7d1ad1f0697511",
-    "bf16-linear": "5e4c59718726bc00c1404f029a2096b0672511598f53e7957f74b56145763c95",
-    "bf16-slerp": "9e333699251dd543ffe022c77f6a0773cb745f678209c381d23274601df77de1",
-    "bf16-ta-30pct": "f661d4de1f1c09c9559c1f8753cb1efd31c836baf03e14133b01aba1c7774cd5",
-    "bf16-ta-30pct-sketch": "688384ac2cfbf69796df396920a07f1e2250dd3f2fe7ccef0738ca757f58be6e",
-    "bf16-ta-to-f32": "4554ed7e24c1c25b2ce086e2e9c0918b100ebf74f2c8707ca3170c945e227645",
-    "bf16-task_arithmetic": "2406c882f884d0181cfb205d21aada126a516ce1adf66f1945c110d5868e7f34",
-    "bf16-ties": "8f68413827058f846b61c6f85e831f589648dd6470760f4cfdb78cc77d9ed1e8",
-    "bf16-ties-30pct": "455627b78818b946c0bb6b8a53b273e1c0c414cba93099b2a338a5b21042df6b",
-    "bf16-ties-30pct-sketch": "5f4c1354d54deed1e7e972c66cb08ffc7a39d80783007c493b216dd8428e0a5d",
-    "f32-breadcrumbs_ties": "163b999fedcb7aabc6c268c3b23b2ff7622122114684455df7980b080e8786a9",
-    "f32-dare_ties": "d7b734020bd7a5e3c74fea749a0bed6a1910b23e1bb9e9532461282761720e3f",
-    "f32-slerp": "00c41e7464dc6f868a4d68689a1520d33281e56de9e555814720a59dcce19de3",
-    "f32-task_arithmetic": "09ff27af1d45217e90634fc11c6b987b0aefa54ecf053196fb9bcb8c8e1d5ef3",
-    "f32-ties": "c5919ba3edcd164c16cda031f71127e75acc72620f7904a06b24fcfb75a03b05",
-    "sharded-base-ties": "e5085638bcb221f7313555c9c61460edf5c94f004e8e4e0411d54b8b229fe928",
+    "bf16-breadcrumbs": "f683768678c1bc569bed8d4f4efb886d6f29f7cdf2d6546bccaeeda8748e5e9d",
+    "bf16-breadcrumbs_ties": "13e5685f8aed357e639f32a7f01c36f44dcb665e2430ee268d191dfd5db960af",
+    "bf16-dare_linear": "510c03a6046bc35a1a0e546c92a2e845ea8e5d3871a05286f527f62eb2c4d44c",
+    "bf16-dare_ties": "44364aeab8cf53a932950fde3cbcb446366ad53337356ba18730e586cf1bb657",
+    "bf16-linear": "79c4b408419f3c293215cb674075e72f8d9111a5fb55fb06cf3bd0c7f9e2616c",
+    "bf16-slerp": "3c5ff2bf2879c0b10e96b220d0f6b289c6b2c7c09008db457e57ebcf1f5cb858",
+    "bf16-ta-30pct": "e1489022d6897e2df520058caf7659bbb2516192035eaa2f723ad36165c6a677",
+    "bf16-ta-30pct-sketch": "aa4c15e547ed753be813d49f9d6287d315f7b1497674998e17a7568a48651220",
+    "bf16-ta-to-f32": "1878a2376d13eeccfaff3711e6d5f6d161ae7ccf64d2451c46dc6d73a73d9968",
+    "bf16-task_arithmetic": "26092eb7095efc4bcec88c1b848602fcebcc0fa7b1800946d335246f05b93a66",
+    "bf16-ties": "909a3fc1c8480d5a249cb2e771461d4be6c71f54056706b213ffed9a471ff22f",
+    "bf16-ties-30pct": "bade57100eb76e42f7e7ff52ca3d337a11505ed2324c8c4dd0477219d4fd4796",
+    "bf16-ties-30pct-sketch": "a602b9e8b0a30b0a3f37c0189c3f5814b8a5e8831a034d61624252552212da51",
+    "f32-breadcrumbs_ties": "e3fbcbdfecc03fb56567f023dee22ea631baf4c3e4191dd97199e7a39e9c66f8",
+    "f32-dare_ties": "40947bf84642360320fa948e32948f74edb7c62a5fd838af6e8ecba038707db6",
+    "f32-slerp": "4860ba9082fb823e0b97dd2f21bea4486f9712319b92ba28c615614711727f72",
+    "f32-task_arithmetic": "fc61b32654442f9ff5121e489dfe64e64f7e10f235400a5f1cced3585b67ce2d",
+    "f32-ties": "f75a92af173d428e32069e01888d1b1fbc836b19db7ab96798da176201b0087b",
+    "sharded-base-ties": "c71b51c40db1d4c00ee554e92584b6b9d8acd08f9ee0e2afd9d8f355ae1cbb48",
 }
 
 # numpy's runtime-dispatched SIMD paths that this CPU has, all turned off in one setting

@@ -175,7 +175,8 @@ def test_the_hub_cache_hint_names_the_hf_cli(project, monkeypatch, capsys):
 
 
 def test_a_missing_adapter_names_its_key(project, capsys):
-    Path("p.yaml").write_text("base: models/demo/base\nexperts:\n  - {name: mine, adapter: adapters/typo, weight: 1.0}\n"
+    Path("p.yaml").write_text("base: models/demo/base\n"
+                              "experts:\n  - {name: mine, adapter: adapters/typo, weight: 1.0}\n"
                               "method: task_arithmetic\ncache_dir: cache\n")
     assert main(["plan", "p.yaml", "-q"]) == 3
     err = capsys.readouterr().err

@@ -130,7 +130,8 @@ def test_cached_index_imports_no_numpy(tiny_family, tmp_path):
     from mergepipe.cli import main
     assert main(args) == 0
     code = ("import sys; from mergepipe.cli import main; assert main(sys.argv[1:]) == 0; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'numba')); assert not bad, bad")
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'numba')); "
+            "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr

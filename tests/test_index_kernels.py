@@ -132,7 +132,8 @@ def test_every_vector_width_gives_the_same_results(level):
 
 def _pair(tmp_path: Path, dtype) -> tuple[Path, Path]:
     g = torch.Generator().manual_seed(3)
-    base = {"w": torch.randn(300, 64, generator=g), "v": torch.randn(5000, generator=g), "s": torch.randn(7, generator=g)}
+    base = {"w": torch.randn(300, 64, generator=g), "v": torch.randn(5000, generator=g),
+            "s": torch.randn(7, generator=g)}
     exp = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in base.items()}
     exp["w"][:50] = base["w"][:50]
     exp["w"][60, 3] = float("nan")

@@ -136,7 +136,8 @@ def test_the_checker_sees_what_it_must():
     assert _verdict("mergepipe.methods.ties", "mergepipe.index.ranks") is None
     assert _verdict("mergepipe.plan.planner", "mergepipe.config.params") is None  # same layer
     assert _verdict("mergepipe.cli", "mergepipe.engine.merge") is None
-    source = "from .ranks import x\nfrom . import build\nimport mergepipe.engine.merge\ndef f():\n    from mergepipe.cli import main\n"
+    source = ("from .ranks import x\nfrom . import build\nimport mergepipe.engine.merge\n"
+              "def f():\n    from mergepipe.cli import main\n")
     assert _imports(source, "mergepipe.index.store") == [
         (1, "mergepipe.index.ranks"), (2, "mergepipe.index.build"), (3, "mergepipe.engine.merge"), (5, "mergepipe.cli")]
 
@@ -144,5 +145,6 @@ def test_the_checker_sees_what_it_must():
 @pytest.mark.parametrize("module", ["mergepipe.index.store", "mergepipe.index.build",
                                     "mergepipe.checkpoint.safetensors", "mergepipe.checkpoint.blocks"])
 def test_index_and_checkpoint_import_no_torch(module):
-    code = f"import {module}, sys; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]"
+    code = (f"import {module}, sys; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

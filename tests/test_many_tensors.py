@@ -148,7 +148,8 @@ def test_truncated_file_in_a_batch_names_the_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("row", [("a", "BF16", (1,), ("ab" * 32,)), ('we"ird\\näme\u2028\x00', "F32", (), ()),
-                                 ("x", "I64", (3, 0, 5), ("00" * 32, "ff" * 32)), ("\U0001f600", "BF16", (2**50, 0), ("h",)),
+                                 ("x", "I64", (3, 0, 5), ("00" * 32, "ff" * 32)),
+                                 ("\U0001f600", "BF16", (2**50, 0), ("h",)),
                                  ("t", "BF16", (True, 2), ("h",))])
 def test_content_hash_rows_are_the_json_text(row):
     """index/records.py builds each content-hash row without json.dumps (it dominated cached
@@ -267,7 +268,8 @@ def test_header_columns_equal_the_entry_by_entry_parse(tmp_path, monkeypatch):
             st.parse_header(write(entries, n))
 
 
-def test_manifest_json_is_canonical_json(monkeypatch, tmp_path):
+# Branchy: a random-document generator nested in the test, one branch per JSON kind.
+def test_manifest_json_is_canonical_json(monkeypatch, tmp_path):  # noqa: C901
     """The manifest's pretty JSON (output/manifest_json.py) is util.fs.canonical_json's text,
     whatever its batches; canonical_blake3 (util/canonical.py) hashes the compact text."""
     import random

@@ -192,8 +192,8 @@ def test_omitted_block_contributes_nothing():
 # --- expert order ---------------------------------------------------------------------
 
 @HYPOTHESIS
-@given(case=st.sampled_from([c for c in CASES if c[3] > 1 and METHODS[c[0]].max_experts is None]), seed=st.integers(0, 2**16),
-       permutation=st.permutations(range(4)), omit_first=st.booleans())
+@given(case=st.sampled_from([c for c in CASES if c[3] > 1 and METHODS[c[0]].max_experts is None]),
+       seed=st.integers(0, 2**16), permutation=st.permutations(range(4)), omit_first=st.booleans())
 def test_expert_order_does_not_matter(case, seed, permutation, omit_first):
     method, params, extras, k = case
     k = 4

@@ -31,7 +31,8 @@ def _write_file(path: Path, tensors: dict[str, np.ndarray], order: list[str], me
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for n in order:
-        header[n] = {"dtype": "F32", "shape": list(tensors[n].shape), "data_offsets": [offset, offset + tensors[n].nbytes]}
+        header[n] = {"dtype": "F32", "shape": list(tensors[n].shape),
+                     "data_offsets": [offset, offset + tensors[n].nbytes]}
         offset += tensors[n].nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

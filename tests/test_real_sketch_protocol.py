@@ -106,7 +106,8 @@ def test_extra_run_merges_into_its_seed():
         main = _seed_result(seed)
         extra = json.loads(json.dumps(main).replace("ta_l1.0", "ta_l0.5"))
         extra["methods"] = {"ta_l0.5": {}}
-        extra["test"]["experts"] = {t: {"accuracy": 0.65, "per_task": {k: 0.5 for k in TASKS}, "n": 8} for t in TASKS} if seed else {}
+        extra["test"]["experts"] = ({t: {"accuracy": 0.65, "per_task": {k: 0.5 for k in TASKS}, "n": 8} for t in TASKS}
+                                    if seed else {})
         per_seed.append(ss.merge_results([main, extra]))
     assert [p["methods"] for p in per_seed[1]["invocations"]] == [["ta_l1.0"], ["ta_l0.5"]]
     assert {r["method"] for r in per_seed[0]["rows"]} == {"ta_l1.0", "ta_l0.5"}

@@ -104,7 +104,8 @@ def _reverse_artifact_rows(path: Path) -> None:
     data = bytearray(path.read_bytes())
     for t in parse_header(path).tensors:
         if t.name.endswith("::rows"):
-            data[t.begin:t.begin + t.nbytes] = np.frombuffer(bytes(data[t.begin:t.begin + t.nbytes]), "<f4")[::-1].tobytes()
+            span = slice(t.begin, t.begin + t.nbytes)
+            data[span] = np.frombuffer(bytes(data[span]), "<f4")[::-1].tobytes()
     path.write_bytes(bytes(data))
 
 

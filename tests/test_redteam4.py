@@ -315,7 +315,8 @@ def test_a_corpus_sized_calibration_text_is_read_only_as_far_as_max_tokens_needs
     big = line * (5_000_000 // len(line))
     plans = {}
     for name, text in (("big", big), ("small", big[:5000])):
-        plans[name] = json.loads(_calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text).read_text())
+        plan_path = _calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text)
+        plans[name] = json.loads(plan_path.read_text())
     assert max(seen) < 1_000_000, seen
     assert plans["big"]["reads"] == plans["small"]["reads"]
     from blake3 import blake3

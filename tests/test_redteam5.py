@@ -151,7 +151,8 @@ def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(
     root = Path(tiny_family["root"])
     cfg = yaml.safe_load((ws / "params.yaml").read_text())
     cfg.update(base=str(root / "base"), experts=[{"name": "e0", "path": str(root / "expert_1"), "weight": 1.0}],
-               method="task_arithmetic", parameters={"lambda": 1.0}, budget="full", output={**cfg.get("output", {}), "dir": "mine"})
+               method="task_arithmetic", parameters={"lambda": 1.0}, budget="full",
+               output={**cfg.get("output", {}), "dir": "mine"})
     cfg.pop("plan", None)
     (ws / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     mine = ws / "mine"

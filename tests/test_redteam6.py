@@ -16,7 +16,8 @@ from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
 from tests.workflow_helpers import make_workspace, run
 
-GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
+GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid",
+       "-c", "init.defaultBranch=main"]
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 from mergepipe.cli import main
 from tests.tiny_llama import calibrated_config as _config

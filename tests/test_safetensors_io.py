@@ -8,8 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe.errors import CheckpointError
-from mergepipe.checkpoint.safetensors import (CheckpointReader, OutTensor, SafetensorsWriter, as_tensor, open_checkpoint,
-                                      parse_header, tensor_bytes)
+from mergepipe.checkpoint.safetensors import (CheckpointReader, OutTensor, SafetensorsWriter, as_tensor,
+                                              open_checkpoint, parse_header, tensor_bytes)
 
 
 def _raw(path, header: dict | bytes, data: bytes = b"") -> None:

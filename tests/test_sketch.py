@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import numpy as np
 import pytest
@@ -34,7 +33,8 @@ def test_exact_abs_sum_is_exactly_rounded_and_order_independent():
         assert sketch.exact_abs_sum(d) == want
         assert sketch.exact_abs_sum(rng.permutation(d)) == want
     assert sketch.exact_abs_sum(np.zeros(5, np.float32)) == 0.0
-    tiny = np.array([1e-45, -3e-44, 2e-40, -1.1754942e-38, 1.1754944e-38, 3.0e38, -3.0e38], np.float32)  # subnormals, extremes
+    # subnormals, extremes
+    tiny = np.array([1e-45, -3e-44, 2e-40, -1.1754942e-38, 1.1754944e-38, 3.0e38, -3.0e38], np.float32)
     assert sketch.exact_abs_sum(tiny) == math.fsum(abs(float(x)) for x in tiny)
 
 

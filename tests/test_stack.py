@@ -70,7 +70,8 @@ def test_import_builds_the_stack_and_run_publishes_it(tmp_path, tiny_family):
     assert json.loads((tmp_path / "merged-params" / "config.json").read_text())["num_hidden_layers"] == 5
     manifest = json.loads((tmp_path / "merged-params" / "manifest.json").read_text())
     assert STACK_FILE in manifest["outputs"]["files"]
-    assert (tmp_path / "merged-params" / STACK_FILE).read_bytes() == (tmp_path / "params.stacked" / STACK_FILE).read_bytes()
+    stacked = (tmp_path / "params.stacked" / STACK_FILE).read_bytes()
+    assert (tmp_path / "merged-params" / STACK_FILE).read_bytes() == stacked
 
 
 def test_stacking_refusals(tmp_path):

@@ -69,13 +69,13 @@ def _calibration(idx, deltas) -> dict:
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task_arithmetic", lam=1.0):
+    kind = (strategy or {}).get("strategy")
     return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
                      expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
                      budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
                      output={"dtype": None, "shard_bytes": None}, strategy=strategy,
-                     calibration=_calibration(idx, deltas) if (strategy or {}).get("strategy") == "calibrated" else None,
-                     sketches={n: _SyntheticSketch(d, n) for n, d in deltas.items()}
-                     if (strategy or {}).get("strategy") == "sketch" else None)
+                     calibration=_calibration(idx, deltas) if kind == "calibrated" else None,
+                     sketches={n: _SyntheticSketch(d, n) for n, d in deltas.items()} if kind == "sketch" else None)
 
 
 def test_every_registered_strategy_is_exercised():

@@ -128,10 +128,13 @@ def test_a_replay_names_the_first_differing_tensors_and_their_file(family, tmp_p
                                f"({file_of['model.norm.weight']}) differ (2 in all)"), err
 
 
-def test_a_replay_names_a_metadata_file_the_base_changed_since(tmp_path, capsys):
+def test_verify_inputs_names_a_metadata_file_the_base_changed_since(tmp_path, capsys):
+    """The plan records the base's copied files (base.files): the inputs' check names the file,
+    before any replay."""
     family = _family(tmp_path / "family")
     out = _merged(tmp_path, family)
     (family / "base" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "rope_theta": 1}\n')
-    rc, err = _verify(capsys, out, "--inputs", "--replay")
-    assert rc == 6 and err == (f"mergepipe: error: {out}: replay produced different outputs: non-weight files "
-                               "'config.json' (the weights are identical)"), err
+    for args in (("--inputs",), ("--inputs", "--replay")):
+        rc, err = _verify(capsys, out, *args)
+        assert rc == 6 and err == (f"mergepipe: error: {family / 'base' / 'config.json'}: changed since the plan "
+                                   "was made (the plan hash covers it); re-plan"), err

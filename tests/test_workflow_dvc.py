@@ -16,7 +16,8 @@ from mergepipe.index.store import Store
 from mergepipe.output.run_record import record_path
 from tests.workflow_helpers import MODEL, job_counts, make_workspace, run, set_budget, smk
 
-GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
+GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid",
+       "-c", "init.defaultBranch=main"]
 
 
 def dvc(ws: Path, *args: str) -> str:

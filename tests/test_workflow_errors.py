@@ -33,7 +33,8 @@ def params(built):
 
 def _error_lines(proc) -> list[str]:
     out = proc.stdout + proc.stderr
-    return [line for line in out.splitlines() if line.strip() and not line.startswith("Using workflow specific profile")]
+    return [line for line in out.splitlines()
+            if line.strip() and not line.startswith("Using workflow specific profile")]
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -53,7 +54,8 @@ def test_a_cli_error_in_a_rule_is_shown_on_the_console(built, params):
     to be done", exit 0); with the index job run, its one line is on the console under any
     profile, not only in the log (`show-failed-logs` is the default profile's setting)."""
     before = output_bytes(built / "merged")
-    params.write_text(params.read_text().replace("experts:\n", "experts:\n  - {name: extra, path: models/nothere, weight: 0.3}\n"))
+    added_expert = "experts:\n  - {name: extra, path: models/nothere, weight: 0.3}\n"
+    params.write_text(params.read_text().replace("experts:\n", added_expert))
     line = "mergepipe: error: models/nothere: no such model folder or file"
     for profile in ([], ["--workflow-profile", "none", "-c", "1"]):
         proc = smk(built, *profile, MODEL, check=False)

@@ -81,7 +81,8 @@ def artifact_hash(path: Path) -> str:
     return hash_file(path)
 
 
-def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> Importance:
+# Branchy: one check per way an artifact can be wrong, each its own one-line IntegrityError.
+def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> Importance:  # noqa: C901
     """The artifact's vectors, checked against the base and, when given, `expect`: metadata
     values it must carry (the base's and text's hashes a file at this key was made from;
     IntegrityError names what is wrong)."""

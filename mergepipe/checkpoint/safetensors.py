@@ -161,10 +161,12 @@ def parse_header(path: str | Path) -> FileHeader:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file (a directory, pipe or device); expected a .safetensors file")
+            raise CheckpointError(f"{path}: not a regular file (a directory, pipe or device); "
+                                  "expected a .safetensors file")
         size = st.st_size
         if size < 8:
-            raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+            raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, "
+                                  "shorter than the 8-byte header length")
         if hasattr(os, "posix_fadvise"):
             # A plain read here leaves a readahead mark in the page cache; a later planned
             # read that reaches it pulls in up to read_ahead_kb of unplanned tensor data,
@@ -422,7 +424,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not files:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
         if pickles:
-            raise CheckpointError(f"{path}: only pickle checkpoints ({pickles[0]}); they are refused, convert to safetensors")
+            raise CheckpointError(f"{path}: only pickle checkpoints ({pickles[0]}); "
+                                  "they are refused, convert to safetensors")
         raise CheckpointError(f"{path}: no .safetensors files in model folder")
     if len(files) > 1:
         raise CheckpointError(f"{path}: {len(files)} .safetensors files but no {INDEX_JSON}")
@@ -460,7 +463,8 @@ def _build(root: Path, files: list[Path], weight_map: dict | None) -> Checkpoint
                 raise CheckpointError(f"{index_path}: tensor {name!r} mapped to {fname} but stored in {file.name}")
         if len(weight_map) != len(tensors):
             extra = [n for n in tensors if n not in weight_map]
-            raise CheckpointError(f"{index_path}: tensor {extra[0]!r} in {tensors[extra[0]].file.name} is missing from weight_map")
+            raise CheckpointError(f"{index_path}: tensor {extra[0]!r} in {tensors[extra[0]].file.name} "
+                                  "is missing from weight_map")
     return Checkpoint(root, tuple(headers), tensors)
 
 

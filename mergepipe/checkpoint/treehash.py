@@ -6,11 +6,11 @@ blake3 of their blocks (docs/design.md, "Outputs and manifest", manifest schema 
     file hash     = blake3(blake3(header) || tensor digests in file order)
 
 A tensor's blocks are `checkpoint.blocks.block_ranges(shape, itemsize, block_bytes)` of its
-own dtype and the plan's block size for that tensor (`BlockLayout`): the index's blocks, so where the output is the base's
-bytes a block's digest is the one the base index already holds and nothing is reread or
-rehashed. `header` is the file's first 8 + N bytes (length and JSON, padding included);
-file order is (data begin, data end, name). A zero-size tensor is one empty block; a
-tensor with no blocks hashes the empty string of digests.
+own dtype and the plan's block size for that tensor (`BlockLayout`): the index's blocks, so
+where the output is the base's bytes a block's digest is the one the base index already
+holds and nothing is reread or rehashed. `header` is the file's first 8 + N bytes (length
+and JSON, padding included); file order is (data begin, data end, name). A zero-size
+tensor is one empty block; a tensor with no blocks hashes the empty string of digests.
 """
 from __future__ import annotations
 

@@ -188,7 +188,8 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
     cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
     lines = [f"plan {plan['plan_hash'][:16]}  method {plan['method']}  budget {plan['budget']} "
              f"({_mib(plan['budget_bytes'])} MiB)  strategy {strategy}",
-             f"parameters {json.dumps(plan['parameters'], sort_keys=True)}", "",
+             f"parameters {json.dumps(plan['parameters'], sort_keys=True)}",
+             f"base files copied (hashed into the plan): {', '.join(plan['base']['files']) or 'none'}", "",
              "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |" + cols,
              "|---|---:|---:|---:|---:|---:|" + "---:|" * cols.count("|")]
     per_expert_total = {e["name"]: 0 for e in plan["experts"]}

@@ -185,7 +185,8 @@ def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = Fal
                 continue
             if sub in ("models", "deltas", "stat") and not indexes:
                 continue
-            if not _OURS[sub].fullmatch(p.name) or p.is_symlink() or not (p.is_dir() if sub == "merges" else p.is_file()):
+            if (not _OURS[sub].fullmatch(p.name) or p.is_symlink()
+                    or not (p.is_dir() if sub == "merges" else p.is_file())):
                 continue
             if sub == "merges" and p.name in keep.plans or sub in _DERIVED and _referenced(sub, p, keep):
                 continue

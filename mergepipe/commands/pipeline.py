@@ -18,6 +18,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
+from mergepipe.commands.base_files import check_planned_files, copy_base_files, plan_base_files
 from mergepipe.commands.check import preflight
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.checkpoint.vocab import ModelView, VocabularyViews
@@ -26,13 +27,13 @@ from mergepipe.commands.vocabulary import views as vocabulary_views
 from mergepipe.commands.vocabulary import config_recipe as vocabulary_recipe
 from mergepipe.commands.vocabulary import plan_vocabulary, vocabulary_record
 from mergepipe.output.vocab_files import write_vocabulary_files
-from mergepipe.commands.tokenizer_source import TOKENIZER_FILES, copy_tokenizer, plan_tokenizer
+from mergepipe.commands.tokenizer_source import copy_tokenizer, plan_tokenizer
 from mergepipe.config.paths import check_expert_kinds
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
-from mergepipe.errors import CheckpointError, IntegrityError, OutputError
+from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.output import run_record as records
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
                                       manifest_hash, verify_outputs, write_manifest)
@@ -41,17 +42,12 @@ from mergepipe.output.run_record import stat_key
 from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
-from mergepipe.output.hf_config import output_config
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.index.store import Store
 from mergepipe.index.store_key import STORE_MAC, entry_mac, mac_matches, store_key
 from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
 from mergepipe.config.mergekit import dump_params
-
-AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-             "stack.json")  # stack.json: a stacked base's tensor sources (commands/stack.py)
 
 
 def resolve(path: str, root: Path) -> Path:
@@ -78,15 +74,18 @@ def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where
             resolve(e["path"], root), block_bytes=bb, threads=threads, base=(base, base_index),
             view=_view(views, e["name"]))
     check_plan_inputs(plan, base_index, expert_indexes)
+    tokenizer = plan["output"].get("tokenizer_source")
+    tokenizer_dir = None if tokenizer is None else resolve(tokenizer["path"], root)
+    # before a store restore too: a stored merge of this plan holds the planned non-weight files
+    check_planned_files(plan, base, tokenizer_dir)
     for e in plan["experts"]:
         deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
                                               threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
     if "layout" in plan["output"]:  # one naming other tensors is refused before any weight is read
         plan_layout(plan, base.tensors, where=where)
-    tokenizer = plan["output"].get("tokenizer_source")
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
-                  tokenizer_dir=None if tokenizer is None else resolve(tokenizer["path"], root),
+                  tokenizer_dir=tokenizer_dir,
                   sketches=plan_sketches(plan, store, base, base_index, {
                       n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, where))
 
@@ -132,7 +131,10 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     if (strategy or {}).get("strategy") == "sketch":  # ternary sketches (one scan per new expert)
         sketches = sketch_inputs(store, base, base_index,
                                  {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, progress=not quiet)
-    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0), base_index=base_index,
+    base_files = plan_base_files(base, tokenizer_source=cfg.output.tokenizer_dir is not None,
+                                 dtype=norm["output"]["dtype"])
+    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files),
+                     base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
                      params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
                      output=_plan_output(cfg, norm, base, vocabulary, built),
@@ -274,24 +276,10 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             # an input edited in place meanwhile: copied base bytes no longer match their recorded hashes
             store.check_unchanged([h.path for c in (inputs.base, *inputs.experts.values()) for h in c.files])
             aux = {}
-            weight_files = {os.path.realpath(h.path) for h in inputs.base.files}
             tokenizer = plan["output"].get("tokenizer_source")
             if tokenizer is not None:  # that model's tokenizer files, checked against the plan
                 aux.update(copy_tokenizer(tokenizer, inputs.tokenizer_dir, tmp))
-            for name in AUX_FILES:
-                if tokenizer is not None and name in TOKENIZER_FILES:
-                    continue
-                src = inputs.base.root / name
-                if os.path.lexists(src) and not src.is_file():  # the output would lack it, and verify say OK
-                    raise CheckpointError(f"{src}: not a regular file (a dangling link, a folder or a special "
-                                          "file); the output would be published without it; fix the base folder")
-                # a base weight shard may be named config.json (legal in a weight_map): never a config
-                if src.is_file() and os.path.realpath(src) not in weight_files:
-                    if name == "config.json":  # its dtype fields name the dtype the weights are in
-                        (tmp / name).write_bytes(output_config(src, plan["output"].get("dtype")))
-                    else:
-                        shutil.copyfile(src, tmp / name)
-                    aux[name] = hash_file(tmp / name)
+            aux.update(copy_base_files(plan, inputs.base, tmp))  # the plan's base.files, checked again
             if "vocabulary" in plan["output"]:  # added tokens and vocab_size of the rebuilt embeddings
                 aux.update(write_vocabulary_files(plan["output"]["vocabulary"], tmp))
             for name, data in card.items():

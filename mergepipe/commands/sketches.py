@@ -39,7 +39,8 @@ def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
 
 
 def plan_sketches(plan: dict, store: Store, base: Checkpoint, base_index: ModelIndex,
-                  experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]], where: str) -> dict[str, sketch.Sketch]:
+                  experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]],
+                  where: str) -> dict[str, sketch.Sketch]:
     """The sketches a plan names, from the store (made again where missing: they are a function
     of the inputs, as in a replay's fresh store), each matched against the plan's hash."""
     rec = (plan.get("strategy") or {}).get("sketch")

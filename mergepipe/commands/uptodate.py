@@ -39,8 +39,8 @@ def config_key(config_path: str | os.PathLike[str], overrides: dict) -> str:
     path = os.path.abspath(config_path)
     with open(path, "rb") as f:
         data = f.read()
-    doc = [RECORD_FORMAT, __version__, path, blake3(data).hexdigest(), os.getcwd(), sorted((k, str(v)) for k, v in overrides.items()
-                                                                          if v is not None)]
+    doc = [RECORD_FORMAT, __version__, path, blake3(data).hexdigest(), os.getcwd(),
+           sorted((k, str(v)) for k, v in overrides.items() if v is not None)]
     return blake3(json.dumps(doc).encode()).hexdigest()
 
 

@@ -1,5 +1,6 @@
 """`mergepipe verify`: an output against its manifest (output/manifest.py), and with `inputs`
-or `replay` against the inputs its plan names and a rebuild from that plan.
+or `replay` against the inputs its plan names (their weights' content hashes and the base's
+copied non-weight files, plan `base.files`) and a rebuild from that plan.
 
 A replay that differs says what: the layout (weight file names, which tensors each holds,
 their order), the first differing tensors with their file, a header, or a non-weight file.
@@ -31,9 +32,10 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
         plan, where = _recorded_plan(out_dir, man)
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
             store = Store(Path(tmp) / "cache")  # fresh cache: rehash every input byte
+            # the inputs' weights, and the base's non-weight files the output copied (plan base.files)
             opened = open_inputs(plan, store, root, threads=threads, where=where,
                                  check_stacks=False)  # verify compares with the record, which names the stack
-            checked.append(f"{1 + len(plan['experts'])} inputs")
+            checked.append(f"{1 + len(plan['experts'])} inputs, {len(plan['base']['files'])} base files")
             if replay:
                 replay_dir = Path(tmp) / "replay"
                 again = merge_plan(plan, opened, replay_dir, store, threads=threads, progress=False,

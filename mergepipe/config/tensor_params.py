@@ -35,9 +35,11 @@ if TYPE_CHECKING:
 KNOBS = ("density", "gamma")
 
 
-def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
+# Branchy: per tensor, per expert, per knob, each value checked where it is resolved so the error names all three.
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901
     """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
-    config has no per-tensor setting (then plans are as before settings existed).
+    config has no per-tensor setting (then the plan has no `tensor_parameters` key, and its hash
+    is that of the same config without the grammar).
 
     Raises:
         ConfigError: a weight no condition gives for some tensor, a value that is out of range

@@ -5,7 +5,6 @@ with one-line ConfigErrors."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import yaml

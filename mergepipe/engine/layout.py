@@ -20,8 +20,7 @@ from itertools import accumulate, repeat
 from math import prod
 from operator import itemgetter, mul, sub
 
-from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, FS_BLOCK, ITEMSIZE, Checkpoint, OutTensor, TensorInfo,
-                                              _header_json)
+from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, FS_BLOCK, ITEMSIZE, Checkpoint, OutTensor, _header_json
 from mergepipe.checkpoint.tensor_table import TensorTable
 from mergepipe.errors import ConfigError
 

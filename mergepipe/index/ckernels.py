@@ -1,8 +1,8 @@
 """The delta index's kernels, compiled: the C build (index/_indexc.c, the extension module
-`_indexc`, the build for this CPU's x86-64 level: util/cpu.py) loaded with ctypes, or, where it was not built, the numba kernels of
-index/kernels.py behind the same calls. Both give the same results
-(tests/test_index_kernels.py); ctypes releases the GIL during each call, as numba's nogil,
-so index threads run them in parallel.
+`_indexc`, the build for this CPU's x86-64 level: util/cpu.py) loaded with ctypes, or, where it
+was not built, the numba kernels of index/kernels.py behind the same calls. Both give the
+same results (tests/test_index_kernels.py); ctypes releases the GIL during each call, as
+numba's nogil, so index threads run them in parallel.
 
     delta_bf16(base_u16, expert_u16, d, hist) / delta_f32(base, expert, d, hist)
         -> (nnz, nonfinite, sum b^2, sum e^2, sum b*e, finite sum d^2, finite sum d)

@@ -1,5 +1,5 @@
 """Columnar index records: a decoded index's tensors as a few flat arrays, not an object
-per tensor (issue 15: 100,000 tensors).
+per tensor (a checkpoint may have 100,000 tensors).
 
 `ModelColumns` and `DeltaColumns` are read-only mappings, name -> TensorEntry /
 TensorDelta, that make the entry when it is looked up: code that asks for one tensor
@@ -241,7 +241,8 @@ def delta_rows(tensors, names: list[str]) -> Iterator[tuple[int, Sequence, Seque
     return ((t.nonfinite, t.identical, t.block_l2) for t in map(tensors.__getitem__, names))
 
 
-def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], layout) -> tuple[list[int], list[int]]:
+def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
+                    layout) -> tuple[list[int], list[int]]:
     """(block count per tensor, flat row ranges) that `layout` (checkpoint.blocks.BlockLayout)
     gives these tensors: what an index of them must hold. The arithmetic is done once per
     (shape, dtype, block size): a checkpoint of 100k tensors has a few dozen of them."""

@@ -1,6 +1,6 @@
 """Bytes of block reads summed over an index's columns (index/columns.py) in whole-array
 steps: what plan/record.py checks a plan's reads and budget against, without a Python
-step per tensor or block (issue 15: 100,000 tensors).
+step per tensor or block (a checkpoint may have 100,000 tensors).
 
 Each function answers None when its inputs are not columnar or a read is not plainly
 valid (an unknown tensor, a block outside its tensor, a block identical to the base);

@@ -113,7 +113,8 @@ class DeltaTensorScan:
             return self._run_small()
         t = self.t
         n_blocks = len(self.ranges)
-        block_l2, block_max, block_nnz, identical = [0.0] * n_blocks, [0.0] * n_blocks, [0] * n_blocks, [False] * n_blocks
+        block_l2, block_max = [0.0] * n_blocks, [0.0] * n_blocks
+        block_nnz, identical = [0] * n_blocks, [False] * n_blocks
         block_n = [(b - a) * (t.numel // max(1, t.shape[0])) if t.shape else 1 for a, b in self.ranges]
         hist = np.zeros(HI_BINS, dtype=np.int64)
         l1 = l2sq = 0.0
@@ -174,7 +175,8 @@ class DeltaTensorScan:
         whose fixed cost (~0.4 ms) dominated checkpoints of many tiny tensors (MoE, norms, biases)."""
         t = self.t
         n_blocks = len(self.ranges)
-        block_l2, block_max, block_nnz, identical = [0.0] * n_blocks, [0.0] * n_blocks, [0] * n_blocks, [False] * n_blocks
+        block_l2, block_max = [0.0] * n_blocks, [0.0] * n_blocks
+        block_nnz, identical = [0] * n_blocks, [False] * n_blocks
         block_n = [(b - a) * (t.numel // max(1, t.shape[0])) if t.shape else 1 for a, b in self.ranges]
         l1 = l2sq = 0.0
         nonfinite = 0
@@ -223,7 +225,8 @@ class DeltaTensorScan:
                            tuple(block_nnz), tuple(identical), tuple(ranks), tuple(values_out), tuple(count_gt),
                            tuple(count_eq), block_eq, *sums)
 
-    def _exact_values(self, bins: np.ndarray, identical: list[bool], block_n: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _exact_values(self, bins: np.ndarray, identical: list[bool],
+                      block_n: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Every |delta| pattern present in the target bins, as ascending keys (slot << 16 | low 16
         bits, slot = position in `bins`), and how many elements have it.
 

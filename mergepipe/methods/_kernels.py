@@ -120,8 +120,9 @@ def eq_limit(base, expert, value, eq_keep):
     return base.shape[0]
 
 
+# Branchy: a numba kernel loop, C-like (one pass over rows and experts); a helper per case would cost a call each.
 @njit(nogil=True, cache=True)
-def ties_bf16(base, experts, weights, modes, values, limits, normalize, lambda_, apply_lambda, out):
+def ties_bf16(base, experts, weights, modes, values, limits, normalize, lambda_, apply_lambda, out):  # noqa: C901
     """TIES (sign election "sum", disjoint merge) for uint16 (bf16) rows; see the module doc.
 
     Args: base (n,) uint16; experts: a tuple of P (n,) uint16 arrays (present

@@ -128,7 +128,8 @@ SPEC = JointSpec(passes=(JointPass(lambda ctx: BINS + 1, _high, _high_final),
 
 @register("arcee_fusion", mergekit=Mergekit(unweighted=True),
           params=ArceeFusionParams, additive=False, max_experts=1, joint=SPEC,
-          paper="Arcee AI 2025, Arcee Fusion: dynamic-threshold selective fusion (mergekit 0.1.5 `arcee_fusion`, arcee.ai)")
+          paper="Arcee AI 2025, Arcee Fusion: dynamic-threshold selective fusion "
+                "(mergekit 0.1.5 `arcee_fusion`, arcee.ai)")
 def merge(block: BlockInputs, p: ArceeFusionParams) -> torch.Tensor:
     if len(block.experts) != 1:
         raise MethodError(f"tensor {block.tensor!r}: arcee_fusion merges the base and exactly one expert, "

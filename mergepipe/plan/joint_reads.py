@@ -75,7 +75,8 @@ def describe(plan: dict) -> list[str]:
         return []
     blocks = {(t, b) for per in plan["reads"].values() for t, bs in per.items() for b in bs}
     lines = ["", f"joint method {plan['method']}: each block is read for all experts or for none "
-                 f"({len(blocks)} (tensor, block) groups read; an expert whose block equals the base is not read there)"]
+                 f"({len(blocks)} (tensor, block) groups read; "
+                 "an expert whose block equals the base is not read there)"]
     if joint["key"] is None:
         lines.append("joint statistics: none needed with these parameters")
     else:

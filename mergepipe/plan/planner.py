@@ -49,6 +49,8 @@ class PlanInput:
     weight: float
     density: float | None = None
     gamma: float | None = None
+    # the base only: the non-weight files the output copies, {name: blake3} (commands/base_files.py)
+    files: dict[str, str] | None = None
 
 
 def hash_json(obj: object) -> str:
@@ -223,7 +225,7 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
         "block_bytes": layout.block_bytes,
         "output": output,
         "nonfinite": nonfinite,
-        "base": _input_json(base),
+        "base": {**_input_json(base), "files": dict(sorted((base.files or {}).items()))},
         "experts": [_input_json(e) for e in experts],
         "reads": {name: dict(sorted(r.items())) for name, r in sorted(reads.items())},
         "bytes": {
@@ -325,9 +327,10 @@ def _tensor_effective_weights(method: str, params: dict, experts: list[PlanInput
 
 
 def plan_hash(plan: dict) -> str:
-    """Covers inputs' content hashes, method, parameters, budget, block size, version
-    and the access set itself (everything but the hash field and a plan file's
-    `made_from`, plan/record.py MADE_FROM: which bytes of params.yaml it came from)."""
+    """Covers inputs' content hashes (and the base's copied non-weight files), method,
+    parameters, budget, block size, version and the access set itself (everything but the
+    hash field and a plan file's `made_from`, plan/record.py MADE_FROM: which bytes of
+    params.yaml it came from)."""
     return hash_json({k: v for k, v in plan.items() if k not in ("plan_hash", "made_from")})
 
 

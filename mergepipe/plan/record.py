@@ -56,6 +56,13 @@ class PlanInputRecord(BaseModel):
     gamma: Annotated[float, Field(ge=0, lt=1)] | None = None
 
 
+class BaseInputRecord(PlanInputRecord):
+    """The base: also the non-weight files the output copies from it (config.json, ...) and
+    their blake3 (commands/base_files.py), so the plan hash covers every byte the output takes."""
+
+    files: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], Hash]
+
+
 class TokenizerRecord(BaseModel):
     """output.tokenizer_source (commands/tokenizer_source.py): the folder and its files' blake3."""
 
@@ -196,7 +203,7 @@ class PlanRecord(BaseModel):
     embedding_block_bytes: Annotated[int, Field(strict=True, ge=MIN_BLOCK_BYTES, le=MAX_BLOCK_BYTES)] | None = None
     output: OutputRecord
     nonfinite: Literal["error", "allow"]
-    base: PlanInputRecord
+    base: BaseInputRecord
     experts: Annotated[list[PlanInputRecord], Field(min_length=1)]
     reads: dict[StrictStr, dict[StrictStr, list[StrictInt]]]
     bytes: BytesRecord

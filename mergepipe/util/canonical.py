@@ -30,9 +30,11 @@ def _int_lists(d: dict[str, list[int]]) -> str:
     """_dumps of a dict of lists of ints (a plan's reads: 100k tensors), the same text: each
     distinct list's text once (a loaded plan shares its equal lists: plan/record.loads_plan),
     the pairs joined in C-speed passes."""
-    text = {i: "[" + ",".join(map(int.__repr__, v)) + "]" for i, v in dict(zip(map(id, d.values()), d.values())).items()}
+    distinct = dict(zip(map(id, d.values()), d.values()))
+    text = {i: "[" + ",".join(map(int.__repr__, v)) + "]" for i, v in distinct.items()}
     keys = sorted(d)  # as sort_keys: the keys are distinct str
-    return "{" + ",".join(map(":".join, zip(map(_esc, keys), map(text.__getitem__, map(id, map(d.__getitem__, keys)))))) + "}"
+    values = map(text.__getitem__, map(id, map(d.__getitem__, keys)))
+    return "{" + ",".join(map(":".join, zip(map(_esc, keys), values))) + "}"
 
 
 def _pieces(obj, depth: int) -> Iterator[str]:

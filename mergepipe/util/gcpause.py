@@ -3,7 +3,7 @@ are made at once (a safetensors header of 100k tensors, an index's columns, a pl
 
 Every collection walks the live containers of its generations, and a full one all of
 them: parsing the headers of three 100k-tensor checkpoints triggered enough collections
-to cost more than the parsing (issue 15). Reference counting still frees everything;
+to cost more than the parsing (100,000 tensors). Reference counting still frees everything;
 the collector only looks for cycles, and JSON values and index columns have none.
 """
 from __future__ import annotations

@@ -26,7 +26,8 @@ from mergepipe.output.run_record import record_path
 REPO = Path(__file__).resolve().parents[2]
 _ZYGOTE = """\
 import json, os, resource, signal, sys, traceback
-import mergepipe.cli, mergepipe.config.params, mergepipe.engine.merge, mergepipe.output.manifest, mergepipe.commands.pipeline, mergepipe.index.store
+import mergepipe.cli, mergepipe.config.params, mergepipe.engine.merge, mergepipe.output.manifest
+import mergepipe.commands.pipeline, mergepipe.index.store
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)

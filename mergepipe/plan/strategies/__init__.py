@@ -2,7 +2,7 @@
 which (expert, block) pairs a budgeted merge reads and, optionally, how the read deltas
 are rescaled. Importing this package registers all of them.
 
-energy.py (default; today's greedy by |lambda w|*||delta||/byte), balanced.py (a budget
+energy.py (greedy by |lambda w|*||delta||/byte; the default at full budget), balanced.py (a budget
 share per expert), compensated.py (norm-matching rescale of what is read), calibrated.py (importance from
 the base on calibration text), sketch.py (ternary sketches where a full read does not fit)."""
 from mergepipe.plan.strategies import balanced, calibrated, compensated, energy, sketch  # noqa: F401

@@ -4,7 +4,7 @@ Score s_kb = |e_k| * ||delta_kb||_2 (e_k the expert's effective weight), cost = 
 block's bytes; candidates are taken by s/c descending, ties broken by (tensor, row_start,
 expert content hash); one that does not fit is skipped and smaller ones still go in.
 This is the planner's original rule: a config without `plan:` gets it, and its plans
-carry no `strategy` key (same plan hash as before strategies existed).
+carry no `strategy` key (their plan hash must not depend on the strategy machinery).
 """
 from __future__ import annotations
 
