@@ -5,7 +5,7 @@ Its vocabulary tensors (checkpoint/blocks.py `is_vocabulary_tensor`: embed_token
 ...) have the output vocabulary's rows, row i made as checkpoint/vocab_map.py says: the
 model's own row for token i, a donor model's row, zero, a mean of donors' rows (summed in the
 tensor's dtype in model order, then divided, as mergekit does), or, for padding rows, the mean
-of the view's rows 0..n-1 (torch.mean over them, mergekit's; the one place a whole vocabulary
+of the view's rows 0..n-1 (a fixed-order fp64 mean, within an ulp of mergekit's torch.mean; the one place a whole vocabulary
 tensor is held in memory, once per tensor, and only with pad_to_multiple_of). Every other
 tensor is the model's bytes at its own file offsets. The vocabulary tensors live in a virtual
 file (a path that does not exist: what opens it by path fails loudly) read only through
@@ -161,14 +161,23 @@ class VocabCheckpoint(Checkpoint):
         return [v for v in self._virtual if v.begin < end and v.end > begin]
 
     def pad_row(self, reader: VocabReader, name: str) -> bytes:
-        """The padding row of tensor `name`: torch.mean of the view's rows 0..n-1 (mergekit's)."""
+        """The padding row of tensor `name`: the mean of the view's rows 0..n-1, summed in fp64
+        row by row in id order (elementwise adds: the same bits on every CPU, where torch.mean's
+        reduction order is the library's), divided, rounded to fp32 and then to the dtype;
+        mergekit's torch.mean is within an ulp of it."""
         with self._pad_lock:
             if name not in self._pad:
                 t = self.tensors[name]
                 n = len(self.vocab.tokens)
                 rows = as_tensor(reader.rows(name, 0, n), t.dtype, (n, *t.shape[1:]))
+                import numpy as np
                 import torch
-                self._pad[name] = bytes(tensor_bytes(torch.mean(rows, dim=0)))
+                values = rows.reshape(n, -1).double().numpy()
+                acc = np.zeros(values.shape[1], np.float64)
+                for row in values:  # one elementwise add per row, in id order
+                    np.add(acc, row, out=acc)
+                mean = torch.from_numpy(acc / n).float().reshape(rows.shape[1:]).to(rows.dtype)
+                self._pad[name] = bytes(tensor_bytes(mean))
             return self._pad[name]
 
 
