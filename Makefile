@@ -25,12 +25,12 @@ demo: venv
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake merged/model.safetensors
 	$(BIN)/mergepipe verify merged
 
-# ruff's settings are in pyproject.toml ([tool.ruff]).
+# ruff's settings are in pyproject.toml ([tool.ruff]); `make test` runs it first, so CI enforces it.
 LINTED := mergepipe tests bench scripts mergepipe_eval
 lint: venv
 	$(BIN)/ruff check $(LINTED)
 
-test: venv .venv-mergekit/.installed
+test: lint .venv-mergekit/.installed
 	$(BIN)/python -m pytest -q
 
 # The whole suite as a CPU without AVX-512 runs it: the C kernels (util/cpu.py), torch, numba,

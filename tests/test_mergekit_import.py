@@ -416,7 +416,8 @@ def test_tokenizer_source_model_and_base(tmp_path):
     params = import_mergekit(_write(tmp_path, text + "tokenizer_source: base\n"))
     assert "tokenizer_source" not in params["output"]
     # union, and tokenizer: (whose source is union by default): the output vocabulary (tests/test_vocab.py)
-    assert import_mergekit(_write(tmp_path, text + "tokenizer_source: union\n"))["output"]["tokenizer_source"] == "union"
+    imported = import_mergekit(_write(tmp_path, text + "tokenizer_source: union\n"))
+    assert imported["output"]["tokenizer_source"] == "union"
     params = import_mergekit(_write(tmp_path, text + "tokenizer: {pad_to_multiple_of: 8, tokens: {x: {source: e}}}\n"))
     assert params["output"]["tokenizer_source"] == "union" and params["output"]["pad_to_multiple_of"] == 8
     assert params["output"]["tokens"] == {"x": {"source": params["experts"][0]["name"]}}

@@ -58,7 +58,8 @@ def test_an_edited_metadata_file_is_named_as_edited(family, tmp_path, capsys):
         original = path.read_bytes()
         path.write_bytes(original.replace(b"}", b', "edited": 1}', 1) if name.endswith(".json") else original + b"x")
         rc, err = _verify(capsys, out)
-        assert rc == 6 and err == f"mergepipe: error: {path}: edited since it was published (its blake3 is not the manifest's)", err
+        assert rc == 6, err
+        assert err == f"mergepipe: error: {path}: edited since it was published (its blake3 is not the manifest's)"
         path.write_bytes(original)
         assert _verify(capsys, out) == (0, "")
 
@@ -71,7 +72,8 @@ def test_an_edited_weight_file_still_names_its_tensor(family, tmp_path, capsys):
     data[t.begin] ^= 1
     weights.write_bytes(bytes(data))
     rc, err = _verify(capsys, out)
-    assert rc == 6 and err == f"mergepipe: error: {weights}: tensor 'model.norm.weight' does not match the manifest", err
+    assert rc == 6, err
+    assert err == f"mergepipe: error: {weights}: tensor 'model.norm.weight' does not match the manifest"
 
 
 def _split_in_two(layout, starts):

@@ -5,8 +5,9 @@ Its vocabulary tensors (checkpoint/blocks.py `is_vocabulary_tensor`: embed_token
 ...) have the output vocabulary's rows, row i made as checkpoint/vocab_map.py says: the
 model's own row for token i, a donor model's row, zero, a mean of donors' rows (summed in the
 tensor's dtype in model order, then divided, as mergekit does), or, for padding rows, the mean
-of the view's rows 0..n-1 (a fixed-order fp64 mean, within an ulp of mergekit's torch.mean; the one place a whole vocabulary
-tensor is held in memory, once per tensor, and only with pad_to_multiple_of). Every other
+of the view's rows 0..n-1 (a fixed-order fp64 mean, within an ulp of mergekit's torch.mean;
+the one place a whole vocabulary tensor is held in memory, once per tensor, and only with
+pad_to_multiple_of). Every other
 tensor is the model's bytes at its own file offsets. The vocabulary tensors live in a virtual
 file (a path that does not exist: what opens it by path fails loudly) read only through
 VocabReader, which CheckpointReader opens for this checkpoint. torch is imported only where

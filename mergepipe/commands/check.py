@@ -173,7 +173,8 @@ def _check(report: Report, cfg: MergeConfig, budget: Budget | str | None, *, det
     return _check_budget(report, cfg, base, experts, budget, strategy, sizes)
 
 
-def _check_models(report: Report, cfg: MergeConfig, *, detail: bool
+# Branchy: one finding kind per branch, in the merge's own order, so the report and the merge agree.
+def _check_models(report: Report, cfg: MergeConfig, *, detail: bool  # noqa: C901
                   ) -> tuple[Checkpoint, dict[str, Checkpoint | None]] | None:
     """The models exist and are what their keys say, their headers parse, and every expert has
     the base's tensor names, shapes and dtypes (index/build.py check_compatible's rule)."""

@@ -136,10 +136,12 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files),
                      base_index=base_index,
                      experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
-                     params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"], budget=budget, block_bytes=bb,
+                     params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"],
+                     budget=budget, block_bytes=bb,
                      output=_plan_output(cfg, norm, base, vocabulary, built),
                      nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
-                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors), calibration=calibration, sketches=sketches)
+                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors),
+                     calibration=calibration, sketches=sketches)
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                         tokenizer_dir=cfg.output.tokenizer_dir, sketches=sketches or {})
 

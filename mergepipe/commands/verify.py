@@ -53,7 +53,8 @@ def _recorded_plan(out_dir: Path, man: dict) -> tuple[dict, str]:
     from mergepipe.plan.record import validate_plan
     plan = man["plan"]
     where = f"{out_dir / MANIFEST}: plan"
-    if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) or plan_hash(plan) != man.get("plan_hash"):
+    if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) \
+            or plan_hash(plan) != man.get("plan_hash"):
         raise IntegrityError(f"{where}: plan_hash does not match the recorded plan")
     validate_plan(plan, where)
     return plan, where

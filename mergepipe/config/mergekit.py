@@ -301,7 +301,8 @@ def _tokenizer_output(data: dict[str, Any], source: str, paths: ModelPaths | Non
     return out
 
 
-def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,
+# Long: to be split by concern (models, base, parameters, output): issue 23 item 2.
+def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,  # noqa: C901, PLR0915
                        paths: ModelPaths | None = None, stack_dir: str | None = None,
                        recipe: str | None = None) -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
@@ -391,7 +392,8 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                 value = _setting(value, where, source)
                 if name in shared and shared[name][1] != value:
                     raise _fail(source, where, f"{short_repr(value)} differs from {shared[name][0]}'s "
-                                               f"{short_repr(shared[name][1])}; mergepipe takes one {name} for all models")
+                                               f"{short_repr(shared[name][1])}; "
+                                               f"mergepipe takes one {name} for all models")
                 shared.setdefault(name, (where, value))
                 continue
             if name not in MODEL_KEYS:
@@ -538,7 +540,8 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
         if not (isinstance(lr, list | tuple) and len(lr) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)
                 and 0 <= lr[0] < lr[1]):
-            raise _fail(source, f"{key}.sources[0].layer_range", f"must be [start, end], start < end, got {short_repr(lr)}")
+            raise _fail(source, f"{key}.sources[0].layer_range",
+                        f"must be [start, end], start < end, got {short_repr(lr)}")
         out.append({"model": _model_ref(src.get("model"), f"{key}.sources[0].model", source),
                     "layer_range": [lr[0], lr[1]]})
     return out

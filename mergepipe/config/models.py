@@ -317,7 +317,8 @@ class MergeConfig(BaseModel):
                    {"tokenizer_source": written("output.tokenizer_source", self.output.tokenizer_dir)}),
                 **({} if self.output.tokenizer_source != "union" else {"tokenizer_source": "union"}),
                 **({} if self.output.tokens is None else
-                   {"tokens": {t: c.model_dump(mode="json", exclude_none=True) for t, c in self.output.tokens.items()}}),
+                   {"tokens": {t: c.model_dump(mode="json", exclude_none=True)
+                               for t, c in self.output.tokens.items()}}),
                 **({} if self.output.pad_to_multiple_of is None else
                    {"pad_to_multiple_of": self.output.pad_to_multiple_of}),
                 **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),

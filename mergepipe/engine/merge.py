@@ -11,9 +11,9 @@ hashes from the base index
 Elsewhere: read the base rows and only the planned expert rows (engine/prefetch.py:
 coalesced preads, blake3-checked against the index), merge in fp32 (the method's
 `fn`, or its compiled kernel for bf16), cast, and pwrite at the block's offset in the
-output, hashing it on the way into the output's hash tree (engine/hashing.py). Rank cuts come from the delta index (engine/cuts.py); the file
-layout from engine/layout.py. The engine knows no method by name: what a method
-needs is in its registry entry.
+output, hashing it on the way into the output's hash tree (engine/hashing.py). Rank cuts
+come from the delta index (engine/cuts.py); the file layout from engine/layout.py. The engine
+knows no method by name: what a method needs is in its registry entry.
 """
 from __future__ import annotations
 
@@ -187,7 +187,8 @@ def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, pr
         gc.unfreeze()
 
 
-def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progress: bool,
+# Long: to read top to bottom with typed work items: issue 23 item 5.
+def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progress: bool,  # noqa: C901, PLR0915
                compiled: bool) -> Realized:
     t_start = time.monotonic()
     keep_freed_memory()  # every block allocates and frees MiB-sized temporaries

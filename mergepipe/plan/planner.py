@@ -63,7 +63,8 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
     return get_method(method).effective_weights(params, {e.name: e.weight for e in experts})
 
 
-def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],
+# Long: to be split into candidates -> select -> account -> record: issue 23 item 1.
+def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],  # noqa: C901, PLR0915
               expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
               method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
               block_bytes: int | BlockLayout, output: dict, nonfinite: str = "error",
@@ -347,7 +348,8 @@ def check_plan_inputs(plan: dict, base_index: ModelIndex, expert_indexes: dict[s
     """The inputs on disk must be the ones the plan was made for."""
     if base_index.content_hash != plan["base"]["content_hash"]:
         raise CheckpointError(f"{plan['base']['path']}: content changed since the plan was made "
-                              f"(plan {plan['base']['content_hash'][:12]}, now {base_index.content_hash[:12]}); re-plan")
+                              f"(plan {plan['base']['content_hash'][:12]}, "
+                              f"now {base_index.content_hash[:12]}); re-plan")
     for e in plan["experts"]:
         now = expert_indexes[e["name"]].content_hash
         if now != e["content_hash"]:

@@ -292,7 +292,8 @@ def _reads_typed(reads: object) -> bool:
                and set(map(type, chain.from_iterable(per.values()))) <= {int} for per in reads.values())
 
 
-def validate_plan(plan: object, where: str) -> PlanRecord:
+# Long: one check per plan field; the typed plan record (issue 23 item 1) will own them.
+def validate_plan(plan: object, where: str) -> PlanRecord:  # noqa: C901, PLR0915
     """The typed record of `plan`, or a ConfigError naming `where` and the first bad key."""
     if not isinstance(plan, dict):
         raise ConfigError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
@@ -446,7 +447,9 @@ def _check_sketch(rec: PlanRecord, where: str) -> None:
                 raise ConfigError(f"{where}: plan key {key}: a block both sketched and read in full")
 
 
-def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
+# Branchy: one refusal per way a hand-edited read set can be wrong (issue 23 item 1).
+def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None,  # noqa: C901
+                     where: str) -> None:
     """Every planned (tensor, block) lies inside its tensor, every per-tensor entry names a
     tensor of the base, and the planned reads' bytes, recomputed from the index, are the
     plan's and within its budget."""
