@@ -12,14 +12,12 @@ global r or lora_alpha applies.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergepipe.checkpoint.json_files import parse_json, read_bounded
 from mergepipe.errors import ConfigError
 from mergepipe.units import short_repr
 
@@ -89,43 +87,9 @@ def read_settings(folder: Path) -> tuple[LoraSettings, bytes]:
         PEFT type other than LORA, a LoRA variant or an initialisation that changes the base.
     """
     path = folder / ADAPTER_CONFIG
-    raw = _read_small(path)
-    try:
-        config = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: must be a JSON object, got {type(config).__name__}")
+    raw = read_bounded(path, MAX_CONFIG_BYTES)
+    config = parse_json(raw, path)
     return parse_settings(config, path), raw
-
-
-def _read_small(path: Path) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not hang the open
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot open the adapter config: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path}: not a regular file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit for an "
-                              "adapter config")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(MAX_CONFIG_BYTES + 1)[:MAX_CONFIG_BYTES]
-    finally:
-        os.close(fd)
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
-            seen.add(key)
-    return out
 
 
 def parse_settings(config: dict, path: Path | str) -> LoraSettings:
