@@ -12,7 +12,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.checkpoint.json_files import parse_json, read_bounded  # noqa: F401 (read_bounded: output/vocab_files)
+from mergepipe.checkpoint.json_files import parse_json, read_bounded
 from mergepipe.errors import ConfigError
 
 TOKENIZER_JSON = "tokenizer.json"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mergepipe.checkpoint.tokenizer_files import (MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, TOKENIZER_CONFIG,
-                                                  TOKENIZER_JSON, parse_json, read_bounded)
+from mergepipe.checkpoint.json_files import parse_json, read_bounded
+from mergepipe.checkpoint.tokenizer_files import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, TOKENIZER_CONFIG, TOKENIZER_JSON
 from mergepipe.util.fs import hash_file
 
 _ENTRY_KEYS = ("id", "content", "single_word", "lstrip", "rstrip", "normalized", "special")
