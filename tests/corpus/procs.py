@@ -24,6 +24,8 @@ from mergepipe.output.manifest import MANIFEST, verify_outputs
 from mergepipe.output.run_record import record_path
 
 REPO = Path(__file__).resolve().parents[2]
+# every run's stderr file lives here, so a run that is never closed leaves nothing in /tmp
+_ERR_DIR = tempfile.TemporaryDirectory(prefix="mergepipe-runs-")
 _ZYGOTE = """\
 import json, os, resource, signal, sys, traceback
 import mergepipe.cli, mergepipe.config.params, mergepipe.engine.merge, mergepipe.output.manifest
@@ -88,7 +90,9 @@ class Warm:
     def __init__(self, argv: list[str], *, fsize: int | None = None) -> None:
         self.argv, self.fsize = argv, fsize
         self.zygote = _Zygote.get()
-        self.err = Path(tempfile.mkstemp(prefix="mergepipe-run-", suffix=".err")[1])
+        fd, err = tempfile.mkstemp(suffix=".err", dir=_ERR_DIR.name)
+        os.close(fd)
+        self.err = Path(err)
         self.pid: int | None = None
         self.rc: int | None = None
         self.t0: float | None = None
