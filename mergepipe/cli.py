@@ -301,6 +301,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import card_recipe, merge_plan, output_card, plan_config, up_to_date
     from mergepipe.index.store import Store
     cfg = _load(args)
+    if cfg.output.adapter is not None:  # one PEFT adapter instead of a model: no index, plan or budget
+        return _run_adapter(args, cfg, t0)
     record = uptodate.snapshot(args.config, cli_overrides, _input_paths(cfg))
     store = Store(cfg.cache_dir)
     plan, inputs = plan_config(cfg, store, threads=args.threads, quiet=args.quiet)
@@ -320,6 +322,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                      protect=(Path(args.config), *_calibration_text(cfg)), card=card)
     verify_outputs(out_dir)
     _report(args, out_dir, man, time.monotonic() - t0)
+    return 0
+
+
+def _run_adapter(args: argparse.Namespace, cfg, t0: float) -> int:
+    from mergepipe.commands.adapter_run import run_adapter_output
+    out_dir = Path(cfg.output.dir)
+    man, written = run_adapter_output(cfg, force=args.force, quiet=args.quiet, protect=(Path(args.config),))
+    what = "adapter ->" if written else "up to date (adapter):"
+    _log(args, f"{what} {out_dir} ({cfg.method}, {cfg.output.adapter.combination}, "
+               f"recipe {man['recipe_hash'][:16]}) in {time.monotonic() - t0:.2f} s\n"
+               f"  manifest {out_dir / 'manifest.json'}")
     return 0
 
 

@@ -65,6 +65,12 @@ class Delta:
     left: torch.Tensor | None = None   # (rows, r)
     right: torch.Tensor | None = None  # (r, columns)
     vector: torch.Tensor | None = None
+    embedding: bool = False    # the factors are lora_embedding_A/_B
+    transposed: bool = False   # left, right = Aᵀ, Bᵀ (fan_in_fan_out, embeddings)
+
+    def peft_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) as PEFT stores them: Δ of the module = scale · B·A (transposed: its transpose)."""
+        return (self.left.T, self.right.T) if self.transposed else (self.right, self.left)
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Δ[r0:r1] in fp32 (see the module docstring for the order of operations)."""
@@ -297,7 +303,7 @@ def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], sett
                    "adapter of another model?")
     scale = settings.scale_of(module)
     left, right = (a.T, b.T) if transposed else (b, a)
-    out = {weight.name: Delta(module, scale, left=left, right=right)}
+    out = {weight.name: Delta(module, scale, left=left, right=right, embedding=embedding, transposed=transposed)}
     if "bias" in parts:
         bias, lora_bias = base.tensors.get(f"{module}.bias"), parts["bias"]
         if bias is None or bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b.shape[0],) \

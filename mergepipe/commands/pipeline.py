@@ -33,7 +33,7 @@ from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
-from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output import run_record as records
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
                                       manifest_hash, verify_outputs, write_manifest)
@@ -94,6 +94,8 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
     """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`
     (-q): no progress bars, and the calibration pass's libraries print nothing but errors."""
     from mergepipe.config.paths import check_models_exist
+    if cfg.output.adapter is not None:  # one adapter of the base, combined without a plan (commands/adapter_run.py)
+        raise ConfigError(f"{cfg.source}: output.adapter: an adapter output has no plan; `mergepipe run` writes it")
     preflight(cfg, budget=budget)  # what `mergepipe check` finds, from headers, before any index reads a weight
     check_models_exist(cfg)  # a missing one named by its key and expert, not only its folder
     norm = cfg.normalized()

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mergepipe.checkpoint.blocks import DEFAULT_BLOCK_BYTES, BlockLayout
+from mergepipe.config.adapter_output import AdapterOutput
 from mergepipe.config.checks import (
     check_density_gamma,
     check_expert_overrides,
@@ -98,6 +99,9 @@ class OutputConfig(BaseModel):
         "a token not in the vocabulary is added")
     pad_to_multiple_of: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] | None = Field(
         None, description="embedding rows rounded up to a multiple of this (padding rows: each model's mean row)")
+    adapter: AdapterOutput | None = Field(
+        None, description="write the merge as one PEFT LoRA adapter of the base into output.dir (every expert an "
+        "adapter, a method linear in the deltas; config/adapter_output.py); null: a model")
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -322,6 +326,7 @@ class MergeConfig(BaseModel):
                 **({} if self.output.pad_to_multiple_of is None else
                    {"pad_to_multiple_of": self.output.pad_to_multiple_of}),
                 **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),
+                **({} if self.output.adapter is None else {"adapter": self.output.adapter.normalized()}),
             },
             "cache_dir": written("cache_dir", self.cache_dir),
             "nonfinite": self.nonfinite,

@@ -37,8 +37,23 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(lam * w) for name, w in weights.items()}
 
 
+def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, float]:
+    """c_k = w_k / (b + sum_j w_j) when normalized; without normalize the base is scaled by
+    b + sum_j w_j, so only a sum of exactly 1 gives W0 + sum_k w_k delta_k."""
+    total = sum(weights.values()) + float(params.get("base_weight", 0.0))
+    if params.get("normalize", True):
+        if total == 0:
+            raise ValueError("the weights (and base_weight) sum to 0, so they cannot be normalized")
+        return {name: w / total for name, w in weights.items()}
+    if total != 1:
+        raise ValueError(f"without normalize the base is scaled by base_weight + the weights' sum ({total}), "
+                         "not 1")
+    return dict(weights)
+
+
 @register("linear", sketchable=True, sketch_by_default=True, mergekit=Mergekit(no_base="first"),
           params=LinearParams, additive=True, effective_weights=effective_weights,
+          delta_coefficients=delta_coefficients,
           paper="Wortsman et al. 2022, Model soups: averaging weights of multiple fine-tuned "
                 "models improves accuracy without increasing inference time, arXiv:2203.05482")
 def merge(block: BlockInputs, p: LinearParams) -> torch.Tensor:

@@ -43,9 +43,17 @@ def rewrites_base(p: PassthroughParams) -> bool:
     return p.scale is not None and p.scale != 1.0
 
 
+def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, float]:
+    """The one expert's delta, whole (c = 1); a scale other than 1 scales the base too."""
+    scale = params.get("scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ValueError(f"scale {scale} multiplies the base's weights too")
+    return {name: 1.0 for name in weights}
+
+
 @register("passthrough", mergekit=Mergekit(no_base="self", unweighted=True, shared_model_keys=("scale",)),
           params=PassthroughParams, additive=True, max_experts=1,
-          effective_weights=effective_weights, rewrites_base=rewrites_base,
+          effective_weights=effective_weights, delta_coefficients=delta_coefficients, rewrites_base=rewrites_base,
           paper="mergekit passthrough (Goddard et al. 2024, Arcee's MergeKit, arXiv:2403.13257)")
 def merge(block: BlockInputs, p: PassthroughParams) -> torch.Tensor:
     if len(block.experts) != 1:

@@ -26,6 +26,9 @@ from mergepipe.methods.joint import JointSpec
 MergeFn = Callable[[BlockInputs, BaseModel], "torch.Tensor"]
 # (normalized parameters dict, expert name -> weight) -> expert name -> |scale of delta_k|
 EffectiveWeights = Callable[[dict[str, Any], dict[str, float]], dict[str, float]]
+# (normalized parameters dict, expert name -> weight) -> expert name -> c_k such that the output
+# is exactly W0 + sum_k c_k * delta_k; raises ValueError (why not) for parameters where it is not
+DeltaCoefficients = Callable[[dict[str, Any], dict[str, float]], dict[str, float]]
 # (typed params, plan experts) -> kernel: RawBlock -> output bytes (bf16 in, bf16 out)
 KernelFactory = Callable[[BaseModel, list[dict]], Callable[[RawBlock], memoryview]]
 
@@ -67,6 +70,8 @@ class Method:
     cosine: bool = False
     # |scale| of each expert's delta in the output, for the plan's priorities and bound
     effective_weights: EffectiveWeights = scaled_weights
+    # the output as W0 + sum_k c_k delta_k (an adapter output, output/adapter_out.py); None: never so
+    delta_coefficients: DeltaCoefficients | None = None
     # compiled kernel for bf16 blocks written as bf16, same bytes as `fn`; None: `fn` only
     compiled: KernelFactory | None = None
     # typed params -> True when a block no expert is read for is NOT the base's rows (passthrough
@@ -125,6 +130,7 @@ METHODS: MutableMapping[str, Method] = _Registry()
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
              magnitude: bool = False, max_experts: int | None = None, cosine: bool = False,
              effective_weights: EffectiveWeights = scaled_weights,
+             delta_coefficients: DeltaCoefficients | None = None,
              compiled: KernelFactory | None = None,
              rewrites_base: Callable[[BaseModel], bool] | None = None,
              joint: JointSpec | None = None, sketchable: bool = False, sketch_by_default: bool = False,
@@ -139,7 +145,8 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
             raise ValueError(f"merge method {name!r} registered twice, or missing from registry.NAMES")
         _registered[name] = Method(name=name, params=params, fn=fn, additive=additive, magnitude=magnitude,
                                    paper=paper, max_experts=max_experts, cosine=cosine,
-                                   effective_weights=effective_weights, compiled=compiled,
+                                   effective_weights=effective_weights, delta_coefficients=delta_coefficients,
+                                   compiled=compiled,
                                    rewrites_base=rewrites_base, joint=joint, sketchable=sketchable,
                                    sketch_by_default=sketch_by_default, mergekit=mergekit)
         return fn

@@ -24,8 +24,17 @@ class TaskArithmeticParams(BaseModel):
     int8_mask: bool = False
 
 
+def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, float]:
+    """c_k = lambda * w_k, divided by sum_k w_k if normalize (unless it is below 1e-8: `combine`)."""
+    total = sum(weights.values())
+    divisor = total if params.get("normalize", False) and abs(total) >= 1e-8 else 1.0
+    lam = float(params.get("lambda", 1.0))
+    return {name: lam * w / divisor for name, w in weights.items()}
+
+
 @register("task_arithmetic", sketchable=True, sketch_by_default=True,
-          params=TaskArithmeticParams, additive=True, compiled=task_arithmetic_kernel,
+          params=TaskArithmeticParams, additive=True, delta_coefficients=delta_coefficients,
+          compiled=task_arithmetic_kernel,
           paper="Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089")
 def merge(block: BlockInputs, p: TaskArithmeticParams) -> torch.Tensor:
     experts = canonical(block.experts)

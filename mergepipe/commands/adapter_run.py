@@ -1,0 +1,196 @@
+"""`run` of a params.yaml with `output.adapter`: the experts' LoRA adapters combined into one
+adapter of the base, published atomically (docs/design.md, "Adapters out").
+
+Reads the base's headers (its tensor table, to check every adapter against it) and the
+adapters' files; never a weight of the base, so no index, plan or budget. The output is up to
+date when its manifest's recipe_hash is this run's and its files verify.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.checkpoint.lora import ADAPTER_WEIGHTS, AdapterCheckpoint, open_adapter
+from mergepipe.checkpoint.lora_combine import Term, combine
+from mergepipe.checkpoint.json_files import parse_json, read_bounded
+from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES
+from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
+from mergepipe.config.adapter_output import check_adapter_output
+from mergepipe.errors import ConfigError, IntegrityError, OutputError
+from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_config, adapter_manifest, recipe_hash,
+                                          write_adapter, write_adapter_manifest, write_report)
+from mergepipe.output.manifest import load_manifest, verify_outputs
+from mergepipe.output.publish import Publisher, check_output_path
+from mergepipe.util.canonical import canonical_blake3
+from mergepipe.util.fs import hash_file
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One expert's adapter, opened against the base, with its merge coefficient."""
+
+    name: str
+    written: str  # the adapter path as params.yaml gives it
+    checkpoint: AdapterCheckpoint
+    config: dict
+    coefficient: float
+
+
+def base_table_hash(base: Checkpoint) -> str:
+    """blake3 of the base's tensor table (names, dtypes, shapes): all of the base an adapter
+    output depends on (its weights are never read)."""
+    return canonical_blake3(sorted([t.name, t.dtype, list(t.shape)] for t in base.tensors.values()))
+
+
+def open_sources(cfg, base: Checkpoint, table_hash: str, coefficients: dict[str, float]) -> list[Source]:
+    """The adapters, in canonical order (their identity, then name): listing the experts in
+    another order writes the same bytes."""
+    norm = cfg.normalized()["experts"]
+    out = []
+    for e, e_norm in zip(cfg.experts, norm):
+        ckpt = open_adapter(e.path, base, table_hash)
+        path = Path(e.path) / ADAPTER_CONFIG
+        config = parse_json(read_bounded(path, MAX_CONFIG_BYTES), path)
+        out.append(Source(e.name, e_norm["adapter"], ckpt, config, coefficients[e.name]))
+    return sorted(out, key=lambda s: (s.checkpoint.identity, s.name))
+
+
+def _refuse_unsupported(s: Source, nonfinite: str) -> None:
+    """Whole tensors that change the base (modules_to_save, a base_layer of other bytes) and
+    LoRA biases cannot be written as LoRA factors; NaN/Inf factors unless nonfinite: allow."""
+    adapter = s.checkpoint.adapter
+    changed = _changed_whole_tensors(s.checkpoint)
+    if changed:
+        raise ConfigError(f"{s.checkpoint.root}: tensor {changed[0]!r}: a whole tensor (modules_to_save, base_layer) "
+                          "that differs from the base's cannot be written as LoRA factors; merge to a model (remove "
+                          "output.adapter)")
+    for name, d in sorted(adapter.deltas.items()):
+        if d.vector is not None:
+            raise ConfigError(f"{s.checkpoint.root}: module {d.module!r}: a LoRA bias (lora_B.bias) is not written "
+                              "to an adapter output; merge to a model (remove output.adapter)")
+        if nonfinite == "error":
+            import torch
+            for part, t in zip(("A", "B"), d.peft_factors()):
+                if not bool(torch.isfinite(t).all()):
+                    raise ConfigError(f"{s.checkpoint.root / ADAPTER_WEIGHTS}: module {d.module!r}: lora_{part} "
+                                      "holds NaN or Inf (nonfinite: allow passes it through)")
+
+
+def _changed_whole_tensors(ckpt: AdapterCheckpoint) -> list[str]:
+    """The whole tensors of the adapter whose bytes are not the base's (PEFT saves an embedding
+    LoRA's base_layer weight as it was: no change). Reads those base tensors only."""
+    from mergepipe.checkpoint.safetensors import CheckpointReader
+    if not ckpt.adapter.replaced:
+        return []
+    with CheckpointReader(ckpt.base, random_access=False) as reader:
+        return [name for name, data in sorted(ckpt.adapter.replaced.items())
+                if bytes(reader.read_range(t := ckpt.base.tensors[name], t.begin, t.end)) != bytes(data)]
+
+
+def combined_modules(sources: list[Source], combination: str, rank: int | None) -> list[OutModule]:
+    """Every module any adapter targets, its terms in the sources' order."""
+    by_module: dict[str, list] = {}
+    for s in sources:
+        for d in s.checkpoint.adapter.deltas.values():
+            by_module.setdefault(d.module, []).append((s, d))
+    out = []
+    for module, pairs in sorted(by_module.items()):
+        kinds = {d.embedding for _, d in pairs}
+        if len(kinds) > 1:
+            raise ConfigError(f"module {module!r}: an embedding LoRA in {pairs[0][0].name!r} and a linear one in "
+                              f"{pairs[-1][0].name!r}; they cannot be one adapter's module")
+        terms = [Term(*d.peft_factors(), d.scale, s.coefficient) for s, d in pairs]
+        out.append(OutModule(module, combine(terms, combination, rank), kinds.pop()))
+    return out
+
+
+def _common(sources: list[Source], key: str):
+    values = {repr(s.config.get(key)) for s in sources}
+    return sources[0].config.get(key) if len(values) == 1 else None
+
+
+def _fan_in_fan_out(sources: list[Source]) -> bool:
+    flags = {s.checkpoint.adapter.folder: bool(s.config.get("fan_in_fan_out")) for s in sources}
+    if len(set(flags.values())) > 1:
+        raise ConfigError(f"{next(iter(flags))}: fan_in_fan_out {flags[next(iter(flags))]} differs from another "
+                          "adapter's; adapters of one base and layer type agree on it")
+    return next(iter(flags.values()))
+
+
+def recipe_and_inputs(cfg, sources: list[Source], table_hash: str) -> tuple[dict, dict]:
+    norm = cfg.normalized()
+    weights = {e.name: float(e.weight) for e in cfg.experts}
+    recipe = {"method": norm["method"], "parameters": norm["parameters"], "adapter": norm["output"]["adapter"],
+              "dtype": norm["output"]["dtype"], "nonfinite": norm["nonfinite"],
+              "experts": [{"name": s.name, "weight": weights[s.name],
+                           "coefficient": s.coefficient} for s in sources]}
+    inputs = {"base": {"path": norm["base"], "tensor_table": table_hash},
+              "experts": [{"name": s.name, "adapter": s.written,
+                           "config_blake3": hash_file(s.checkpoint.root / ADAPTER_CONFIG),
+                           "weights_blake3": hash_file(s.checkpoint.root / ADAPTER_WEIGHTS)} for s in sources]}
+    return recipe, inputs
+
+
+def _refuse_holding(out_dir: Path, inputs: tuple[Path, ...]) -> None:
+    """An output folder that is, holds or lies inside an input: publishing replaces the whole
+    folder, so it is refused even with --force."""
+    out = out_dir.resolve()
+    for p in inputs:
+        p = Path(p).resolve()
+        if out == p or out in p.parents or p in out.parents:
+            raise OutputError(f"{out_dir}: output folder overlaps {p}, an input of this run; choose another "
+                              "output dir")
+
+
+def _published(out_dir: Path, wanted: str) -> dict | None:
+    try:
+        man = load_manifest(out_dir)
+        if man.get("kind") != ADAPTER_KIND or man.get("recipe_hash") != wanted:
+            return None
+        return verify_outputs(out_dir)
+    except (IntegrityError, OSError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False, quiet: bool = False,
+                       protect: tuple[Path, ...] = ()) -> tuple[dict, bool]:
+    """Combine, publish and verify; (manifest, whether anything was written). `protect`: the
+    command's other inputs (params.yaml), which the output folder may not hold.
+
+    Raises:
+        ConfigError: the config cannot make an adapter (config/adapter_output.py), an adapter
+        that does not fit the base or holds what an adapter output cannot write.
+        OutputError: the output folder cannot be replaced (output/publish.py).
+    """
+    coefficients = check_adapter_output(cfg)
+    out_dir = check_output_path(out_dir if out_dir is not None else cfg.output.dir)
+    _refuse_holding(out_dir, (cfg.base, *(e.path for e in cfg.experts), *protect))
+    base = open_checkpoint(cfg.base)
+    table_hash = base_table_hash(base)
+    sources = open_sources(cfg, base, table_hash, coefficients)
+    recipe, inputs = recipe_and_inputs(cfg, sources, table_hash)
+    done = _published(out_dir, recipe_hash(recipe, inputs))
+    if done is not None:
+        return done, False
+    for s in sources:
+        _refuse_unsupported(s, cfg.nonfinite)
+    spec = cfg.output.adapter
+    modules = combined_modules(sources, spec.combination, spec.rank)
+    config = adapter_config(modules, fan_in_fan_out=_fan_in_fan_out(sources),
+                            base_model=_common(sources, "base_model_name_or_path"),
+                            task_type=_common(sources, "task_type"))
+    report = {"combination": spec.combination, "rank": spec.rank, "experts": [s.name for s in sources],
+              "modules": {m.name: {"rank": m.combined.rank, "relative_error": m.combined.relative_error}
+                          for m in modules}}
+    if not quiet and spec.combination == "svd":
+        for m in modules:
+            print(f"  {m.name}: rank {m.combined.rank}, relative error {m.combined.relative_error:.3e}",
+                  file=sys.stderr)
+    publisher = Publisher(out_dir, force=force)
+    with publisher as tmp:
+        files, tensors = write_adapter(tmp, modules, config, dtype=cfg.output.dtype)
+        files.update(write_report(tmp, report))
+        write_adapter_manifest(tmp, adapter_manifest(recipe, inputs, files, tensors))  # last: a finished output
+        publisher.commit()
+    return verify_outputs(out_dir), True
