@@ -283,3 +283,18 @@ def test_the_config_key_is_normalized_only_when_set(tmp_path):
     cfg["output"] = {"adapter": {"combination": "svd", "rank": 3}}
     path.write_text(yaml.safe_dump(cfg))
     assert load_config(path).normalized()["output"]["adapter"] == {"combination": "svd", "rank": 3}
+
+
+def test_verify_inputs_and_replay_rehash_the_adapters_and_rebuild(fam, tmp_path, capsys):
+    import shutil
+    mine = dict(fam, a=tmp_path / "a-copy")
+    shutil.copytree(fam["a"], mine["a"])
+    out = _run(tmp_path, mine, {"a": 1.0, "b": -0.25}, adapter={"combination": "svd", "rank": 3})
+    capsys.readouterr()
+    assert main(["verify", str(out), "--inputs", "--replay"]) == 0
+    assert "replay identical" in capsys.readouterr().out
+    weights = mine["a"] / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(data)
+    _fails(capsys, ["verify", str(out), "--inputs"], 6, "a-copy/adapter_model.safetensors", "recorded adapter file")

@@ -194,3 +194,52 @@ def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
         write_adapter_manifest(tmp, adapter_manifest(recipe, inputs, files, tensors))  # last: a finished output
         publisher.commit()
     return verify_outputs(out_dir), True
+
+
+def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool) -> list[str]:
+    """`verify --inputs/--replay` of an adapter output: each recorded input rehashed (the
+    adapters' two files by blake3, the base's tensor table), and with `replay` the adapter
+    combined again from them into a temporary folder and its outputs compared.
+
+    Raises:
+        IntegrityError: an input that is not the recorded bytes, or a replay that differs.
+    """
+    import tempfile
+    where = out_dir / "manifest.json"
+    try:
+        recorded = man["inputs"]
+        base_dir = _resolve(recorded["base"]["path"], root)
+        adapters = {e["name"]: e for e in recorded["experts"]}
+    except (KeyError, TypeError):
+        raise IntegrityError(f"{where}: inputs malformed; not a mergepipe adapter manifest") from None
+    if base_table_hash(open_checkpoint(base_dir)) != recorded["base"]["tensor_table"]:
+        raise IntegrityError(f"{base_dir}: the base's tensor names, dtypes or shapes are not the recorded ones")
+    for e in adapters.values():
+        folder = _resolve(e["adapter"], root)
+        for file, key in ((ADAPTER_CONFIG, "config_blake3"), (ADAPTER_WEIGHTS, "weights_blake3")):
+            if not (folder / file).is_file() or hash_file(folder / file) != e[key]:
+                raise IntegrityError(f"{folder / file}: not the recorded adapter file (missing or edited since)")
+    checked = [f"1 base tensor table, {len(adapters)} adapters"]
+    if replay:
+        from mergepipe.config.params import config_from_dict
+        recipe = man["recipe"]
+        with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
+            cfg = config_from_dict({
+                "base": str(base_dir), "method": recipe["method"], "parameters": recipe["parameters"],
+                "nonfinite": recipe["nonfinite"],
+                "experts": [{"name": e["name"], "adapter": str(_resolve(adapters[e["name"]]["adapter"], root)),
+                             "weight": e["weight"]} for e in recipe["experts"]],
+                "output": {"dir": str(Path(tmp) / "replay"), "dtype": recipe["dtype"], "adapter": recipe["adapter"]},
+                "cache_dir": str(Path(tmp) / "cache")}, source=f"{where}: recipe")
+            again, _ = run_adapter_output(cfg, quiet=True)
+        if again["outputs"] != man["outputs"]:
+            bad = sorted(n for n in {*again["outputs"]["files"], *man["outputs"]["files"]}
+                         if again["outputs"]["files"].get(n) != man["outputs"]["files"].get(n))
+            raise IntegrityError(f"{out_dir}: replay produced different outputs: {', '.join(bad)}")
+        checked.append("replay identical")
+    return checked
+
+
+def _resolve(path: str, root: Path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else root / p

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mergepipe.checkpoint.safetensors import CheckpointError, open_checkpoint
 from mergepipe.errors import IntegrityError
+from mergepipe.output.adapter_out import ADAPTER_KIND
 from mergepipe.output.manifest import MANIFEST, verify_outputs
 
 SHOWN = 3  # differing tensors a message names
@@ -26,7 +27,10 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
     """
     man = verify_outputs(out_dir, deep=deep)
     checked = [f"{len(man['outputs']['files'])} files" + (" reread" if deep else "")]
-    if inputs or replay:
+    if man.get("kind") == ADAPTER_KIND and (inputs or replay):  # no plan: the recipe and the adapters' hashes
+        from mergepipe.commands.adapter_run import check_recorded_inputs
+        checked += check_recorded_inputs(out_dir, man, root, replay=replay)
+    elif inputs or replay:
         from mergepipe.commands.pipeline import merge_plan, open_inputs, recorded_card
         from mergepipe.index.store import Store
         plan, where = _recorded_plan(out_dir, man)
