@@ -32,6 +32,7 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 VOCAB_MODULES = {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out",
                  "tok_embeddings"}
 MANIFEST, SIGNATURE = "manifest.json", "model.sig"
+ADAPTER_KIND = "peft-lora-adapter"  # an adapter output's manifest: no plan, tensors hashed whole
 CHUNK = 8 << 20
 
 
@@ -112,6 +113,26 @@ def check_weight_file(path: Path, rec: dict, plan: dict, tensors: dict[str, str]
     return [name for _, _, name, _ in entries]
 
 
+def check_adapter_tensors(path: Path, tensors: dict[str, str]) -> list[str]:
+    """An adapter output's safetensors file: each tensor's bytes, whole, against its blake3; the names."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))[0]
+        if n > 100_000_000 or 8 + n > size:
+            raise Mismatch(f"{path}: header length {n} does not fit the file")
+        entries = sorted((v["data_offsets"][0], v["data_offsets"][1], k, v)
+                         for k, v in json.loads(f.read(n)).items() if k != "__metadata__")
+        for begin, end, name, v in entries:
+            if prod(v["shape"]) * ITEMSIZE[v["dtype"]] != end - begin or 8 + n + end > size:
+                raise Mismatch(f"{path}: tensor {name!r}: its offsets do not hold its dtype and shape")
+            if blake3 is None:
+                continue
+            f.seek(8 + n + begin)
+            if tensors.get(name) != blake3(f.read(end - begin)).hexdigest():
+                raise Mismatch(f"{path}: tensor {name!r} does not match the manifest")
+    return [name for _, _, name, _ in entries]
+
+
 def check_file(path: Path, rec: dict) -> None:
     if "size" in rec and path.stat().st_size != rec["size"]:
         raise Mismatch(f"{path}: size {path.stat().st_size} is not the manifest's {rec['size']}")
@@ -126,11 +147,14 @@ def check_file(path: Path, rec: dict) -> None:
 
 def check(out: Path) -> str:
     man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    plan, files, tensors = man["plan"], man["outputs"]["files"], man["outputs"]["tensors"]
+    adapter = man.get("kind") == ADAPTER_KIND
+    plan = None if adapter else man["plan"]
+    files, tensors = man["outputs"]["files"], man["outputs"]["tensors"]
     if blake3 is not None:
         if hash_without(man, "manifest_hash") != man["manifest_hash"]:
             raise Mismatch(f"{out / MANIFEST}: manifest_hash does not match its content")
-        if hash_without(plan, "plan_hash") != plan["plan_hash"] or plan["plan_hash"] != man["plan_hash"]:
+        if not adapter and (hash_without(plan, "plan_hash") != plan["plan_hash"]
+                            or plan["plan_hash"] != man["plan_hash"]):
             raise Mismatch(f"{out / MANIFEST}: plan_hash does not match the recorded plan")
     present = {p.name for p in out.iterdir() if p.is_file()} - {MANIFEST, SIGNATURE}
     odd = sorted(present ^ set(files))
@@ -142,6 +166,8 @@ def check(out: Path) -> str:
         if "tree" in rec:
             found += check_weight_file(out / name, rec, plan, tensors)
         else:
+            if adapter and name.endswith(".safetensors"):  # first, to name a changed tensor
+                found += check_adapter_tensors(out / name, tensors)
             check_file(out / name, rec)
     if sorted(found) != sorted(tensors):
         odd = sorted(set(found) ^ set(tensors)) or ["(a tensor in two files)"]

@@ -240,6 +240,20 @@ def test_the_output_verifies_is_up_to_date_and_names_a_damaged_tensor(fam, tmp_p
     assert "lora_B.weight" in capsys.readouterr().err
 
 
+def test_the_standalone_checker_reads_an_adapter_manifest(fam, tmp_path):
+    import subprocess
+    import sys
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_manifest.py"
+    out = _run(tmp_path, fam, {"a": 1.0, "wide": 0.5})
+    ok = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK (3 files, 18 tensors" in ok.stdout, ok.stderr
+    data = bytearray((out / "adapter_model.safetensors").read_bytes())
+    data[-3] ^= 1
+    (out / "adapter_model.safetensors").write_bytes(data)
+    bad = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "lora_B.weight' does not match" in bad.stderr, bad.stderr
+
+
 def _fails(capsys, argv: list[str], code: int, *fragments: str) -> None:
     capsys.readouterr()
     assert main(argv) == code
