@@ -328,10 +328,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_adapter(args: argparse.Namespace, cfg, t0: float) -> int:
     from mergepipe.commands.adapter_run import run_adapter_output
     out_dir = Path(cfg.output.dir)
-    man, written = run_adapter_output(cfg, force=args.force, quiet=args.quiet, protect=(Path(args.config),))
-    what = "adapter ->" if written else "up to date (adapter):"
+    done = run_adapter_output(cfg, force=args.force, protect=(Path(args.config),))
+    if done.report is not None and done.report["combination"] == "svd":
+        for module, m in done.report["modules"].items():
+            _log(args, f"  {module}: rank {m['rank']}, relative error {m['relative_error']:.3e}")
+    what = "adapter ->" if done.report is not None else "up to date (adapter):"
     _log(args, f"{what} {out_dir} ({cfg.method}, {cfg.output.adapter.combination}, "
-               f"recipe {man['recipe_hash'][:16]}) in {time.monotonic() - t0:.2f} s\n"
+               f"recipe {done.manifest['recipe_hash'][:16]}) in {time.monotonic() - t0:.2f} s\n"
                f"  manifest {out_dir / 'manifest.json'}")
     return 0
 

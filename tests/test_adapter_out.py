@@ -186,10 +186,16 @@ def test_modules_of_only_some_adapters_get_only_their_ranks(fam, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [2, 6])
-def test_svd_reports_the_truncation_error_peft_s_svd_has(fam, tmp_path, rank):
+def test_svd_reports_the_truncation_error_peft_s_svd_has(fam, tmp_path, rank, capsys):
     weights = {"a": 0.6, "b": -0.9}
-    out = _run(tmp_path, fam, weights, adapter={"combination": "svd", "rank": rank})
+    path = _params(tmp_path, fam, weights, adapter={"combination": "svd", "rank": rank})
+    capsys.readouterr()
+    assert main(["run", str(path)]) == 0
+    out = tmp_path / "out"
     report = _report(out)["modules"]
+    err = capsys.readouterr().err
+    for module, m in report.items():  # on stderr too, one line per module
+        assert f"  {module}: rank {rank}, relative error {m['relative_error']:.3e}" in err
     tensors = load_file(out / "adapter_model.safetensors")
     exact = _exact_deltas(fam, weights)
     order = _report(out)["experts"]
@@ -312,3 +318,16 @@ def test_verify_inputs_and_replay_rehash_the_adapters_and_rebuild(fam, tmp_path,
     data[-1] ^= 1
     weights.write_bytes(data)
     _fails(capsys, ["verify", str(out), "--inputs"], 6, "a-copy/adapter_model.safetensors", "recorded adapter file")
+
+
+def test_the_output_adapter_is_an_adapter_expert_giving_the_same_merge(fam, tmp_path):
+    weights = {"a": 1.0, "wide": -0.5}
+    out = _run(tmp_path, fam, weights)
+    assert main(["run", "-q", str(_params(tmp_path, fam, weights, tag="model"))]) == 0
+    again = dict(fam, combined=out)
+    assert main(["run", "-q", str(_params(tmp_path, again, {"combined": 1.0}, tag="again"))]) == 0
+    model, base = load_model(tmp_path / "model"), load_model(fam["base"])
+    exact = _exact_deltas(fam, weights, magnitudes=True)
+    for name, tensor in load_model(tmp_path / "again").items():
+        mags = base[name].double().abs() + exact.get(name, 0)
+        assert ((tensor.double() - model[name].double()).abs() <= RESIDUE_ULPS * EPS32 * mags).all(), name

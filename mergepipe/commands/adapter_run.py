@@ -7,7 +7,6 @@ date when its manifest's recipe_hash is this run's and its files verify.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +17,8 @@ from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
 from mergepipe.config.adapter_output import check_adapter_output
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
-from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_config, adapter_manifest, recipe_hash,
-                                          write_adapter, write_adapter_manifest, write_report)
+from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_config, adapter_manifest,
+                                          recipe_hash, write_adapter, write_adapter_manifest, write_report)
 from mergepipe.output.manifest import load_manifest, verify_outputs
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.util.canonical import canonical_blake3
@@ -62,19 +61,19 @@ def _refuse_unsupported(s: Source, nonfinite: str) -> None:
     adapter = s.checkpoint.adapter
     changed = _changed_whole_tensors(s.checkpoint)
     if changed:
-        raise ConfigError(f"{s.checkpoint.root}: tensor {changed[0]!r}: a whole tensor (modules_to_save, base_layer) "
-                          "that differs from the base's cannot be written as LoRA factors; merge to a model (remove "
-                          "output.adapter)")
+        raise ConfigError(f"{s.checkpoint.root}: tensor {changed[0]!r}: a whole tensor (modules_to_save, "
+                          "base_layer) that differs from the base's cannot be written as LoRA factors; merge to "
+                          "a model (remove output.adapter)")
     for name, d in sorted(adapter.deltas.items()):
         if d.vector is not None:
-            raise ConfigError(f"{s.checkpoint.root}: module {d.module!r}: a LoRA bias (lora_B.bias) is not written "
-                              "to an adapter output; merge to a model (remove output.adapter)")
+            raise ConfigError(f"{s.checkpoint.root}: module {d.module!r}: a LoRA bias (lora_B.bias) is not "
+                              "written to an adapter output; merge to a model (remove output.adapter)")
         if nonfinite == "error":
             import torch
             for part, t in zip(("A", "B"), d.peft_factors()):
                 if not bool(torch.isfinite(t).all()):
-                    raise ConfigError(f"{s.checkpoint.root / ADAPTER_WEIGHTS}: module {d.module!r}: lora_{part} "
-                                      "holds NaN or Inf (nonfinite: allow passes it through)")
+                    raise ConfigError(f"{s.checkpoint.root / ADAPTER_WEIGHTS}: module {d.module!r}: "
+                                      f"lora_{part} holds NaN or Inf (nonfinite: allow passes it through)")
 
 
 def _changed_whole_tensors(ckpt: AdapterCheckpoint) -> list[str]:
@@ -84,8 +83,12 @@ def _changed_whole_tensors(ckpt: AdapterCheckpoint) -> list[str]:
     if not ckpt.adapter.replaced:
         return []
     with CheckpointReader(ckpt.base, random_access=False) as reader:
-        return [name for name, data in sorted(ckpt.adapter.replaced.items())
-                if bytes(reader.read_range(t := ckpt.base.tensors[name], t.begin, t.end)) != bytes(data)]
+        changed = []
+        for name, data in sorted(ckpt.adapter.replaced.items()):
+            t = ckpt.base.tensors[name]
+            if bytes(reader.read_range(t, t.begin, t.end)) != bytes(data):
+                changed.append(name)
+        return changed
 
 
 def combined_modules(sources: list[Source], combination: str, rank: int | None) -> list[OutModule]:
@@ -98,37 +101,41 @@ def combined_modules(sources: list[Source], combination: str, rank: int | None) 
     for module, pairs in sorted(by_module.items()):
         kinds = {d.embedding for _, d in pairs}
         if len(kinds) > 1:
-            raise ConfigError(f"module {module!r}: an embedding LoRA in {pairs[0][0].name!r} and a linear one in "
-                              f"{pairs[-1][0].name!r}; they cannot be one adapter's module")
+            raise ConfigError(f"module {module!r}: an embedding LoRA in {pairs[0][0].name!r} and a linear one "
+                              f"in {pairs[-1][0].name!r}; they cannot be one adapter's module")
         terms = [Term(*d.peft_factors(), d.scale, s.coefficient) for s, d in pairs]
         out.append(OutModule(module, combine(terms, combination, rank), kinds.pop()))
     return out
 
 
 def _common(sources: list[Source], key: str):
+    """The adapters' value of adapter_config.json `key` when they all agree, else None."""
     values = {repr(s.config.get(key)) for s in sources}
     return sources[0].config.get(key) if len(values) == 1 else None
 
 
 def _fan_in_fan_out(sources: list[Source]) -> bool:
-    flags = {s.checkpoint.adapter.folder: bool(s.config.get("fan_in_fan_out")) for s in sources}
-    if len(set(flags.values())) > 1:
-        raise ConfigError(f"{next(iter(flags))}: fan_in_fan_out {flags[next(iter(flags))]} differs from another "
-                          "adapter's; adapters of one base and layer type agree on it")
-    return next(iter(flags.values()))
+    flag = bool(sources[0].config.get("fan_in_fan_out"))
+    for s in sources[1:]:
+        if bool(s.config.get("fan_in_fan_out")) != flag:
+            raise ConfigError(f"{s.checkpoint.root}: fan_in_fan_out {not flag}, but {flag} in "
+                              f"{sources[0].checkpoint.root}; adapters of one base's layers agree on it")
+    return flag
 
 
 def recipe_and_inputs(cfg, sources: list[Source], table_hash: str) -> tuple[dict, dict]:
     norm = cfg.normalized()
     weights = {e.name: float(e.weight) for e in cfg.experts}
-    recipe = {"method": norm["method"], "parameters": norm["parameters"], "adapter": norm["output"]["adapter"],
-              "dtype": norm["output"]["dtype"], "nonfinite": norm["nonfinite"],
-              "experts": [{"name": s.name, "weight": weights[s.name],
-                           "coefficient": s.coefficient} for s in sources]}
+    recipe = {"method": norm["method"], "parameters": norm["parameters"],
+              "adapter": norm["output"]["adapter"], "dtype": norm["output"]["dtype"],
+              "nonfinite": norm["nonfinite"],
+              "experts": [{"name": s.name, "weight": weights[s.name], "coefficient": s.coefficient}
+                          for s in sources]}
     inputs = {"base": {"path": norm["base"], "tensor_table": table_hash},
               "experts": [{"name": s.name, "adapter": s.written,
                            "config_blake3": hash_file(s.checkpoint.root / ADAPTER_CONFIG),
-                           "weights_blake3": hash_file(s.checkpoint.root / ADAPTER_WEIGHTS)} for s in sources]}
+                           "weights_blake3": hash_file(s.checkpoint.root / ADAPTER_WEIGHTS)}
+                          for s in sources]}
     return recipe, inputs
 
 
@@ -153,10 +160,16 @@ def _published(out_dir: Path, wanted: str) -> dict | None:
         return None
 
 
-def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False, quiet: bool = False,
-                       protect: tuple[Path, ...] = ()) -> tuple[dict, bool]:
-    """Combine, publish and verify; (manifest, whether anything was written). `protect`: the
-    command's other inputs (params.yaml), which the output folder may not hold.
+@dataclass(frozen=True, slots=True)
+class AdapterRun:
+    manifest: dict
+    report: dict | None  # adapter_report.json's content; None: the output was up to date
+
+
+def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
+                       protect: tuple[Path, ...] = ()) -> AdapterRun:
+    """Combine, publish and verify. `protect`: the command's other inputs (params.yaml), which
+    the output folder may not hold.
 
     Raises:
         ConfigError: the config cannot make an adapter (config/adapter_output.py), an adapter
@@ -172,7 +185,7 @@ def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
     recipe, inputs = recipe_and_inputs(cfg, sources, table_hash)
     done = _published(out_dir, recipe_hash(recipe, inputs))
     if done is not None:
-        return done, False
+        return AdapterRun(done, None)
     for s in sources:
         _refuse_unsupported(s, cfg.nonfinite)
     spec = cfg.output.adapter
@@ -183,17 +196,14 @@ def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
     report = {"combination": spec.combination, "rank": spec.rank, "experts": [s.name for s in sources],
               "modules": {m.name: {"rank": m.combined.rank, "relative_error": m.combined.relative_error}
                           for m in modules}}
-    if not quiet and spec.combination == "svd":
-        for m in modules:
-            print(f"  {m.name}: rank {m.combined.rank}, relative error {m.combined.relative_error:.3e}",
-                  file=sys.stderr)
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
         files, tensors = write_adapter(tmp, modules, config, dtype=cfg.output.dtype)
         files.update(write_report(tmp, report))
-        write_adapter_manifest(tmp, adapter_manifest(recipe, inputs, files, tensors))  # last: a finished output
+        # last: a folder with a manifest is a finished output
+        write_adapter_manifest(tmp, adapter_manifest(recipe, inputs, files, tensors))
         publisher.commit()
-    return verify_outputs(out_dir), True
+    return AdapterRun(verify_outputs(out_dir), report)
 
 
 def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool) -> list[str]:
@@ -213,12 +223,14 @@ def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool)
     except (KeyError, TypeError):
         raise IntegrityError(f"{where}: inputs malformed; not a mergepipe adapter manifest") from None
     if base_table_hash(open_checkpoint(base_dir)) != recorded["base"]["tensor_table"]:
-        raise IntegrityError(f"{base_dir}: the base's tensor names, dtypes or shapes are not the recorded ones")
+        raise IntegrityError(f"{base_dir}: the base's tensor names, dtypes or shapes are not the recorded "
+                             "ones")
     for e in adapters.values():
         folder = _resolve(e["adapter"], root)
         for file, key in ((ADAPTER_CONFIG, "config_blake3"), (ADAPTER_WEIGHTS, "weights_blake3")):
             if not (folder / file).is_file() or hash_file(folder / file) != e[key]:
-                raise IntegrityError(f"{folder / file}: not the recorded adapter file (missing or edited since)")
+                raise IntegrityError(f"{folder / file}: not the recorded adapter file (missing or edited "
+                                     "since)")
     checked = [f"1 base tensor table, {len(adapters)} adapters"]
     if replay:
         from mergepipe.config.params import config_from_dict
@@ -227,11 +239,13 @@ def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool)
             cfg = config_from_dict({
                 "base": str(base_dir), "method": recipe["method"], "parameters": recipe["parameters"],
                 "nonfinite": recipe["nonfinite"],
-                "experts": [{"name": e["name"], "adapter": str(_resolve(adapters[e["name"]]["adapter"], root)),
-                             "weight": e["weight"]} for e in recipe["experts"]],
-                "output": {"dir": str(Path(tmp) / "replay"), "dtype": recipe["dtype"], "adapter": recipe["adapter"]},
+                "experts": [{"name": e["name"], "weight": e["weight"],
+                             "adapter": str(_resolve(adapters[e["name"]]["adapter"], root))}
+                            for e in recipe["experts"]],
+                "output": {"dir": str(Path(tmp) / "replay"), "dtype": recipe["dtype"],
+                           "adapter": recipe["adapter"]},
                 "cache_dir": str(Path(tmp) / "cache")}, source=f"{where}: recipe")
-            again, _ = run_adapter_output(cfg, quiet=True)
+            again = run_adapter_output(cfg).manifest
         if again["outputs"] != man["outputs"]:
             bad = sorted(n for n in {*again["outputs"]["files"], *man["outputs"]["files"]}
                          if again["outputs"]["files"].get(n) != man["outputs"]["files"].get(n))
