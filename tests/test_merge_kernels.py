@@ -272,3 +272,60 @@ def test_eq_limit_at_every_count_equals_numba(level):
         for eq_keep in range(count + 2):
             assert kernels.eq_limit(b, e, np.float32(value), eq_keep) == \
                 numba_kernels.eq_limit(b, e, np.float32(value), eq_keep)
+
+
+def _sketch_reference(base: torch.Tensor, sketches, w, normalize, lam, *, ties: bool) -> bytes:
+    """The torch path's fp32 operations on sketched deltas (alpha * code, untrimmed), in
+    canonical order: task arithmetic's weighted sum, or TIES's sign election over it."""
+    from mergepipe.index.sketch import unpack
+    n = base.numel()
+    b = base.float().numpy()
+    terms = [unpack(codes, n, alpha) * w[i] for i, (codes, alpha) in enumerate(sketches)]
+    if not ties:
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t
+        acc = acc / np.float32(w.sum()) if normalize else acc
+        acc = acc * np.float32(lam) if lam != 1 else acc
+    else:
+        total = terms[0]
+        for t in terms[1:]:
+            total = total + t
+        positive = total >= 0
+        agree = [np.where(positive, t > 0, t < 0).astype(np.float32) for t in terms]
+        acc, div = terms[0] * agree[0], agree[0] * w[0]
+        for i in range(1, len(terms)):
+            acc, div = acc + terms[i] * agree[i], div + agree[i] * w[i]
+        acc = acc / np.where(div == 0, np.float32(1), div) if normalize else acc
+        acc = acc * np.float32(lam)
+    out = torch.from_numpy(b + acc).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return np.where(np.isnan(b + acc), np.uint16(0x7FC0), out).tobytes()  # the kernels' one NaN
+
+
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_blocks_of_sketches_only_give_the_torch_bytes_at_every_build(level):
+    """A block where every expert is a sketch (merged through one table of code combinations
+    per block, up to 4 experts; past that, the chunked loops), at each build: the torch
+    path's bytes, for 1-5 experts, negative weights (0 * w is -0), a NaN/inf base and
+    blocks whose length is no multiple of 4."""
+    from mergepipe.index.sketch import block_sketch
+    kernels = _build(level)
+    for seed, n, k in [(11, 1, 1), (12, 4099, 2), (13, 3000, 3), (14, 2049, 4), (15, 1027, 5), (16, 6, 4)]:
+        g, base, experts = _family(seed, n, k)
+        base[: min(n, 3)] = torch.tensor([float("nan"), float("inf"), -0.0][: min(n, 3)]).to(torch.bfloat16)
+        b = _u16(base)
+        sketches = []
+        for e in experts:
+            codes, alpha = block_sketch(e.float().numpy() - base.float().numpy())[:2]
+            sketches.append((bytes(codes), float(alpha)))
+        w = np.array([1.0, -0.5, 0.7, -0.4, 0.3][:k], np.float32)
+        for normalize, lam in [(False, 1.0), (True, 0.8), (True, 1.0)]:
+            for ties, fn in [(False, kernels.task_arithmetic_sketch_bf16), (True, kernels.ties_sketch_bf16)]:
+                got = np.empty(n, np.uint16)
+                if ties:
+                    trims = (np.full(k, kernels.KEEP_ALL, np.int64), np.zeros(k, np.float32), np.zeros(k, np.int64))
+                    fn(b, sketches, w, *trims, normalize, np.float32(lam), lam != 1, got)
+                else:
+                    fn(b, sketches, w, np.float32(w.sum()), normalize, np.float32(lam), lam != 1, got)
+                want = _sketch_reference(base, sketches, w, normalize, lam, ties=ties)
+                assert got.tobytes() == want, (seed, k, normalize, lam, ties)

@@ -111,6 +111,78 @@ static inline void sketch_decode(const uint8_t *c, float a, float *d, int64_t m)
     }
 }
 
+/* Blocks where every expert is a sketch (the common block of a budgeted merge): each element's
+ * merged delta is a function of its experts' codes alone, so it is computed once per block for
+ * each combination of codes, by the same fp32 operations in the same order as the chunked
+ * loops, into a table of 4^p entries (p <= TABLE_MAX); the element pass is then one table
+ * lookup, one add and one rounding per element: out = bf16(f32(B) + table[codes]). */
+#define TABLE_MAX 4 /* one code byte per expert spreads into 4 element keys of 8 bits */
+
+/* code u's delta, as sketch_decode gives it */
+static inline float code_value(unsigned u, float a) { return (float)((int)(u & 1u) - (int)(u >> 1)) * a; }
+
+/* byte c's four 2-bit codes, element r's at bits 8r..8r+1 */
+static inline uint32_t spread(uint32_t c) {
+    return (c & 0x3u) | ((c & 0xCu) << 6) | ((c & 0x30u) << 12) | ((c & 0xC0u) << 18);
+}
+
+/* expert k's code of element j, at bits 2k..2k+1 of its key */
+static inline uint32_t element_key(const uint8_t *const *codes, int p, int64_t j) {
+    uint32_t key = 0;
+    for (int k = 0; k < p; k++) key |= (uint32_t)((codes[k][j >> 2] >> (2 * (j & 3))) & 3u) << (2 * k);
+    return key;
+}
+
+static inline __attribute__((always_inline)) void table_pass(const int p, const uint16_t *base,
+        const uint8_t *const *codes, const float *table, uint16_t *out, int64_t n) {
+    int64_t q = n >> 2;
+    for (int64_t t = 0; t < q; t++) { /* four elements per code byte of each expert */
+        uint32_t keys = 0;
+        for (int k = 0; k < p; k++) keys |= spread(codes[k][t]) << (2 * k);
+        const uint16_t *bs = base + 4 * t;
+        uint16_t *o = out + 4 * t;
+        for (int r = 0; r < 4; r++) o[r] = f32_to_bf16(bf16_to_f32(bs[r]) + table[(keys >> (8 * r)) & 0xFFu]);
+    }
+    for (int64_t j = 4 * q; j < n; j++)
+        out[j] = f32_to_bf16(bf16_to_f32(base[j]) + table[element_key(codes, p, j)]);
+}
+
+/* out = bf16(f32(B) + table[key]) over the block, p (1..TABLE_MAX) a constant where inlined */
+static void apply_table(int64_t p, const uint16_t *base, const uint8_t *const *codes, const float *table,
+                        uint16_t *out, int64_t n) {
+    switch (p) {
+    case 1: table_pass(1, base, codes, table, out, n); break;
+    case 2: table_pass(2, base, codes, table, out, n); break;
+    case 3: table_pass(3, base, codes, table, out, n); break;
+    default: table_pass(4, base, codes, table, out, n); break;
+    }
+}
+
+/* Whether every one of the p experts is a sketch and their codes index one table. */
+static int all_sketched(const uint16_t *const *experts, const uint8_t *const *codes, int64_t p) {
+    if (codes == NULL || p < 1 || p > TABLE_MAX) return 0;
+    for (int64_t k = 0; k < p; k++)
+        if (experts[k] != NULL) return 0;
+    return 1;
+}
+
+/* Task arithmetic's merged delta per code combination: the operations of
+ * mp_task_arithmetic_sketch_bf16 (d = code * a; acc = d0 * w0 + d1 * w1 ..., left to right;
+ * / divisor; * lambda) before the base is added. */
+static void ta_table(int64_t p, const float *alphas, const float *weights, float divisor, int normalize,
+                     float lambda_, int apply_lambda, float *table) {
+    for (uint32_t key = 0; key < (1u << (2 * p)); key++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < p; k++) {
+            float t = code_value((key >> (2 * k)) & 3u, alphas[k]) * weights[k];
+            acc = k == 0 ? t : acc + t;
+        }
+        if (normalize) acc = acc / divisor;
+        if (apply_lambda) acc = acc * lambda_;
+        table[key] = acc;
+    }
+}
+
 /* Task arithmetic where some experts are ternary sketches (plan strategy `sketch`,
  * index/sketch.py): expert k's delta is f32(E_k) - f32(B) when experts[k] is set, else
  * alphas[k] * code_k (code 1 = +1, 2 = -1, else 0; element i of the block in bits 2*(i % 4)
@@ -120,6 +192,12 @@ void mp_task_arithmetic_sketch_bf16(const uint16_t *base, const uint16_t *const 
                                            const uint8_t *const *codes, const float *alphas, int64_t p,
                                            const float *weights, float divisor, int normalize, float lambda_,
                                            int apply_lambda, uint16_t *out, int64_t n) {
+    if (all_sketched(experts, codes, p)) {
+        float table[1 << (2 * TABLE_MAX)];
+        ta_table(p, alphas, weights, divisor, normalize, lambda_, apply_lambda, table);
+        apply_table(p, base, codes, table, out, n);
+        return;
+    }
     float b[CHUNK], acc[CHUNK], d[CHUNK];
     for (int64_t s = 0; s < n; s += CHUNK) {
         int64_t m = n - s < CHUNK ? n - s : CHUNK;
@@ -310,10 +388,35 @@ static inline void trimmed_terms(const uint16_t *ek, const float *b, float w, st
         for (int64_t j = 0; j < m; j++) total[j] = total[j] + tk[j];
 }
 
+/* TIES's merged delta per code combination, every expert a sketch (untrimmed): the
+ * operations of mp_ties_bf16's chunked loop (t_k = (code * a_k) * w_k; the sign election on
+ * their left-to-right sum; the agreeing terms and weights summed; / divisor; * lambda)
+ * before the base is added. */
+static void ties_table(int64_t p, const float *alphas, const float *weights, int normalize, float lam,
+                       float *table) {
+    const float zero = 0.0f;
+    for (uint32_t key = 0; key < (1u << (2 * p)); key++) {
+        float t[TABLE_MAX], total = zero, mixed = zero, div = zero;
+        for (int64_t k = 0; k < p; k++) {
+            t[k] = code_value((key >> (2 * k)) & 3u, alphas[k]) * weights[k];
+            total = k == 0 ? t[k] : total + t[k];
+        }
+        uint32_t flip = (uint32_t)!(total >= zero) << 31;
+        for (int64_t k = 0; k < p; k++) {
+            float a = one_if(agrees(t[k], flip));
+            mixed = k == 0 ? t[k] * a : mixed + t[k] * a;
+            div = k == 0 ? a * weights[k] : div + a * weights[k];
+        }
+        if (normalize) mixed = mixed / nonzero(div);
+        table[key] = mixed * lam;
+    }
+}
+
 /* Returns 0, or -1 when p < 1 or the per-expert chunk buffer cannot be allocated.
  * codes (may be NULL): where experts[k] is NULL, expert k is the ternary sketch codes[k] with
  * scale alphas[k] (as in mp_task_arithmetic_sketch_bf16), untrimmed: term = (alpha * code) * w.
- * Up to MAX_FUSED read experts take ties_fused; the others a chunk of fp32 terms per expert. */
+ * Up to MAX_FUSED read experts take ties_fused; up to TABLE_MAX experts that are all sketches
+ * one table lookup per element (ties_table); the others a chunk of fp32 terms per expert. */
 int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, const uint8_t *const *codes,
                  const float *alphas, int64_t p, const float *weights,
                  const int64_t *modes, const float *values, const int64_t *limits, int normalize,
@@ -322,6 +425,12 @@ int mp_ties_bf16(const uint16_t *base, const uint16_t *const *experts, const uin
                                     apply_lambda, out, n) == 0)
         return 0;
     if (p < 1) return -1;
+    if (all_sketched(experts, codes, p)) {
+        float table[1 << (2 * TABLE_MAX)];
+        ties_table(p, alphas, weights, normalize, apply_lambda ? lambda_ : 1.0f, table);
+        apply_table(p, base, codes, table, out, n);
+        return 0;
+    }
     float (*terms)[CHUNK] = malloc((size_t)p * sizeof *terms); /* p chunks of fp32 terms */
     if (terms == NULL) return -1;
     float b[CHUNK], total[CHUNK], mixed[CHUNK], div[CHUNK];
