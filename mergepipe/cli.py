@@ -444,7 +444,7 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
     source = str(args.config)
     slices = stacking_slices(read_yaml(args.config), source)
     if slices is None:
-        return None
+        return _build_slice_views(args, out)
     from mergepipe.commands.stack import build_stack
     folders = {s["model"]: resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source)
                for i, s in enumerate(slices)}  # relative to the working directory, as mergekit reads them
@@ -460,6 +460,29 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
     except ConfigError as e:  # a layer range outside its model: name the config it is in
         raise ConfigError(f"{source}: {e}") from None
     _log(args, f"built the stacked model {out.parent / name}")
+    return name
+
+
+def _build_slice_views(args: argparse.Namespace, out: Path) -> str | None:
+    """For a config whose slices merge: build each input's stacked view in `<params stem>.slices/`
+    beside params.yaml (commands/stack.py); that folder's name as params.yaml gives it, or None."""
+    from mergepipe.commands.stack import build_views, slice_views
+    source = str(args.config)
+    found = slice_views(source, out)
+    if found is None:
+        return None
+    views, folders = found
+    name = f"{out.stem}.slices"
+    sources = list(folders.values())
+    _refuse_inside_inputs(out, sources)  # params.yaml and the views never go into a source model
+    _refuse_inside_inputs(out.parent / name, sources)
+    try:
+        build_views(views, folders, out.parent / name, force=args.force,
+                    rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
+                          f"-o {shlex.quote(os.path.abspath(out))} --force")
+    except ConfigError as e:  # a layer range outside its model: name the config it is in
+        raise ConfigError(f"{source}: {e}") from None
+    _log(args, f"built the stacked views {out.parent / name}")
     return name
 
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, open_checkpoint
 from mergepipe.config.settings import LAYER_RE
+from mergepipe.config.slices import PRE_WEIGHT_RE
 from mergepipe.errors import CheckpointError, ConfigError, IntegrityError, OutputError
 from mergepipe.output.publish import Publisher
 from mergepipe.util.fs import hash_file
@@ -40,7 +40,6 @@ from mergepipe.util.fs import hash_file
 STACK_FILE = "stack.json"
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-_PRE = re.compile(r"(^|\.)[^.]*(embed|wte|wpe)[^.]*(\.|$)")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
@@ -65,7 +64,7 @@ def stack_plan(slices: list[dict], roots: dict[str, Path]) -> tuple[list[tuple[s
     first, last = ckpts[slices[0]["model"]], ckpts[slices[-1]["model"]]
     out: list[tuple[str, str, str]] = []
     for name in first.tensors:
-        if not LAYER_RE.match(name) and _PRE.search(name):
+        if not LAYER_RE.match(name) and PRE_WEIGHT_RE.search(name):
             out.append((name, slices[0]["model"], name))
     layer = 0
     template = None
@@ -86,7 +85,7 @@ def stack_plan(slices: list[dict], roots: dict[str, Path]) -> tuple[list[tuple[s
                 out.append((pattern.format(layer), s["model"], name))
             layer += 1
     for name in last.tensors:
-        if not LAYER_RE.match(name) and not _PRE.search(name):
+        if not LAYER_RE.match(name) and not PRE_WEIGHT_RE.search(name):
             out.append((name, slices[-1]["model"], name))
     return out, layer
 
@@ -168,6 +167,25 @@ def _check_replaceable_stack(target: Path) -> None:
                           "there?); move it out or remove the folder to rebuild the stack")
 
 
+def _layer_types(slices: list[dict], roots: dict[str, Path], nested: str | None) -> list:
+    """config.json's `layer_types` of the stack: each output layer's entry in its source model's.
+
+    Raises:
+        CheckpointError: a source model whose config.json has no entry for a stacked layer.
+    """
+    out = []
+    for s in slices:
+        path = roots[s["model"]] / "config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+            types = (config[nested] if nested else config)["layer_types"]
+            out += [types[k] for k in range(*s["layer_range"])]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{path}: no layer_types entry for layers {list(s['layer_range'])}; the stack's "
+                                  "config.json lists one per layer") from None
+    return out
+
+
 def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,
                 rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
@@ -204,6 +222,8 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
         raise CheckpointError(f"{first_root / 'config.json'}: no layer count ({', '.join(LAYER_KEYS)})")
     for k in keys:
         node[k] = n_layers
+    if isinstance(node.get("layer_types"), list):  # one entry per output layer: its source layer's
+        node["layer_types"] = _layer_types(slices, roots, "text_config" if node is not config else None)
     # published like a merge (output/publish.py): a lock against a concurrent import of the
     # same config, an atomic swap of the previous stack, never through a symbolic link
     publisher = Publisher(target, force=True)  # (ours or --force: checked above)
@@ -232,4 +252,41 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
         record = {"sources": stats, "rerun": rerun, "weights": hash_file(tmp / "model.safetensors")}
         (tmp / SOURCES_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         publisher.commit()
+    return target
+
+
+def slice_views(config: str, params_file: Path) -> tuple[dict[str, list[dict]], dict[str, Path]] | None:
+    """The stacked views a mergekit config whose slices merge needs (config/mergekit_slices.py):
+    ({position: its slices}, {model as written: folder}); None for any other config.
+
+    Raises:
+        ConfigError: a slice mergekit refuses or that is not built, naming the key.
+    """
+    from mergepipe.config.mergekit import ModelPaths, merges_slices, resolve_model_ref
+    from mergepipe.config.mergekit_slices import sliced_recipe
+    from mergepipe.config.params import read_yaml
+    data = read_yaml(config)
+    paths = ModelPaths(Path.cwd(), params_file.parent)
+    if not isinstance(data, dict) or data.get("models") or data.get("merge_method") == "passthrough" \
+            or not merges_slices(data.get("slices"), paths):
+        return None
+    views = sliced_recipe(data, config, paths).views
+    folders = {s["model"]: resolve_model_ref(s["model"], f"slices[{i}].sources.model", config)
+               for v in views.values() for i, s in enumerate(v)}
+    return views, folders
+
+
+def build_views(views: dict[str, list[dict]], roots: dict[str, Path], target: Path, *, force: bool = False,
+                rerun: str) -> Path:
+    """Every position's stacked view, `target/<position>` (build_stack: each published whole,
+    a previous view replaced, any other folder only with `force`); returns `target`.
+
+    Raises:
+        OutputError: `target` is a symbolic link or not a folder; as build_stack.
+    """
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise OutputError(f"{target}: exists and is not a folder of stacked views; remove it or choose another -o")
+    target.mkdir(exist_ok=True)
+    for name, slices in views.items():
+        build_stack(slices, roots, target / name, force=force, rerun=rerun)
     return target

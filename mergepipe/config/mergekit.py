@@ -304,7 +304,7 @@ def _tokenizer_output(data: dict[str, Any], source: str, paths: ModelPaths | Non
 # Long: to be split by concern (models, base, parameters, output): issue 23 item 2.
 def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,  # noqa: C901, PLR0915
                        paths: ModelPaths | None = None, stack_dir: str | None = None,
-                       recipe: str | None = None) -> dict[str, Any]:
+                       recipe: str | None = None, models_key: str = "models") -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
 
     `output_dir`: `output.dir` (default: named after `source`, `recipe_output_dir`).
@@ -314,6 +314,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     a reference that is no local folder and looks like `org/name` is resolved from the Hugging
     Face cache (config/hf_cache.py), as mergekit downloads what is not a local folder.
     `recipe`: the mergekit YAML's text, kept as `output.mergekit_config` for the output.
+    `models_key`: what errors call the models list (a slice's `sources`, config/mergekit_slices.py).
 
     Raises:
         ConfigError: for anything mergepipe cannot reproduce, naming the key.
@@ -339,6 +340,14 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                                               "run `mergepipe import-mergekit CONFIG -o params.yaml`")
             stack_ref = stack_dir if paths is None else paths.mergekit_ref(stack_dir)
             data = {**data, "models": [{"model": stack_ref}]}  # passthrough of the stacked folder
+        elif merges_slices(data["slices"], paths):
+            if stack_dir is None:
+                raise _fail(source, "slices", "slices that merge build stacked views first; "
+                                              "run `mergepipe import-mergekit CONFIG -o params.yaml`")
+            from mergepipe.config.mergekit_slices import sliced_params
+            return sliced_params(data, source, paths, stack_dir,
+                                 output_dir=recipe_output_dir(source) if output_dir is None else output_dir,
+                                 recipe=recipe)
         else:
             data = {**data, "models": _slices_as_models(data["slices"], source, paths)}
 
@@ -361,11 +370,11 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
 
     models = data.get("models")
     if not isinstance(models, list) or not models:
-        raise _fail(source, "models", "must be a non-empty list of {model, parameters}")
+        raise _fail(source, models_key, "must be a non-empty list of {model, parameters}")
     entries = []
     adapters: dict[str, str] = {}  # models[i] -> the model its LoRA adapter (entry path) applies to
     for i, entry in enumerate(models):
-        key = f"models[{i}]"
+        key = f"{models_key}[{i}]"
         if isinstance(entry, str):
             entry = {"model": entry}
         if not isinstance(entry, dict):
@@ -417,15 +426,15 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     if base is None and facts.no_base == "first":
         key, base, first = entries.pop(0)
         if not entries:
-            raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
+            raise _fail(source, models_key, f"{mk_method} without base_model needs at least two models")
         parameters["base_weight"] = _weight(first, default_weight, key, source)
     elif base is None and facts.no_base == "member":
         key, base, _ = entries.pop(0)
         if not entries:
-            raise _fail(source, "models", f"{mk_method} without base_model needs at least two models")
+            raise _fail(source, models_key, f"{mk_method} without base_model needs at least two models")
     elif base is None and facts.no_base == "self":
         if len(entries) != 1:
-            raise _fail(source, "models", f"{mk_method} takes exactly one model, got {len(entries)}")
+            raise _fail(source, models_key, f"{mk_method} takes exactly one model, got {len(entries)}")
         base = entries[0][1]
     elif method == "linear":
         listed = [e for e in entries if _same_model(e[1], base)]
@@ -449,10 +458,10 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             raise _fail(source, "parameters.t", "required by slerp (0 gives the base, 1 the "
                                                 "other model)")
         if method == "slerp" and len(entries) != 1:
-            raise _fail(source, "models", "slerp takes the base model and exactly one other "
+            raise _fail(source, models_key, "slerp takes the base model and exactly one other "
                                           f"model, got {len(entries)} others")
         if not entries:
-            raise _fail(source, "models", "lists only the base model; nothing to merge")
+            raise _fail(source, models_key, "lists only the base model; nothing to merge")
 
     if facts.unweighted and default_weight is None:
         default_weight = 1.0
@@ -508,6 +517,38 @@ def _layer_count(folder: Path) -> int | None:
                 if isinstance(node.get(key), int):
                     return node[key]
     return None
+
+
+def _model_layers(model: str, paths: ModelPaths) -> int | None:
+    """The layer count of a model as mergekit names it (None: no readable config.json)."""
+    local = paths.local(model)
+    if local is None and looks_like_hub_id(model):
+        try:
+            local = hub_snapshot(model)
+        except ConfigError:
+            pass  # named by the models check
+    return _layer_count(local) if local is not None else None
+
+
+def merges_slices(slices: Any, paths: ModelPaths | None) -> bool:
+    """Whether `slices` merge part of the layers or several slices, or carry slice-level settings
+    (config/mergekit_slices.py), rather than being the `models:` form in disguise (one slice
+    whose sources all cover every layer, `_slices_as_models`, which also names what is malformed)."""
+    if not isinstance(slices, list) or not slices or not all(isinstance(s, dict) for s in slices):
+        return False
+    if len(slices) > 1:
+        return True
+    if any(v not in (None, {}, []) for k, v in slices[0].items() if k != "sources"):
+        return True
+    sources = slices[0].get("sources")
+    if not isinstance(sources, list) or not all(isinstance(s, dict) and isinstance(s.get("model"), str)
+                                                and isinstance(s.get("layer_range"), list | tuple)
+                                                and len(s["layer_range"]) == 2 for s in sources):
+        return False
+    if any(s["layer_range"][0] != 0 for s in sources):
+        return True
+    return paths is not None and any(_model_layers(s["model"], paths) not in (None, s["layer_range"][1])
+                                     for s in sources)
 
 
 def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
@@ -578,13 +619,7 @@ def _slices_as_models(slices: Any, source: str, paths: ModelPaths | None) -> lis
                                                       "mergepipe merges whole models ([0, n])")
         model = src.get("model")
         if paths is not None and isinstance(model, str):
-            local = paths.local(model)
-            if local is None and looks_like_hub_id(model):
-                try:
-                    local = hub_snapshot(model)
-                except ConfigError:
-                    pass  # named by the models check below
-            n = _layer_count(local) if local is not None else None
+            n = _model_layers(model, paths)
             if n is None:
                 raise _fail(source, f"{key}.layer_range", f"cannot check that {list(lr)} is every layer of "
                                                           f"{short_repr(model)}: no readable config.json there")
@@ -689,8 +724,8 @@ def check_imported(params: dict[str, Any], *, source: str, params_path: str | os
                      root=Path(os.path.abspath(params_path)).parent)
 
 
-_KEY_ORDER = ("base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
-              "output", "cache_dir", "nonfinite",
+_KEY_ORDER = ("layers", "base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
+              "output", "cache_dir", "nonfinite", "slices",
               "name", "path", "weight", "density", "gamma", "dir", "dtype", "shard_bytes",
               "tokenizer_source", "mergekit_config")
 

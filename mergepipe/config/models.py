@@ -36,6 +36,7 @@ from mergepipe.config.fields import (
     TensorWeight,
 )
 from mergepipe.config.settings import Setting, is_setting, parse_setting
+from mergepipe.config.slices import SliceConfig, check_slices, parameter_settings
 from mergepipe.config.vocabulary import Tokens
 from mergepipe.config.messages import describe, did_you_mean
 from mergepipe.methods import METHODS
@@ -151,9 +152,13 @@ class MergeConfig(BaseModel):
     plan: Annotated[dict[str, Any], Field(strict=True)] = Field(
         default_factory=dict, description="plan strategy: {strategy: NAME, ...its options} (default: "
         "sketch for task_arithmetic, linear and ties below the full budget, else energy; checked by the strategy)")
+    slices: list[SliceConfig] | None = Field(
+        None, description="output layer ranges merged with their own parameters and expert settings "
+        "(mergekit's slices; config/slices.py); null: one set for every layer")
 
     _method_params: BaseModel | None = PrivateAttr(None)
     _param_settings: dict[str, Setting] = PrivateAttr(default_factory=dict)
+    _slice_settings: list[dict[str, Setting]] = PrivateAttr(default_factory=list)
     _written: dict[str, str] = PrivateAttr(default_factory=dict)
     _source: str = PrivateAttr("<dict>")
     _root: Path = PrivateAttr(default_factory=Path.cwd)  # the folder relative paths are relative to
@@ -177,6 +182,10 @@ class MergeConfig(BaseModel):
             raise ValueError(describe(err, method.params, ("parameters",))) from None
         self._method_params = params
         self._param_settings = self._parse_param_settings(method.params, scalars)
+        if self.slices is not None:
+            check_slices(self.slices, (e.name for e in self.experts))
+            self._slice_settings = [self._parse_slice_settings(i, s, method.params, scalars)
+                                    for i, s in enumerate(self.slices)]
         if method.max_experts is not None and len(self.experts) > method.max_experts:
             limit = "exactly 1 expert" if method.max_experts == 1 else \
                 f"at most {method.max_experts} experts"
@@ -205,6 +214,21 @@ class MergeConfig(BaseModel):
             except ValueError as err:
                 raise ValueError(f"parameters.{key}: {err}") from None
         return out
+
+    @staticmethod
+    def _parse_slice_settings(i: int, s: SliceConfig, params_cls: type[BaseModel],
+                              scalars: dict[str, Any]) -> dict[str, Setting]:
+        def check(key: str, leaf: Any) -> Any:
+            try:
+                params_cls.model_validate({**scalars, key: leaf})
+            except ValidationError as err:
+                raise ValueError(f"slices[{i}].parameters.{key}: {describe(err, params_cls)}") from None
+            return leaf
+        try:
+            return parameter_settings(s, check)
+        except ValueError as err:
+            raise ValueError(str(err) if str(err).startswith("slices[") else f"slices[{i}].parameters: {err}") \
+                from None
 
     def _check_plan(self, method) -> None:
         name = self.plan.get("strategy", DEFAULT_STRATEGY)
@@ -238,6 +262,11 @@ class MergeConfig(BaseModel):
         return self._param_settings
 
     @property
+    def slice_settings(self) -> list[dict[str, Setting]]:
+        """Each slice's method parameters as settings (config/slices.py); [] without slices."""
+        return self._slice_settings
+
+    @property
     def source(self) -> str:
         """The file (or "<dict>") this config came from, for error messages."""
         return self._source
@@ -259,7 +288,7 @@ class MergeConfig(BaseModel):
     @property
     def per_tensor(self) -> bool:
         """Whether any parameter, weight, density or gamma is a per-tensor setting."""
-        return bool(self.param_settings) or any(
+        return bool(self.param_settings) or self.slices is not None or any(
             isinstance(getattr(e, k), Setting) for e in self.experts for k in ("weight", "density", "gamma"))
 
     @property
@@ -331,6 +360,8 @@ class MergeConfig(BaseModel):
             "cache_dir": written("cache_dir", self.cache_dir),
             "nonfinite": self.nonfinite,
         }
+        if self.slices is not None:  # only when set, so that configs without it keep their normalized form
+            norm["slices"] = [s.normalized() for s in self.slices]
         plan = self.plan_options
         if plan is not None:  # the default strategy adds no key (same form as before strategies)
             norm["plan"] = plan

@@ -11,7 +11,8 @@ the order of the sorted tensor names, so the same config and names give the same
 
 Precedence, as in mergekit's `resolve_parameter`: an expert's own setting, else (density,
 gamma) the method's value for that tensor, else the method's default. An expert weight with
-no matching condition is an error naming the tensor.
+no matching condition is an error naming the tensor. With `slices:` (config/slices.py), a
+tensor's slice's settings come first, and every setting is evaluated at the slice's t.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 from mergepipe.config.fields import check_density, check_gamma
 from mergepipe.config.messages import describe
 from mergepipe.config.settings import Setting, layer_positions
+from mergepipe.config.slices import placements
 from mergepipe.errors import ConfigError
 from mergepipe.index.ranks import GRID_TEXT, on_grid
 from mergepipe.methods import METHODS
@@ -53,32 +55,37 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
     names = sorted(names)
     _check_filters(cfg, names)
-    position = layer_positions(names)
+    placed = placements(cfg.slices, names, cfg.source) if cfg.slices is not None else \
+        {name: (None, t) for name, t in layer_positions(names).items()}
     groups: list[dict[str, Any]] = []
     index: dict[bytes, int] = {}
     tensors: dict[str, int] = {}
     checked: dict[bytes, dict[str, Any]] = {}
     for name in names:
-        t = position[name]
+        s, t = placed[name]
         where = f"{cfg.source}: tensor {name!r}"
+        scopes = [cfg.param_settings] if s is None else [cfg.param_settings, cfg.slice_settings[s]]
         given = {}
-        for key, setting in cfg.param_settings.items():
-            value = setting.evaluate(name, t)
-            if value is not None:
-                given[key] = value
+        for settings in scopes:  # the slice's, evaluated last, wins where it gives a value
+            for key, setting in settings.items():
+                value = setting.evaluate(name, t)
+                if value is not None:
+                    given[key] = value
         key_bytes = canonical_json(given)
         if key_bytes not in checked:
             try:
                 dumped = params_cls.model_validate({**scalars, **given}).model_dump(mode="json", by_alias=True)
             except ValidationError as err:
                 raise ConfigError(f"{where}: {describe(err, params_cls, ('parameters',))}") from None
-            checked[key_bytes] = {k: dumped[k] for k in cfg.param_settings}
+            checked[key_bytes] = {k: dumped[k] for k in sorted({*cfg.param_settings, *given})}
         params = checked[key_bytes]
         experts: dict[str, dict[str, Any]] = {}
         for i, e in enumerate(cfg.experts):
             over = {}
-            if isinstance(e.weight, Setting):
-                w = e.weight.evaluate(name, t)
+            in_slice = None if s is None else cfg.slices[s].experts.get(e.name)
+            weight = e.weight if in_slice is None or in_slice.weight is None else in_slice.weight
+            if isinstance(weight, Setting) or weight is not e.weight:
+                w = weight.evaluate(name, t) if isinstance(weight, Setting) else weight
                 if w is None:
                     raise ConfigError(f"{where}: experts[{i}].weight: no condition matches this tensor; "
                                       "add a condition without a filter ({value: ...})")
@@ -87,7 +94,10 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
                 over["weight"] = float(w)
             for knob in KNOBS:
                 own = getattr(e, knob)
-                if not isinstance(own, Setting) and knob not in cfg.param_settings:
+                from_slice = in_slice is not None and getattr(in_slice, knob) is not None
+                if from_slice:
+                    own = getattr(in_slice, knob)
+                if not isinstance(own, Setting) and not from_slice and knob not in params:
                     continue
                 value = own.evaluate(name, t) if isinstance(own, Setting) else own
                 if value is None:
@@ -121,6 +131,10 @@ def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
         for knob in ("weight", *KNOBS):
             if isinstance(getattr(e, knob), Setting):
                 settings[f"experts[{i}].{knob}"] = getattr(e, knob)
+    for i, (s, parsed) in enumerate(zip(cfg.slices or (), cfg.slice_settings)):
+        settings.update({f"slices[{i}].parameters.{k}": v for k, v in parsed.items()})
+        for name, e in s.experts.items():
+            settings.update({f"slices[{i}].experts.{name}.{k}": v for k, v in vars(e).items() if isinstance(v, Setting)})
     for key, setting in settings.items():
         for flt, _ in setting.conditions:
             if flt not in (None, "*") and not any(flt in n for n in names):
