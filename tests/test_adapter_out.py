@@ -331,3 +331,16 @@ def test_the_output_adapter_is_an_adapter_expert_giving_the_same_merge(fam, tmp_
     for name, tensor in load_model(tmp_path / "again").items():
         mags = base[name].double().abs() + exact.get(name, 0)
         assert ((tensor.double() - model[name].double()).abs() <= RESIDUE_ULPS * EPS32 * mags).all(), name
+
+
+def test_check_runs_the_adapter_checks_and_plan_readers_refuse_an_adapter_output(fam, tmp_path, capsys):
+    good = _params(tmp_path, fam, {"a": 1.0}, adapter={"combination": "cat"})
+    capsys.readouterr()
+    assert main(["check", str(good)]) == 0
+    assert "output.adapter: cat of 1 adapter(s)" in capsys.readouterr().out
+    bad = _params(tmp_path, fam, {"a": 1.0}, tag="ties", method="ties", adapter={"combination": "cat"})
+    assert main(["check", str(bad)]) == 2
+    assert "method 'ties' is not linear" in capsys.readouterr().out
+    out = _run(tmp_path, fam, {"a": 1.0})
+    for argv in (["explain", str(out)], ["audit", str(out)], ["provenance", str(out), "-o", str(tmp_path / "p.json")]):
+        _fails(capsys, argv, 2, "an adapter output", "has no plan", argv[0])

@@ -30,6 +30,7 @@ from mergepipe.errors import CheckpointError, ConfigError, IntegrityError, Merge
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store
 from mergepipe.output.lineage import is_output_of, output_hash
+from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.output.manifest import MANIFEST, load_manifest, verify_outputs
 from mergepipe.plan.planner import plan_hash
 from mergepipe.plan.record import validate_plan
@@ -269,6 +270,7 @@ def audit(out_dir: str | Path, *, search: list[Path], cache_dir: Path, recursive
         if not d.is_dir():
             raise ConfigError(f"--search {d}: not a folder")
     man = load_manifest(out_dir)
+    refuse_adapter_manifest(man, out_dir, "audit")
     plan = checked_plan(man, f"{out_dir / MANIFEST}: plan")
     report = Report()
     report.say(0, f"{out_dir}: merge {man['manifest_hash'][:16]} ({plan['method']}, budget {plan['budget']}, "

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from mergepipe.errors import ConfigError, IntegrityError, MergepipeError
+from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
 from mergepipe.plan.bound_text import bound_line
@@ -105,6 +106,7 @@ def _load(target: Path) -> tuple[dict, dict | None]:
     man = None
     if target.is_dir() or target.name == MANIFEST:
         man = load_manifest(target if target.is_dir() else target.parent)
+        refuse_adapter_manifest(man, target, "explain")
         plan = man["plan"]
     else:
         try:

@@ -26,6 +26,7 @@ from mergepipe.commands import dsse
 from mergepipe.commands.audit_search import hub_id_of
 from mergepipe.commands.sign import checked_output, file_digests
 from mergepipe.errors import IntegrityError, OutputError
+from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
 
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -82,6 +83,7 @@ def provenance_statement(out_dir: Path, *, deep: bool = False) -> dict:
         IntegrityError: the folder does not verify, or holds a file its manifest does not record.
     """
     man = checked_output(out_dir, deep=deep)
+    refuse_adapter_manifest(man, out_dir, "provenance")
     digests = file_digests(out_dir)
     return {
         "_type": dsse.STATEMENT_TYPE,

@@ -124,3 +124,15 @@ def write_adapter_manifest(folder: Path, man: dict) -> None:
 
 def _pretty(obj: dict) -> bytes:
     return canonical_json(obj, indent=2)
+
+
+def refuse_adapter_manifest(man: dict, out_dir: Path, command: str) -> None:
+    """A command that reads a model output's plan, given an adapter output: one line.
+
+    Raises:
+        ConfigError: `man` is an adapter output's manifest.
+    """
+    from mergepipe.errors import ConfigError
+    if isinstance(man, dict) and man.get("kind") == ADAPTER_KIND:
+        raise ConfigError(f"{out_dir}: an adapter output (manifest kind {ADAPTER_KIND}) has no plan for {command}; "
+                          "`mergepipe verify --inputs --replay` checks it against its inputs")
