@@ -66,7 +66,8 @@ def _write_family(root, **config_extra) -> None:
 
 
 def _src(model: str, start: int, end: int, **parameters) -> dict:
-    return {"model": f"family/{model}", "layer_range": [start, end], **({"parameters": parameters} if parameters else {})}
+    extra = {"parameters": parameters} if parameters else {}
+    return {"model": f"family/{model}", "layer_range": [start, end], **extra}
 
 
 RECIPES = {
@@ -135,7 +136,8 @@ def merged(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MERGEKIT_PYTHON.exists(), reason=f"mergekit reference venv not found; create it with: {INSTALL}")
+@pytest.mark.skipif(not MERGEKIT_PYTHON.exists(),
+                    reason=f"mergekit reference venv not found; create it with: {INSTALL}")
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_sliced_recipe_gives_mergekits_model(merged, recipe):
     ours, theirs, _ = merged[recipe]
@@ -175,7 +177,8 @@ def test_stack_sets_layer_types_from_its_sources(tmp_path):
     ([{"sources": [_src("base", 0, 3), _src("a", 0, 3)]},
       {"sources": [_src("base", 3, 6), _src("a", 3, 6), _src("b", 3, 6)]}],
      r"slices\[1\]\.sources: merges 2 model\(s\) besides its base, slices\[0\] 1; slices merging different"),
-    ([{"sources": [_src("base", 0, 3), _src("base", 0, 3)]}], r"slices\[0\]\.sources\[1\]\.model: 'family/base' is twice"),
+    ([{"sources": [_src("base", 0, 3), _src("base", 0, 3)]}],
+     r"slices\[0\]\.sources\[1\]\.model: 'family/base' is twice"),
 ])
 def test_sliced_refusals_are_one_line(tmp_path, monkeypatch, capsys, slices, message):
     _write_family(tmp_path / "family")

@@ -186,7 +186,7 @@ def _layer_types(slices: list[dict], roots: dict[str, Path], nested: str | None)
     return out
 
 
-def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,
+def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,  # noqa: C901
                 rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
 

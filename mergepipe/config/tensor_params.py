@@ -38,7 +38,7 @@ KNOBS = ("density", "gamma")
 
 
 # Branchy: per tensor, per expert, per knob, each value checked where it is resolved so the error names all three.
-def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901, PLR0915
     """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
     config has no per-tensor setting (then the plan has no `tensor_parameters` key, and its hash
     is that of the same config without the grammar).
@@ -134,7 +134,8 @@ def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
     for i, (s, parsed) in enumerate(zip(cfg.slices or (), cfg.slice_settings)):
         settings.update({f"slices[{i}].parameters.{k}": v for k, v in parsed.items()})
         for name, e in s.experts.items():
-            settings.update({f"slices[{i}].experts.{name}.{k}": v for k, v in vars(e).items() if isinstance(v, Setting)})
+            settings.update({f"slices[{i}].experts.{name}.{k}": v
+                             for k, v in vars(e).items() if isinstance(v, Setting)})
     for key, setting in settings.items():
         for flt, _ in setting.conditions:
             if flt not in (None, "*") and not any(flt in n for n in names):
