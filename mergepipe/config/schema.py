@@ -90,6 +90,10 @@ def json_schema() -> dict[str, Any]:
               "description": "mergepipe params.yaml (generated from mergepipe.config.params; "
                              "regenerate with scripts/gen_schema.py)"}
     schema["$defs"] = dict(sorted(schema["$defs"].items()))
+    # Snakemake's validate fills defaults into every object a property may be, also where the
+    # value is null: an optional object's own property defaults stay in the models only
+    for prop in schema["$defs"].get("AdapterOutput", {}).get("properties", {}).values():
+        prop.pop("default", None)
     return schema
 
 
