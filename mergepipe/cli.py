@@ -424,7 +424,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise OutputError(f"{args.o}: -o is a folder; give a file name such as params.yaml")
     if out.exists() and not args.force:
         raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
-    stack_dir = _build_stack(args, out)
+    stack_dir = _build_stack(args, out) or _build_slice_views(args, out)
     params = import_mergekit(args.config, params_path=out, stack_dir=stack_dir, validate=False)
     refs = [params.get("base"), *(e.get("path") for e in params.get("experts", [])),
             (params.get("output") or {}).get("tokenizer_source")]  # relative to the params file's folder
@@ -444,45 +444,43 @@ def _build_stack(args: argparse.Namespace, out: Path) -> str | None:
     source = str(args.config)
     slices = stacking_slices(read_yaml(args.config), source)
     if slices is None:
-        return _build_slice_views(args, out)
+        return None
     from mergepipe.commands.stack import build_stack
     folders = {s["model"]: resolve_model_ref(s["model"], f"slices[{i}].sources[0].model", source)
                for i, s in enumerate(slices)}  # relative to the working directory, as mergekit reads them
     name = f"{out.stem}.stacked"
-    # params.yaml and the stacked folder beside it never go into a source model (even with --force)
-    sources = [f for f in folders.values() if f.resolve() != (out.parent / name).resolve()]  # (build_stack
-    _refuse_inside_inputs(out, sources)  # names a slice of the folder being built)
-    _refuse_inside_inputs(out.parent / name, sources)
-    try:
-        build_stack(slices, folders, out.parent / name, force=args.force,
-                    rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
-                          f"-o {shlex.quote(os.path.abspath(out))} --force")
-    except ConfigError as e:  # a layer range outside its model: name the config it is in
-        raise ConfigError(f"{source}: {e}") from None
-    _log(args, f"built the stacked model {out.parent / name}")
-    return name
+    # a slice of the folder being built is not a source (build_stack names it)
+    sources = [f for f in folders.values() if f.resolve() != (out.parent / name).resolve()]
+    return _build_beside(args, out, name, sources, lambda target, **kw: build_stack(slices, folders, target, **kw),
+                         "the stacked model")
 
 
 def _build_slice_views(args: argparse.Namespace, out: Path) -> str | None:
     """For a config whose slices merge: build each input's stacked view in `<params stem>.slices/`
     beside params.yaml (commands/stack.py); that folder's name as params.yaml gives it, or None."""
     from mergepipe.commands.stack import build_views, slice_views
-    source = str(args.config)
-    found = slice_views(source, out)
+    found = slice_views(str(args.config), out)
     if found is None:
         return None
     views, folders = found
-    name = f"{out.stem}.slices"
-    sources = list(folders.values())
-    _refuse_inside_inputs(out, sources)  # params.yaml and the views never go into a source model
+    return _build_beside(args, out, f"{out.stem}.slices", list(folders.values()),
+                         lambda target, **kw: build_views(views, folders, target, **kw), "the stacked views")
+
+
+def _build_beside(args: argparse.Namespace, out: Path, name: str, sources: list[Path], build, what: str) -> str:
+    """Build the folder `name` beside params.yaml `out` from `sources` with `build(target, force, rerun)`;
+    returns `name`."""
+    source = str(args.config)
+    # params.yaml and the folder beside it never go into a source model (even with --force)
+    _refuse_inside_inputs(out, sources)
     _refuse_inside_inputs(out.parent / name, sources)
     try:
-        build_views(views, folders, out.parent / name, force=args.force,
-                    rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
-                          f"-o {shlex.quote(os.path.abspath(out))} --force")
+        build(out.parent / name, force=args.force,
+              rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
+                    f"-o {shlex.quote(os.path.abspath(out))} --force")
     except ConfigError as e:  # a layer range outside its model: name the config it is in
         raise ConfigError(f"{source}: {e}") from None
-    _log(args, f"built the stacked views {out.parent / name}")
+    _log(args, f"built {what} {out.parent / name}")
     return name
 
 
