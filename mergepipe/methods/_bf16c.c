@@ -302,6 +302,23 @@ static inline int agrees(float t, uint32_t flip) {
 
 #define MAX_FUSED 4 /* experts whose terms the one-pass TIES loop keeps in registers */
 
+/* TIES's merged delta of one element from its p terms t[k] (weights w): the sign elected by
+ * their left-to-right sum, the agreeing terms and their weights summed left to right, / the
+ * divisor where normalize. The operations, in their order, of mp_ties_bf16's chunked loops. */
+static inline __attribute__((always_inline)) float elect_and_mix(const int p, const int normalize,
+        const float *t, const float *w) {
+    const float zero = 0.0f;
+    float total = zero, mixed = zero, div = zero;
+    for (int k = 0; k < p; k++) total = k == 0 ? t[k] : total + t[k];
+    uint32_t flip = (uint32_t)!(total >= zero) << 31;
+    for (int k = 0; k < p; k++) {
+        float a = one_if(agrees(t[k], flip));
+        mixed = k == 0 ? t[k] * a : mixed + t[k] * a;
+        div = k == 0 ? a * w[k] : div + a * w[k];
+    }
+    return normalize ? mixed / nonzero(div) : mixed;
+}
+
 /* Elements [lo, hi) of a chunk (bs, e[k], o at its start), every expert a read block, in one
  * pass per element; p and normalize are constants where this is inlined, so the expert loops
  * unroll. Expert k keeps d where magnitude_bits(d) > thr[k]. lambda_ is 1 where not applied
@@ -309,22 +326,13 @@ static inline int agrees(float t, uint32_t flip) {
 static inline __attribute__((always_inline)) void ties_piece(const int p, const int normalize,
         const uint16_t *bs, const uint16_t *const *e, const float *w, const int32_t *thr, int64_t lo, int64_t hi,
         float lambda_, uint16_t *o) {
-    const float zero = 0.0f;
     for (int64_t j = lo; j < hi; j++) {
-        float b = bf16_to_f32(bs[j]), t[MAX_FUSED], total = zero, mixed = zero, div = zero;
+        float b = bf16_to_f32(bs[j]), t[MAX_FUSED];
         for (int k = 0; k < p; k++) {
             float d = bf16_to_f32(e[k][j]) - b;
             t[k] = (d * one_if(magnitude_bits(d) > thr[k])) * w[k];
-            total = k == 0 ? t[k] : total + t[k];
         }
-        uint32_t flip = (uint32_t)!(total >= zero) << 31;
-        for (int k = 0; k < p; k++) {
-            float a = one_if(agrees(t[k], flip));
-            mixed = k == 0 ? t[k] * a : mixed + t[k] * a;
-            div = k == 0 ? a * w[k] : div + a * w[k];
-        }
-        if (normalize) mixed = mixed / nonzero(div);
-        o[j] = f32_to_bf16(b + mixed * lambda_);
+        o[j] = f32_to_bf16(b + elect_and_mix(p, normalize, t, w) * lambda_);
     }
 }
 
@@ -394,21 +402,10 @@ static inline void trimmed_terms(const uint16_t *ek, const float *b, float w, st
  * before the base is added. */
 static void ties_table(int64_t p, const float *alphas, const float *weights, int normalize, float lam,
                        float *table) {
-    const float zero = 0.0f;
     for (uint32_t key = 0; key < (1u << (2 * p)); key++) {
-        float t[TABLE_MAX], total = zero, mixed = zero, div = zero;
-        for (int64_t k = 0; k < p; k++) {
-            t[k] = code_value((key >> (2 * k)) & 3u, alphas[k]) * weights[k];
-            total = k == 0 ? t[k] : total + t[k];
-        }
-        uint32_t flip = (uint32_t)!(total >= zero) << 31;
-        for (int64_t k = 0; k < p; k++) {
-            float a = one_if(agrees(t[k], flip));
-            mixed = k == 0 ? t[k] * a : mixed + t[k] * a;
-            div = k == 0 ? a * weights[k] : div + a * weights[k];
-        }
-        if (normalize) mixed = mixed / nonzero(div);
-        table[key] = mixed * lam;
+        float t[TABLE_MAX];
+        for (int64_t k = 0; k < p; k++) t[k] = code_value((key >> (2 * k)) & 3u, alphas[k]) * weights[k];
+        table[key] = elect_and_mix((int)p, normalize, t, weights) * lam;
     }
 }
 
