@@ -22,7 +22,7 @@ from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_confi
 from mergepipe.output.manifest import load_manifest, verify_outputs
 from mergepipe.output.publish import Publisher, check_output_path
 from mergepipe.util.canonical import canonical_blake3
-from mergepipe.util.fs import hash_file
+from mergepipe.util.fs import hash_file, overlaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +142,8 @@ def recipe_and_inputs(cfg, sources: list[Source], table_hash: str) -> tuple[dict
 def _refuse_holding(out_dir: Path, inputs: tuple[Path, ...]) -> None:
     """An output folder that is, holds or lies inside an input: publishing replaces the whole
     folder, so it is refused even with --force."""
-    out = out_dir.resolve()
     for p in inputs:
-        p = Path(p).resolve()
-        if out == p or out in p.parents or p in out.parents:
+        if overlaps(out_dir, p):
             raise OutputError(f"{out_dir}: output folder overlaps {p}, an input of this run; choose another "
                               "output dir")
 

@@ -32,7 +32,7 @@ from mergepipe.config.paths import check_expert_kinds
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
-from mergepipe.util.fs import hash_file
+from mergepipe.util.fs import hash_file, overlaps
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output import run_record as records
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
@@ -225,26 +225,21 @@ def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: t
     prunes inside the cache), or that holds another input of the command (`protect`: the
     params.yaml or plan file, a parts folder)."""
     out = out_dir.resolve()
-
-    def overlaps(p: Path) -> bool:
-        p = p.resolve()
-        return out == p or out in p.parents or p in out.parents
-
     for ck in [inputs.base, *inputs.experts.values()]:
-        if overlaps(ck.root):
+        if overlaps(out_dir, ck.root):
             raise OutputError(f"{out_dir}: output folder overlaps input model {ck.root}; choose another output dir")
         for src in stack_sources(ck.root):  # a stacked input's models are inputs too
-            if overlaps(src):
+            if overlaps(out_dir, src):
                 raise OutputError(f"{out_dir}: output folder overlaps {src}, a source model of the stacked input "
                                   f"{ck.root}; choose another output dir")
-    if inputs.tokenizer_dir is not None and overlaps(inputs.tokenizer_dir):
+    if inputs.tokenizer_dir is not None and overlaps(out_dir, inputs.tokenizer_dir):
         raise OutputError(f"{out_dir}: output folder overlaps the tokenizer source {inputs.tokenizer_dir}; "
                           "choose another output dir")
-    if overlaps(store.root):
+    if overlaps(out_dir, store.root):
         raise OutputError(f"{out_dir}: output folder overlaps the cache folder {store.root}; choose another "
                           "output dir (or another --cache-dir)")
     for p in protect:
-        if out == p.resolve() or out in p.resolve().parents or (p.is_dir() and overlaps(p)):
+        if out == p.resolve() or out in p.resolve().parents or (p.is_dir() and overlaps(out_dir, p)):
             raise OutputError(f"{out_dir}: output folder holds {p}, an input of this command; publishing would "
                               "delete it, even with --force; choose another output dir")
 

@@ -12,6 +12,7 @@ from mergepipe.checkpoint.lora import is_adapter
 from mergepipe.config.hf_cache import hub_repo, hub_snapshot, looks_like_hub_id
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.units import short_repr
+from mergepipe.util.fs import overlaps
 
 if TYPE_CHECKING:
     from mergepipe.config.models import MergeConfig
@@ -31,11 +32,6 @@ def _refuse_variables(written: dict[str, str], source: str) -> None:
         if _VARIABLE.search(path):
             raise ConfigError(f"{source}: {key}: {path!r} holds a shell variable; params.yaml paths are not "
                               "expanded (only ~ is): write the path itself")
-
-
-def _overlaps(a: Path, b: Path) -> bool:
-    a, b = a.resolve(), b.resolve()
-    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
 def _key(i: int, expert) -> str:
@@ -90,11 +86,11 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     inputs = [("base", resolved.base)] + [(_key(i, e), e.path) for i, e in enumerate(resolved.experts)]
     out = resolved.output.dir
     for key, path in inputs:
-        if _overlaps(out, path):
+        if overlaps(out, path):
             raise ConfigError(
                 f"{source}: output.dir: {written['output.dir']!r} overlaps the input model "
                 f"{key} ({written[key]!r}); write the merge to a separate folder")
-    if _overlaps(resolved.cache_dir, out):
+    if overlaps(resolved.cache_dir, out):
         raise ConfigError(
             f"{source}: cache_dir: {written['cache_dir']!r} overlaps output.dir "
             f"({written['output.dir']!r}); publishing the output would replace the cache")

@@ -20,7 +20,7 @@ from mergepipe.checkpoint.lora import ADAPTER_WEIGHTS, PREFIX
 from mergepipe.checkpoint.lora_combine import Combined
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG
 from mergepipe.checkpoint.safetensors import OutTensor, SafetensorsWriter, tensor_bytes
-from mergepipe.output.manifest import MANIFEST_SCHEMA, manifest_hash, versions, write_manifest
+from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, manifest_hash, versions, write_manifest
 from mergepipe.util.canonical import canonical_blake3
 from mergepipe.util.fs import canonical_json, hash_file
 
@@ -118,7 +118,6 @@ def adapter_manifest(recipe: dict, inputs: dict, files: dict, tensors: dict) -> 
 
 
 def write_adapter_manifest(folder: Path, man: dict) -> None:
-    from mergepipe.output.manifest import MANIFEST
     write_manifest(folder / MANIFEST, man)
 
 
