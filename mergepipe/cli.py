@@ -468,14 +468,14 @@ def _build_slice_views(args: argparse.Namespace, out: Path) -> str | None:
 
 
 def _build_beside(args: argparse.Namespace, out: Path, name: str, sources: list[Path], build, what: str) -> str:
-    """Build the folder `name` beside params.yaml `out` from `sources` with `build(target, force, rerun)`;
-    returns `name`."""
+    """Build the folder `name` beside params.yaml `out` from `sources` with `build(target, rerun)`
+    (--force is for params.yaml: a folder the import did not write is never replaced); returns `name`."""
     source = str(args.config)
     # params.yaml and the folder beside it never go into a source model (even with --force)
     _refuse_inside_inputs(out, sources)
     _refuse_inside_inputs(out.parent / name, sources)
     try:
-        build(out.parent / name, force=args.force,
+        build(out.parent / name,
               rerun=f"mergepipe import-mergekit {shlex.quote(os.path.abspath(source))} "
                     f"-o {shlex.quote(os.path.abspath(out))} --force")
     except ConfigError as e:  # a layer range outside its model: name the config it is in

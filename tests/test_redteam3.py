@@ -69,14 +69,20 @@ def test_two_imports_of_one_stacking_config_at_once(tiny_family, tmp_path):
     argv = [sys.executable, "-m", "mergepipe", "import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml"),
             "--force", "-q"]
     assert main(argv[3:]) == 0
-    want = {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()}
+
+    def files() -> dict:  # stack-sources.json's stats are the written files' own stat keys: new each build
+        got = {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()}
+        record = json.loads(got.pop("stack-sources.json"))
+        assert sorted(record.pop("stats")) == sorted(record["files"])
+        return {**got, "stack-sources.json": record}
+    want = files()
     for _ in range(3):
         procs = [subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for p in procs:
             err = p.communicate(timeout=120)[1]
             assert p.returncode in (0, 7), err
             assert "Traceback" not in err and (p.returncode == 0 or "locked by another" in err), err
-        assert {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()} == want
+        assert files() == want
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml", "p.stacked", "p.yaml"]
 
 

@@ -12,16 +12,18 @@ of a merge of this folder keeps it, so the manifest hashes it). Built in a tempo
 beside the target and renamed into place, every time (the sources may have changed since;
 stack.json names them by path only, so that the same inputs give the same bytes anywhere) and
 published as merges are (output/publish.py: locked, swapped in atomically, never through a
-symbolic link); a previous stack there is replaced (even a re-import's `force`, which
-params.yaml needs, replaces it only while it holds only a stack's files and the weights the
-import wrote: their blake3 is in stack-sources.json), any other folder only with `force`.
+symbolic link); a previous stack there is replaced only while it holds only a stack's files,
+each with the bytes the import wrote (their blake3 is in stack-sources.json); any other folder
+is never replaced, even with `force` (a re-import needs it to rewrite params.yaml).
 
 The folder goes stale when a source model changes after the import: `stack-sources.json`
 (not copied into merges: machine-specific) records each source folder and the stat keys
 (size, mtime_ns, ctime_ns, inode, device; links followed) of the files the stack was made
 from, taken before they were read. `check_fresh` compares them whenever the folder is about
 to be planned or merged and refuses a stale stack naming the changed file and the import
-to rerun; run's no-op record keys the source folders too (cli._input_paths).
+to rerun; run's no-op record keys the source folders too (cli._input_paths). It also compares
+the folder's own files with what the import wrote (stat keys, then blake3 where they differ), so
+weights or a config saved into the folder later are refused too, never merged as the recipe's.
 """
 from __future__ import annotations
 
@@ -139,6 +141,10 @@ def check_fresh(folder: str | Path) -> None:
             raise IntegrityError(f"{folder}: stale stacked model: its source {changed} changed (or is gone) since "
                                  f"it was built; rebuild it with `{rerun}`"
                                  + (f" ({why})" if now is None else ""))
+    changed = _changed_own_file(Path(folder), record)
+    if changed is not None:
+        raise IntegrityError(f"{changed}: changed (or is gone) since the import wrote it; a stacked model is "
+                             f"merged only as built: move your file elsewhere and rebuild it with `{rerun}`")
 
 
 def stack_sources(folder: str | Path) -> list[Path]:
@@ -149,22 +155,69 @@ def stack_sources(folder: str | Path) -> list[Path]:
         return []
 
 
+def _written_files(record: dict) -> dict[str, str]:
+    """{file name: blake3} of what the import wrote into the folder (a record from before the
+    config and copied files were hashed holds the weights' only)."""
+    files = record.get("files")
+    if files is None:
+        files = {} if record.get("weights") is None else {"model.safetensors": record["weights"]}
+    if not isinstance(files, dict):
+        raise TypeError("files")
+    return files
+
+
+def _changed_own_file(folder: Path, record: dict) -> Path | None:
+    """The first file the import wrote into `folder` whose bytes are not those it wrote (missing
+    too); a file whose stat key is the recorded one is not reread. None when all are as written.
+
+    Raises:
+        IntegrityError: a record whose `files` or `stats` is not a mapping.
+    """
+    try:
+        files, stats = _written_files(record), dict(record.get("stats") or {})
+    except (TypeError, ValueError):
+        raise IntegrityError(f"{folder / SOURCES_FILE}: unreadable record of the stack's files; rebuild the "
+                             "stacked folder with `mergepipe import-mergekit ... --force`") from None
+    for name, digest in sorted(files.items()):
+        path = folder / name
+        try:
+            if path.is_symlink() or (stats.get(name) != _stat_key(path) and hash_file(path) != digest):
+                return path
+        except OSError:
+            return path
+    return None
+
+
 def _check_replaceable_stack(target: Path) -> None:
     """A previous stack is replaced (even by a re-import's --force, which params.yaml needs) only
-    while it holds only a stack's files and the weights the import wrote (where it recorded their hash)."""
+    while it holds only a stack's files, each with the bytes the import wrote (where it recorded their hash)."""
     allowed = {"model.safetensors", "config.json", STACK_FILE, SOURCES_FILE, *COPIED}
     extra = sorted(p.name for p in target.iterdir() if p.name not in allowed or not p.is_file() or p.is_symlink())
     if extra:
         raise OutputError(f"{target}: the stacked folder holds {extra[0]!r}, which the import did not write; "
                           "move it out or remove the folder to rebuild the stack")
     try:
-        want = json.loads((target / SOURCES_FILE).read_text(encoding="utf-8")).get("weights")
-        now = hash_file(target / "model.safetensors")  # a fine-tune saved over them, in place too, changes it
-    except (OSError, ValueError, AttributeError):
-        want, now = None, None
-    if want is not None and now != want:
-        raise OutputError(f"{target / 'model.safetensors'}: changed since the import wrote it (a fine-tune saved "
-                          "there?); move it out or remove the folder to rebuild the stack")
+        record = json.loads((target / SOURCES_FILE).read_text(encoding="utf-8"))
+        files = _written_files(record)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return  # no record of what was written: the names above are all a stack's
+    for name, digest in sorted(files.items()):  # a fine-tune or an edit saved there, in place too
+        path = target / name
+        if path.is_file() and hash_file(path) != digest:
+            raise OutputError(f"{path}: changed since the import wrote it (a fine-tune or an edit saved there?); "
+                              "move it out or remove the folder to rebuild the stack")
+
+
+def _check_replaceable(target: Path) -> None:
+    """build_stack's refusals of what is at `target`, before anything is written."""
+    if target.is_symlink():  # replacing it would write where it points, or delete it
+        raise OutputError(f"{target}: is a symbolic link; a stacked folder is never written through one: "
+                          "remove the link or choose another -o")
+    if target.exists() and not (target / STACK_FILE).is_file():  # the user's: --force is for params.yaml
+        raise OutputError(f"{target}: exists and is not a stacked model the import wrote; it is never replaced: "
+                          "move it away or choose another -o")
+    if (target / STACK_FILE).is_file():
+        _check_replaceable_stack(target)
 
 
 def _layer_types(slices: list[dict], roots: dict[str, Path], nested: str | None) -> list:
@@ -186,13 +239,13 @@ def _layer_types(slices: list[dict], roots: dict[str, Path], nested: str | None)
     return out
 
 
-def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, force: bool = False,  # noqa: C901
+def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *,  # noqa: C901
                 rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
 
     Raises:
         ConfigError: bad layer ranges, a slice of `target` itself; CheckpointError: a model folder that cannot be read;
-        OutputError: `target` exists, is not a previous stack, and not `force`.
+        OutputError: `target` exists and is not a previous stack holding only what the import wrote.
     """
     for i, s in enumerate(slices):  # replacing it would change the input of the next import
         if os.path.realpath(roots[s["model"]]) == os.path.realpath(target):
@@ -206,10 +259,7 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
     record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
               "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
     text = json.dumps(record, sort_keys=True, indent=1) + "\n"
-    if target.exists() and not (target / STACK_FILE).is_file() and not force:
-        raise OutputError(f"{target}: exists and is not a stacked model; remove it or pass --force")
-    if (target / STACK_FILE).is_file():
-        _check_replaceable_stack(target)
+    _check_replaceable(target)
     first_root = roots[slices[0]["model"]]
     try:
         config = json.loads((first_root / "config.json").read_text(encoding="utf-8"))
@@ -226,7 +276,7 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
         node["layer_types"] = _layer_types(slices, roots, "text_config" if node is not config else None)
     # published like a merge (output/publish.py): a lock against a concurrent import of the
     # same config, an atomic swap of the previous stack, never through a symbolic link
-    publisher = Publisher(target, force=True)  # (ours or --force: checked above)
+    publisher = Publisher(target, force=True)  # (a previous stack as written: checked above)
     with publisher as tmp:
         ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
         infos = [(o, ckpts[m].tensors[src]) for o, m, src in mapping]
@@ -249,7 +299,10 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *, for
             if (first_root / name).is_file():
                 shutil.copyfile(first_root / name, tmp / name)
         (tmp / STACK_FILE).write_text(text)
-        record = {"sources": stats, "rerun": rerun, "weights": hash_file(tmp / "model.safetensors")}
+        # the files' own stat keys survive the folder's rename: check_fresh rehashes only what changed
+        written = sorted(p.name for p in tmp.iterdir())
+        record = {"sources": stats, "rerun": rerun, "files": {n: hash_file(tmp / n) for n in written},
+                  "stats": {n: _stat_key(tmp / n) for n in written}}
         (tmp / SOURCES_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
         publisher.commit()
     return target
@@ -276,17 +329,19 @@ def slice_views(config: str, params_file: Path) -> tuple[dict[str, list[dict]], 
     return views, folders
 
 
-def build_views(views: dict[str, list[dict]], roots: dict[str, Path], target: Path, *, force: bool = False,
-                rerun: str) -> Path:
+def build_views(views: dict[str, list[dict]], roots: dict[str, Path], target: Path, *, rerun: str) -> Path:
     """Every position's stacked view, `target/<position>` (build_stack: each published whole,
-    a previous view replaced, any other folder only with `force`); returns `target`.
+    a previous view replaced, any other folder never); returns `target`. Every view is checked
+    before the first is built, so a refusal leaves all of them as they were.
 
     Raises:
         OutputError: `target` is a symbolic link or not a folder; as build_stack.
     """
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise OutputError(f"{target}: exists and is not a folder of stacked views; remove it or choose another -o")
+    for name in views:
+        _check_replaceable(target / name)
     target.mkdir(exist_ok=True)
     for name, slices in views.items():
-        build_stack(slices, roots, target / name, force=force, rerun=rerun)
+        build_stack(slices, roots, target / name, rerun=rerun)
     return target
