@@ -208,7 +208,7 @@ def test_models_are_frozen(example):
         cfg.seed = 3
     assert set(MergeConfig.model_fields) == {
         "base", "experts", "method", "parameters", "seed", "budget", "block_bytes", "embedding_block_bytes", "output",
-        "cache_dir", "nonfinite", "plan", "slices"}
+        "cache_dir", "nonfinite", "plan", "slices", "modules"}
     assert set(ExpertConfig.model_fields) == {"name", "path", "adapter", "weight", "density", "gamma"}
     assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes", "tokenizer_source", "tokens",
                                               "pad_to_multiple_of", "mergekit_config", "adapter"}

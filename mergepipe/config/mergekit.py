@@ -1,8 +1,8 @@
 """Convert a mergekit YAML config into a mergepipe params dict, and write one.
 
 Owns the mapping from mergekit's config language to params.yaml. Only what
-mergepipe can reproduce exactly is converted; everything else (modules, LoRA or
-revision references, unsupported methods) is a ConfigError
+mergepipe can reproduce exactly is converted; everything else (LoRA or revision
+references, unsupported methods) is a ConfigError
 that names the mergekit key, never a silent approximation. Reads the mergekit
 file and writes params files; opens no model (a Hugging Face id is looked up
 in the local cache, config/hf_cache.py).
@@ -60,10 +60,9 @@ MODEL_KEYS = ("weight", "density", "gamma")
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-_TOP_KEYS = {"models", "slices", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
+_TOP_KEYS = {"models", "slices", "modules", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer"}
 _NOT_EXPRESSIBLE = {
-    "modules": "per-module merges cannot be expressed; use one `models:` list",
     "chat_template": "chat templates are not merged; mergepipe copies the base's tokenizer "
                      "files: remove it",
 }
@@ -331,6 +330,10 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             raise _fail(source, key, f"unknown mergekit key{did_you_mean(key, _TOP_KEYS)}; "
                                      f"supported: {', '.join(sorted(_TOP_KEYS))}")
     _check_tokenizer(data, source)
+    if data.get("modules") not in (None, {}):  # each module converted as a models: form (config/mergekit_modules.py)
+        from mergepipe.config.mergekit_modules import modules_params
+        return modules_params(data, source, paths, recipe=recipe,
+                              output_dir=recipe_output_dir(source) if output_dir is None else output_dir)
     if data.get("slices") not in (None, []):
         if data.get("models"):
             raise _fail(source, "slices", "give either slices or models, not both")
@@ -724,8 +727,8 @@ def check_imported(params: dict[str, Any], *, source: str, params_path: str | os
                      root=Path(os.path.abspath(params_path)).parent)
 
 
-_KEY_ORDER = ("layers", "base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
-              "output", "cache_dir", "nonfinite", "slices",
+_KEY_ORDER = ("layers", "prefixes", "base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
+              "output", "cache_dir", "nonfinite", "slices", "modules",
               "name", "path", "weight", "density", "gamma", "dir", "dtype", "shard_bytes",
               "tokenizer_source", "mergekit_config")
 

@@ -39,6 +39,7 @@ from mergepipe.config.settings import Setting, is_setting, parse_setting
 from mergepipe.config.slices import SliceConfig, check_slices, parameter_settings
 from mergepipe.config.vocabulary import Tokens
 from mergepipe.config.messages import describe, did_you_mean
+from mergepipe.config.modules import ModuleConfig, check_modules
 from mergepipe.methods import METHODS
 from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_options
 from mergepipe.units import short_repr
@@ -155,10 +156,14 @@ class MergeConfig(BaseModel):
     slices: list[SliceConfig] | None = Field(
         None, description="output layer ranges merged with their own parameters and expert settings "
         "(mergekit's slices; config/slices.py); null: one set for every layer")
+    modules: dict[str, ModuleConfig] | None = Field(
+        None, description="parts of the model by tensor-name prefix, each merged with its own parameters "
+        "and expert settings (mergekit's modules; config/modules.py); null: one set for every tensor")
 
     _method_params: BaseModel | None = PrivateAttr(None)
     _param_settings: dict[str, Setting] = PrivateAttr(default_factory=dict)
     _slice_settings: list[dict[str, Setting]] = PrivateAttr(default_factory=list)
+    _module_settings: dict[str, dict[str, Setting]] = PrivateAttr(default_factory=dict)
     _written: dict[str, str] = PrivateAttr(default_factory=dict)
     _source: str = PrivateAttr("<dict>")
     _root: Path = PrivateAttr(default_factory=Path.cwd)  # the folder relative paths are relative to
@@ -186,6 +191,12 @@ class MergeConfig(BaseModel):
             check_slices(self.slices, (e.name for e in self.experts))
             self._slice_settings = [self._parse_slice_settings(i, s, method.params, scalars)
                                     for i, s in enumerate(self.slices)]
+        if self.modules is not None:
+            if self.slices is not None:
+                raise ValueError("modules: give slices or modules, not both")
+            check_modules(self.modules, (e.name for e in self.experts))
+            self._module_settings = {name: self._parse_part_settings(f"modules.{name}", m, method.params, scalars)
+                                     for name, m in self.modules.items()}
         if method.max_experts is not None and len(self.experts) > method.max_experts:
             limit = "exactly 1 expert" if method.max_experts == 1 else \
                 f"at most {method.max_experts} experts"
@@ -230,6 +241,20 @@ class MergeConfig(BaseModel):
             raise ValueError(str(err) if str(err).startswith("slices[") else f"slices[{i}].parameters: {err}") \
                 from None
 
+    @staticmethod
+    def _parse_part_settings(label: str, part: ModuleConfig, params_cls: type[BaseModel],
+                             scalars: dict[str, Any]) -> dict[str, Setting]:
+        def check(key: str, leaf: Any) -> Any:
+            try:
+                params_cls.model_validate({**scalars, key: leaf})
+            except ValidationError as err:
+                raise ValueError(f"{label}.parameters.{key}: {describe(err, params_cls)}") from None
+            return leaf
+        try:
+            return parameter_settings(part, check)
+        except ValueError as err:
+            raise ValueError(str(err) if str(err).startswith(label) else f"{label}.parameters: {err}") from None
+
     def _check_plan(self, method) -> None:
         name = self.plan.get("strategy", DEFAULT_STRATEGY)
         if not isinstance(name, str) or name not in STRATEGIES:
@@ -267,6 +292,11 @@ class MergeConfig(BaseModel):
         return self._slice_settings
 
     @property
+    def module_settings(self) -> dict[str, dict[str, Setting]]:
+        """Each module's method parameters as settings (config/modules.py); {} without modules."""
+        return self._module_settings
+
+    @property
     def source(self) -> str:
         """The file (or "<dict>") this config came from, for error messages."""
         return self._source
@@ -288,7 +318,7 @@ class MergeConfig(BaseModel):
     @property
     def per_tensor(self) -> bool:
         """Whether any parameter, weight, density or gamma is a per-tensor setting."""
-        return bool(self.param_settings) or self.slices is not None or any(
+        return bool(self.param_settings) or self.slices is not None or self.modules is not None or any(
             isinstance(getattr(e, k), Setting) for e in self.experts for k in ("weight", "density", "gamma"))
 
     @property
@@ -362,6 +392,8 @@ class MergeConfig(BaseModel):
         }
         if self.slices is not None:  # only when set, so that configs without it keep their normalized form
             norm["slices"] = [s.normalized() for s in self.slices]
+        if self.modules is not None:  # only when set, so that configs without it keep their normalized form
+            norm["modules"] = {name: m.normalized() for name, m in sorted(self.modules.items())}
         plan = self.plan_options
         if plan is not None:  # the default strategy adds no key (same form as before strategies)
             norm["plan"] = plan

@@ -12,7 +12,8 @@ the order of the sorted tensor names, so the same config and names give the same
 Precedence, as in mergekit's `resolve_parameter`: an expert's own setting, else (density,
 gamma) the method's value for that tensor, else the method's default. An expert weight with
 no matching condition is an error naming the tensor. With `slices:` (config/slices.py), a
-tensor's slice's settings come first, and every setting is evaluated at the slice's t.
+tensor's slice's settings come first, and every setting is evaluated at the slice's t; with
+`modules:` (config/modules.py), its module's settings come first.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 
 from mergepipe.config.fields import check_density, check_gamma
 from mergepipe.config.messages import describe
+from mergepipe.config.modules import module_placements
 from mergepipe.config.settings import Setting, layer_positions
 from mergepipe.config.slices import placements
 from mergepipe.errors import ConfigError
@@ -55,8 +57,13 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
     names = sorted(names)
     _check_filters(cfg, names)
-    placed = placements(cfg.slices, names, cfg.source) if cfg.slices is not None else \
-        {name: (None, t) for name, t in layer_positions(names).items()}
+    # parts: the slices or modules a tensor's own settings come from (placed[name][0] indexes them)
+    if cfg.slices is not None:
+        placed, parts, part_settings = placements(cfg.slices, names, cfg.source), cfg.slices, cfg.slice_settings
+    elif cfg.modules is not None:
+        placed, parts, part_settings = module_placements(cfg.modules, names), cfg.modules, cfg.module_settings
+    else:
+        placed, parts, part_settings = {name: (None, t) for name, t in layer_positions(names).items()}, [], []
     groups: list[dict[str, Any]] = []
     index: dict[bytes, int] = {}
     tensors: dict[str, int] = {}
@@ -64,9 +71,9 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     for name in names:
         s, t = placed[name]
         where = f"{cfg.source}: tensor {name!r}"
-        scopes = [cfg.param_settings] if s is None else [cfg.param_settings, cfg.slice_settings[s]]
+        scopes = [cfg.param_settings] if s is None else [cfg.param_settings, part_settings[s]]
         given = {}
-        for settings in scopes:  # the slice's, evaluated last, wins where it gives a value
+        for settings in scopes:  # the slice's or module's, evaluated last, wins where it gives a value
             for key, setting in settings.items():
                 value = setting.evaluate(name, t)
                 if value is not None:
@@ -82,7 +89,7 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
         experts: dict[str, dict[str, Any]] = {}
         for i, e in enumerate(cfg.experts):
             over = {}
-            in_slice = None if s is None else cfg.slices[s].experts.get(e.name)
+            in_slice = None if s is None else parts[s].experts.get(e.name)
             weight = e.weight if in_slice is None or in_slice.weight is None else in_slice.weight
             if isinstance(weight, Setting) or weight is not e.weight:
                 w = weight.evaluate(name, t) if isinstance(weight, Setting) else weight
@@ -135,6 +142,11 @@ def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
         settings.update({f"slices[{i}].parameters.{k}": v for k, v in parsed.items()})
         for name, e in s.experts.items():
             settings.update({f"slices[{i}].experts.{name}.{k}": v
+                             for k, v in vars(e).items() if isinstance(v, Setting)})
+    for module, m in (cfg.modules or {}).items():
+        settings.update({f"modules.{module}.parameters.{k}": v for k, v in cfg.module_settings[module].items()})
+        for name, e in m.experts.items():
+            settings.update({f"modules.{module}.experts.{name}.{k}": v
                              for k, v in vars(e).items() if isinstance(v, Setting)})
     for key, setting in settings.items():
         for flt, _ in setting.conditions:
