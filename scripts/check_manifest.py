@@ -145,8 +145,36 @@ def check_file(path: Path, rec: dict) -> None:
             raise Mismatch(f"{path}: its blake3 is not the manifest's (edited?)")
 
 
+def _one_value_per_key(pairs: list) -> dict:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key[:60]!r}{'...' if len(key) > 60 else ''}")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def load_manifest(out: Path) -> dict:
+    """manifest.json, read one way only: a duplicate key (which JSON parsers resolve differently)
+    or NaN/Infinity (which the canonical form refuses) is a Mismatch, as is JSON nested past
+    Python's recursion limit."""
+    path = out / MANIFEST
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_one_value_per_key,
+                         parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:
+        raise Mismatch(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(man, dict):
+        raise Mismatch(f"{path}: not a JSON object")
+    return man
+
+
 def check(out: Path) -> str:
-    man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    man = load_manifest(out)
     adapter = man.get("kind") == ADAPTER_KIND
     plan = None if adapter else man["plan"]
     files, tensors = man["outputs"]["files"], man["outputs"]["tensors"]

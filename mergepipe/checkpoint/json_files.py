@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from mergepipe.errors import ConfigError
+from mergepipe.units import short_repr
 
 
 def read_bounded(path: Path, limit: int) -> bytes:
@@ -42,9 +43,20 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
+                raise ValueError(f"duplicate key {short_repr(key)}")
             seen.add(key)
     return out
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def strict_loads(text: str) -> object:
+    """JSON as RFC 8259 has it, for records a hash must cover exactly as read: duplicate keys
+    (which parsers resolve differently) and NaN/Infinity (which no canonical form holds) raise
+    ValueError."""
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_not_json)
 
 
 def parse_json(data: bytes, path: Path) -> dict:

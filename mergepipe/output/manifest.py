@@ -15,7 +15,6 @@ is stored twice, as `budget.spec`/`budget.bytes` and inside `plan` as
 """
 from __future__ import annotations
 
-import json
 import os
 from importlib.metadata import version
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from mergepipe import __version__
+from mergepipe.checkpoint.json_files import strict_loads
 from mergepipe.errors import IntegrityError
 from mergepipe.output.manifest_json import pretty_json, write_pretty_json
 from mergepipe.output.run_record import published_stat, stat_key
@@ -97,7 +97,7 @@ def write_manifest(path: Path, man: dict) -> None:
 def load_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / MANIFEST
     try:
-        man = json.loads(path.read_text(encoding="utf-8"))
+        man = strict_loads(path.read_text(encoding="utf-8"))  # what manifest_hash covers, read one way only
     except (FileNotFoundError, NotADirectoryError):
         raise IntegrityError(f"{path}: no manifest; this folder is not a finished mergepipe output") from None
     except OSError as e:
