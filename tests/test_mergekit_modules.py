@@ -91,6 +91,10 @@ def _m(model: str, **parameters) -> dict:
     return {"model": f"family/{model}", **({"parameters": parameters} if parameters else {})}
 
 
+def _src(model: str, layers: int, **parameters) -> dict:
+    return {**_m(model, **parameters), "layer_range": [0, layers]}
+
+
 RECIPES = {
     # lambda on the text decoder only, a weight gradient over the vision tower's own 2 layers
     "task_arithmetic": {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"weight": 0.5},
@@ -113,6 +117,14 @@ RECIPES = {
                           "vision_tower": {"models": [_m("a")],
                                            "parameters": {"t": [{"filter": "attn", "value": 0.25}]}},
                           "multi_modal_projector": {"models": [_m("a")], "parameters": {"t": 0.8}}}},
+    # each module as one slice over all its layers (the projector's 2 are mergekit's fixed count), slice parameters
+    "slices": {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"weight": 0.4},
+               "modules": {name: {"slices": [{"sources": [_src("base", n), _src("a", n, weight=w), _src("b", n)],
+                                              **({"parameters": {"lambda": 1.5}} if name == "vision_tower" else {})}],
+                                  "parameters": {"lambda": 0.6}}
+                           for name, n, w in (("text_decoder", TEXT_LAYERS, [0.2, 1.0]),
+                                              ("vision_tower", VISION_LAYERS, 0.5),
+                                              ("multi_modal_projector", 2, 0.9))}},
     # no base: the first model plays it, its weight averaged in, per module
     "linear": {"merge_method": "linear",
                "modules": {"text_decoder": {"models": [_m("a", weight=1.0), _m("b", weight=3.0)]},
@@ -193,15 +205,22 @@ def test_each_module_takes_its_own_settings(merged, recipe):
         assert group["visual.blocks.0.attn.qkv.weight"]["parameters"]["t"] == 0.25
         assert group["visual.blocks.0.mlp.up_proj.weight"]["parameters"]["t"] == 0.5
         assert group["visual.merger.mlp.2.bias"]["parameters"]["t"] == 0.8
+    if recipe == "slices":
+        assert group["model.layers.2.mlp.up_proj.weight"]["parameters"]["lambda"] == 0.6
+        assert group["model.layers.2.mlp.up_proj.weight"]["experts"]["a"]["weight"] == 1.0
+        assert group["visual.blocks.1.mlp.up_proj.weight"]["parameters"]["lambda"] == 1.5
 
 
-def test_default_module_of_a_one_module_model_is_the_models_form(tmp_path, monkeypatch):
+@pytest.mark.parametrize("form", ["models", "slices"])
+def test_default_module_of_a_one_module_model_is_the_models_form(tmp_path, monkeypatch, form):
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2}
     _write_family(tmp_path / "family", config)
     monkeypatch.chdir(tmp_path)
     models = [_m("a", weight=0.6), _m("b", weight=0.3)]
     common = {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"lambda": 0.8}}
-    (tmp_path / "m.yml").write_text(yaml.safe_dump({**common, "modules": {"default": {"models": models}}}))
+    module = {"models": models} if form == "models" else \
+        {"slices": [{"sources": [{**m, "layer_range": [0, 2]} for m in models]}]}
+    (tmp_path / "m.yml").write_text(yaml.safe_dump({**common, "modules": {"default": module}}))
     (tmp_path / "f.yml").write_text(yaml.safe_dump({**common, "models": models}))
     assert main(["import-mergekit", "m.yml", "-o", "m.yaml", "-q"]) == 0
     assert main(["import-mergekit", "f.yml", "-o", "f.yaml", "-q"]) == 0
@@ -243,8 +262,15 @@ _ALL = {"text_decoder": {"models": [_m("a")]}, "vision_tower": {"models": [_m("a
      r"\['family/a'\] on 'family/base'; modules merging different models are not built"),
     ({**_ALL, "multi_modal_projector": {"models": [_m("a", weight=[0, 1])]}},
      r"modules\.multi_modal_projector: a\.weight is a gradient; mergekit 0\.1\.5 evaluates this module's tensors"),
-    ({**_ALL, "vision_tower": {"slices": [{"sources": [{"model": "family/a", "layer_range": [0, 1]}]}]}},
-     r"modules\.vision_tower\.slices: slices inside a module are not built"),
+    ({**_ALL, "vision_tower": {"slices": [{"sources": [_src("a", 1)]}]}},
+     r"modules\.vision_tower\.slices\[0\]\.sources\[0\]\.layer_range: \[0, 1\] is not every layer of vision_tower "
+     r"\(it has 2\); slices of part of a module are not built"),
+    ({**_ALL, "vision_tower": {"slices": [{"sources": [_src("a", 1)]}, {"sources": [_src("a", 1)]}]}},
+     r"modules\.vision_tower\.slices: several slices in a module are not built"),
+    ({**_ALL, "vision_tower": {"slices": [{"sources": [_src("a", 2)], "base_model": "family/a"}]}},
+     r"modules\.vision_tower\.slices\[0\]\.base_model: not built inside a module"),
+    ({**_ALL, "vision_tower": {"models": [_m("a")], "slices": [{"sources": [_src("a", 2)]}]}},
+     r"modules\.vision_tower: give models or slices, not both"),
     ({**_ALL, "vision_tower": {"models": [_m("a")], "residual": 1}},
      r"modules\.vision_tower\.residual: unknown module key; expected models, slices, parameters"),
 ])

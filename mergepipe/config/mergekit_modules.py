@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
-from mergepipe.config.mergekit import ModelPaths, _fail, _model_ref, mergekit_to_params
+from mergepipe.config.mergekit import ModelPaths, _fail, _model_layers, _model_ref, mergekit_to_params
 from mergepipe.config.mergekit_slices import _merged_parameters
 from mergepipe.errors import ConfigError
 from mergepipe.methods import get_method
@@ -31,45 +31,55 @@ DEFAULT = "default"  # mergekit's one module of an architecture without modules
 
 @dataclass(frozen=True, slots=True)
 class ModuleFacts:
-    """One module: the tensor-name prefixes of its tensors (the longest match wins), and
-    whether mergekit evaluates its gradients at the positions `layer_positions` gives (False:
-    it repeats fixed tensor names over a fixed layer count, so a gradient there has no one
-    value); `broken`: why mergekit 0.1.5 cannot merge it."""
+    """One module: the tensor-name prefixes of its tensors (the longest match wins); its layer
+    count, a fixed number or the first of these config.json keys a model has (dotted: in a
+    sub-config); whether mergekit evaluates its gradients at the positions `layer_positions`
+    gives (False: it repeats fixed tensor names over a fixed layer count, so a gradient there has
+    no one value); `broken`: why mergekit 0.1.5 cannot merge it."""
 
     prefixes: tuple[str, ...]
+    layers: int | tuple[str, ...]
     gradients: bool = True
     broken: str | None = None
 
 
-_TEXT = ModuleFacts(("model.", "lm_head."))
-_QWEN_VL = {"text_decoder": _TEXT, "vision_tower": ModuleFacts(("visual.",)),
-            "multi_modal_projector": ModuleFacts(("visual.merger.",), gradients=False)}
-_QWEN3_VL = {"text_decoder": ModuleFacts(("model.language_model.", "lm_head.")),
-             "vision_tower": ModuleFacts(("model.visual.",)),
-             "multi_modal_projector": ModuleFacts(("model.visual.merger.", "model.visual.deepstack_merger_list."),
-                                                  gradients=False)}
-_SEQ2SEQ = {"encoder": ModuleFacts(("encoder.",)), "decoder": ModuleFacts(("decoder.",)),
-            "shared": ModuleFacts(("shared.", "lm_head."))}
+_TEXT_LAYERS = ("text_config.num_hidden_layers",)
+_VISION_LAYERS = ("vision_config.num_hidden_layers",)
+
+
+def _qwen_vl(text_layers: tuple[str, ...]) -> dict[str, ModuleFacts]:
+    return {"text_decoder": ModuleFacts(("model.", "lm_head."), text_layers),
+            "vision_tower": ModuleFacts(("visual.",), ("vision_config.depth",)),
+            "multi_modal_projector": ModuleFacts(("visual.merger.",), 2, gradients=False)}
 
 
 def _prefixed(vision: str) -> dict[str, ModuleFacts]:
-    return {"text_decoder": ModuleFacts(("language_model.",)), "vision_tower": ModuleFacts((vision,)),
-            "multi_modal_projector": ModuleFacts(("multi_modal_projector.",))}
+    return {"text_decoder": ModuleFacts(("language_model.",), _TEXT_LAYERS),
+            "vision_tower": ModuleFacts((vision,), _VISION_LAYERS),
+            "multi_modal_projector": ModuleFacts(("multi_modal_projector.",), 0)}
 
+
+_QWEN3_VL = {"text_decoder": ModuleFacts(("model.language_model.", "lm_head."), _TEXT_LAYERS),
+             "vision_tower": ModuleFacts(("model.visual.",), ("vision_config.depth",)),
+             "multi_modal_projector": ModuleFacts(("model.visual.merger.", "model.visual.deepstack_merger_list."), 3,
+                                                  gradients=False)}
 
 # config.json `architectures[0]` -> its modules, as mergekit 0.1.5 defines them.
 ARCHITECTURES: dict[str, dict[str, ModuleFacts]] = {
-    "Qwen2VLForConditionalGeneration": _QWEN_VL,
-    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL,
+    "Qwen2VLForConditionalGeneration": _qwen_vl(("num_hidden_layers", "text_config.num_hidden_layers")),
+    "Qwen2_5_VLForConditionalGeneration": _qwen_vl(_TEXT_LAYERS),
     "Qwen3VLForConditionalGeneration": _QWEN3_VL,
     "Qwen3VLMoeForConditionalGeneration": _QWEN3_VL,
     "Gemma3ForConditionalGeneration": _prefixed("vision_tower.vision_model."),
     "Mistral3ForConditionalGeneration": _prefixed("vision_tower."),
     "Llama4ForConditionalGeneration": _prefixed("vision_model."),
-    "T5ForConditionalGeneration": _SEQ2SEQ,
+    "T5ForConditionalGeneration": {
+        "encoder": ModuleFacts(("encoder.",), ("num_hidden_layers", "num_layers")),
+        "decoder": ModuleFacts(("decoder.",), ("num_decoder_layers", "num_layers")),
+        "shared": ModuleFacts(("shared.", "lm_head."), 0)},
     "WhisperForConditionalGeneration": {
-        "encoder": ModuleFacts(("model.encoder.",)),
-        "decoder": ModuleFacts(("model.decoder.",), broken=(
+        "encoder": ModuleFacts(("model.encoder.",), ("encoder_layers",)),
+        "decoder": ModuleFacts(("model.decoder.",), ("decoder_layers",), broken=(
             "mergekit 0.1.5 names this module's tensors without a dot after its prefix (model.decoderlayers.0...), "
             "which no checkpoint has, and fails; merge the whole model with models:")),
     },
@@ -78,15 +88,8 @@ ARCHITECTURES: dict[str, dict[str, ModuleFacts]] = {
 _MODULE_KEYS = ("models", "slices", "parameters")
 
 
-def _architecture(data: dict[str, Any], modules: dict[str, Any], source: str, paths: ModelPaths | None) -> str:
-    """architectures[0] of the config.json of the base model, else of the first module's first model."""
-    ref, key = data.get("base_model"), "base_model"
-    if ref is None:
-        name, first = next(iter(modules.items()))
-        entries = first.get("models") if isinstance(first, dict) else None
-        entry = entries[0] if isinstance(entries, list) and entries else None
-        ref = entry.get("model") if isinstance(entry, dict) else entry
-        key = f"modules.{name}.models[0].model"
+def _model_config(ref: Any, key: str, source: str, paths: ModelPaths | None) -> tuple[str, dict[str, Any]]:
+    """The config.json (its path, its mapping) of the model that `ref` names for mergekit."""
     _model_ref(ref, key, source, paths)  # its shape, LoRA and revision checked, naming the key
     if paths is None:
         raise _fail(source, "modules", "the models' architecture decides the modules: run `mergepipe "
@@ -99,16 +102,86 @@ def _architecture(data: dict[str, Any], modules: dict[str, Any], source: str, pa
             raise _fail(source, key, str(err)) from None
     if folder is None:
         raise _fail(source, key, f"{short_repr(ref)} is no model folder; its config.json names the architecture")
+    path = folder / "config.json"
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        arch = config["architectures"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        raise _fail(source, key, f"{folder / 'config.json'} names no architecture (architectures[0]); "
-                                 "the modules are those of the architecture") from None
-    if not isinstance(arch, str):
-        raise _fail(source, key, f"{folder / 'config.json'}: architectures[0] must be a string, got "
-                                 f"{short_repr(arch)}")
-    return arch
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise _fail(source, key, f"{path}: no readable config.json; it names the architecture") from None
+    if not isinstance(config, dict):
+        raise _fail(source, key, f"{path}: must be a JSON object")
+    return str(path), config
+
+
+def _architecture(data: dict[str, Any], modules: dict[str, Any], source: str, paths: ModelPaths | None) -> str:
+    """architectures[0] of the config.json of the base model, else of the first module's first model."""
+    ref, key = data.get("base_model"), "base_model"
+    if ref is None:
+        name, first = next(iter(modules.items()))
+        first = first if isinstance(first, dict) else {}
+        entries, key = first.get("models"), f"modules.{name}.models[0].model"
+        if not entries and isinstance(first.get("slices"), list) and first["slices"] \
+                and isinstance(first["slices"][0], dict):
+            entries, key = first["slices"][0].get("sources"), f"modules.{name}.slices[0].sources[0].model"
+        entry = entries[0] if isinstance(entries, list) and entries else None
+        ref = entry.get("model") if isinstance(entry, dict) else entry
+    path, config = _model_config(ref, key, source, paths)
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise _fail(source, key, f"{path} names no architecture (architectures[0]); the modules are those of "
+                                 "the architecture")
+    return archs[0]
+
+
+def _module_layers(model: Any, facts: ModuleFacts | None, key: str, source: str,
+                   paths: ModelPaths | None) -> int | None:
+    """The layer count of a module of `model` (None: its config.json gives none)."""
+    if facts is None:
+        return _model_layers(model, paths) if paths is not None else None
+    if isinstance(facts.layers, int):
+        return facts.layers
+    config = _model_config(model, key, source, paths)[1]
+    for dotted in facts.layers:
+        node: Any = config
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, int) and not isinstance(node, bool):
+            return node
+    return None
+
+
+def _slices_as_models(name: str, module: dict[str, Any], facts: ModuleFacts | None, source: str,
+                      paths: ModelPaths | None) -> tuple[list[dict[str, Any]], Any]:
+    """A module's `slices` that are its models form in disguise (one slice whose sources each
+    cover every layer of the module): its models, and the slice's parameters."""
+    key = f"modules.{name}.slices"
+    slices = module["slices"]
+    if module.get("models"):
+        raise _fail(source, f"modules.{name}", "give models or slices, not both (mergekit refuses both)")
+    if not isinstance(slices, list) or len(slices) != 1 or not isinstance(slices[0], dict) \
+            or not isinstance(slices[0].get("sources"), list) or not slices[0]["sources"]:
+        raise _fail(source, key, "several slices in a module are not built; give one slice over every layer of "
+                                 "the module (a mapping with a non-empty sources list), or its models")
+    extra = sorted(set(slices[0]) - {"sources", "parameters"}, key=str)
+    if extra:
+        raise _fail(source, f"{key}[0].{extra[0]}", "not built inside a module; expected sources, parameters")
+    models = []
+    for j, src in enumerate(slices[0]["sources"]):
+        skey = f"{key}[0].sources[{j}]"
+        if not isinstance(src, dict) or set(src) - {"model", "layer_range", "parameters"} or "model" not in src:
+            raise _fail(source, skey, "must be a mapping of model, layer_range and parameters")
+        lr = src.get("layer_range")
+        if not (isinstance(lr, list | tuple) and len(lr) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)):
+            raise _fail(source, f"{skey}.layer_range", f"must be [start, end], got {short_repr(lr)}")
+        n = _module_layers(src["model"], facts, f"{skey}.model", source, paths)
+        if n is None:
+            raise _fail(source, f"{skey}.layer_range", f"cannot check that {list(lr)} is every layer of {name}: "
+                                                       f"{short_repr(src['model'])}'s config.json gives no count")
+        if list(lr) != [0, n]:
+            raise _fail(source, f"{skey}.layer_range", f"{list(lr)} is not every layer of {name} (it has {n}); "
+                                                       "slices of part of a module are not built")
+        models.append({"model": src["model"], **({"parameters": src["parameters"]} if src.get("parameters") else {})})
+    return models, slices[0].get("parameters")
 
 
 def _module_facts(data: dict[str, Any], modules: dict[str, Any], source: str,
@@ -137,8 +210,10 @@ def _module_facts(data: dict[str, Any], modules: dict[str, Any], source: str,
     return facts
 
 
-def _module_data(data: dict[str, Any], name: str, module: Any, source: str) -> dict[str, Any]:
-    """Module `name` as a mergekit `models:` config of its own (its parameters over the top-level ones)."""
+def _module_data(data: dict[str, Any], name: str, module: Any, facts: ModuleFacts | None, source: str,
+                 paths: ModelPaths | None) -> dict[str, Any]:
+    """Module `name` as a mergekit `models:` config of its own: parameters from its slice's (when
+    given as one slice), then its own, then the top-level ones."""
     key = f"modules.{name}"
     if not isinstance(module, dict):
         raise _fail(source, key, f"must be a mapping of {', '.join(_MODULE_KEYS)}, got {short_repr(module)}")
@@ -148,12 +223,16 @@ def _module_data(data: dict[str, Any], name: str, module: Any, source: str) -> d
     extra = sorted(set(module) - set(_MODULE_KEYS), key=str)
     if extra:
         raise _fail(source, f"{key}.{extra[0]}", f"unknown module key; expected {', '.join(_MODULE_KEYS)}")
+    parameters = module.get("parameters")
     if module.get("slices"):
-        raise _fail(source, f"{key}.slices", "slices inside a module are not built; give the module's models")
-    if not module.get("models"):
-        raise _fail(source, f"{key}.models", "required: the models this module merges")
-    return {**{k: v for k, v in data.items() if k not in ("modules", "parameters")}, "models": module["models"],
-            "parameters": _merged_parameters(module.get("parameters"), data.get("parameters"), key, source)}
+        models, slice_parameters = _slices_as_models(name, module, facts, source, paths)
+        parameters = _merged_parameters(slice_parameters, parameters, f"{key}.slices[0]", source)
+    elif module.get("models"):
+        models = module["models"]
+    else:
+        raise _fail(source, f"{key}.models", "required: the models (or one slice) this module merges")
+    return {**{k: v for k, v in data.items() if k not in ("modules", "parameters")}, "models": models,
+            "parameters": _merged_parameters(parameters, data.get("parameters"), key, source)}
 
 
 def _has_gradient(value: Any) -> bool:
@@ -227,8 +306,9 @@ def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, 
         if data.get(key):
             raise _fail(source, key, "give one of models, slices or modules (mergekit refuses several)")
     facts = _module_facts(data, modules, source, paths)
-    converted = {name: mergekit_to_params(_module_data(data, name, m, source), source=f"{source}: modules.{name}",
-                                          output_dir=output_dir, paths=paths, recipe=recipe)
+    converted = {name: mergekit_to_params(_module_data(data, name, m, facts and facts[name], source, paths),
+                                          source=f"{source}: modules.{name}", output_dir=output_dir, paths=paths,
+                                          recipe=recipe)
                  for name, m in modules.items()}
     first = next(iter(converted.values()))
     if facts is None:
