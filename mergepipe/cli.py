@@ -78,39 +78,18 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def _check_overwrite(path: Path, args: argparse.Namespace, *, key: str, what: str,
                      inputs: tuple[str, ...] = ()) -> None:
-    """An -o file may replace only what this command wrote before (a JSON object with `key`),
+    """An -o record may replace only what this command wrote before (a JSON object with `key`),
     never an input of the command, a folder, or (without --force) any other file."""
-    from mergepipe.errors import OutputError
-    from mergepipe.output.publish import check_output_path
-    check_output_path(path, what="-o")
-    for src in inputs:
-        if Path(src).exists() and path.exists() and path.resolve() == Path(src).resolve():
-            raise OutputError(f"{path}: -o is the command's own input {src}; write the {what} elsewhere")
-    if not path.exists() and not path.is_symlink():
-        return
-    if path.is_dir():
-        raise OutputError(f"{path}: -o is a folder; give a file name for the {what}")
-    if getattr(args, "force", False):
-        return
-    try:
-        ours = key in json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError, RecursionError):
-        ours = False
-    if not ours:
-        raise OutputError(f"{path}: exists and is not a mergepipe {what}; refusing to overwrite it "
-                          "(choose another name, or pass --force)")
+    from mergepipe.output.safety import check_file_target, json_record_with
+    check_file_target(path, what=what, inputs=inputs, force=getattr(args, "force", False),
+                      ours=json_record_with(key))
 
 
 def _refuse_inside_inputs(path: Path, inputs: list[Path]) -> None:
     """An -o file may not be an input file or lie in an input folder, even with --force
     (`plan -o models/base/model.safetensors --force` replaced the base's weights)."""
-    from mergepipe.errors import OutputError
-    out = path.resolve()
-    for src in inputs:
-        real = src.resolve()
-        if out == real or real in out.parents:
-            raise OutputError(f"{path}: -o is {'inside ' if out != real else ''}an input of this command ({src}); "
-                              "refusing to write there, even with --force; write it elsewhere")
+    from mergepipe.output.safety import refuse_inside
+    refuse_inside(path, inputs)
 
 
 def _write_record(path: Path, obj: dict) -> None:
@@ -133,7 +112,7 @@ def _load(args: argparse.Namespace):
     if getattr(args, "budget", None) is not None:
         overrides["budget"] = args.budget
     if getattr(args, "output", None) is not None:
-        from mergepipe.output.publish import check_output_path
+        from mergepipe.output.safety import check_output_path
         overrides["output"] = {"dir": str(check_output_path(args.output))}
     return load_config(args.config, overrides=overrides or None)
 
@@ -220,7 +199,7 @@ def _params_card(args: argparse.Namespace, plan: dict, inputs) -> dict[str, byte
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe.commands.pipeline import merge_plan, open_inputs
     from mergepipe.index.store import Store
-    from mergepipe.output.publish import check_output_path
+    from mergepipe.output.safety import check_output_path
     plan = _load_plan(args.plan, args.params)
     check_output_path(args.o, what="-o")
     if args.part:
@@ -255,7 +234,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
     from mergepipe.commands.parts import gather
     from mergepipe.commands.pipeline import open_inputs
     from mergepipe.index.store import Store
-    from mergepipe.output.publish import check_output_path
+    from mergepipe.output.safety import check_output_path
     plan = _load_plan(args.plan, args.params)
     check_output_path(args.o, what="-o")
     from mergepipe.commands.parts import check_parts
@@ -415,15 +394,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from mergepipe.config.mergekit import check_imported, import_mergekit, write_params
-    from mergepipe.errors import OutputError
-    from mergepipe.output.publish import check_output_path
+    from mergepipe.output.safety import check_file_target, check_output_path
     out = check_output_path(args.o, what="-o")
-    if Path(args.config).exists() and out.exists() and out.resolve() == Path(args.config).resolve():
-        raise OutputError(f"{args.o}: -o is the mergekit config being imported; write params.yaml elsewhere")
-    if out.is_dir():
-        raise OutputError(f"{args.o}: -o is a folder; give a file name such as params.yaml")
-    if out.exists() and not args.force:
-        raise OutputError(f"{args.o}: exists; refusing to overwrite it (choose another name, or pass --force)")
+    check_file_target(Path(args.o), what="params file", inputs=(args.config,), force=args.force)  # none is ours
     stack_dir = _build_stack(args, out) or _build_slice_views(args, out)
     params = import_mergekit(args.config, params_path=out, stack_dir=stack_dir, validate=False)
     refs = [params.get("base"), *(e.get("path") for e in params.get("experts", [])),

@@ -153,7 +153,7 @@ def _check_out() -> None:
     refuse the folder: refuse here what mergepipe would not replace without --force."""
     if not os.path.lexists(OUT):
         return
-    from mergepipe.output.publish import replaceable
+    from mergepipe.output.safety import replaceable
 
     why = replaceable(Path(OUT))
     if why is not None:

@@ -15,14 +15,16 @@ from mergepipe.checkpoint.lora_combine import Term, combine
 from mergepipe.checkpoint.json_files import parse_json, read_bounded
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
+from mergepipe.commands.stack import stacked_sources
 from mergepipe.config.adapter_output import check_adapter_output
-from mergepipe.errors import ConfigError, IntegrityError, OutputError
+from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_config, adapter_manifest,
                                           recipe_hash, write_adapter, write_adapter_manifest, write_report)
 from mergepipe.output.manifest import load_manifest, verify_outputs
-from mergepipe.output.publish import Publisher, check_output_path
+from mergepipe.output.publish import Publisher
+from mergepipe.output.safety import WriteInputs, check_output_path, refuse_overlap
 from mergepipe.util.canonical import canonical_blake3
-from mergepipe.util.fs import hash_file, overlaps
+from mergepipe.util.fs import hash_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +141,12 @@ def recipe_and_inputs(cfg, sources: list[Source], table_hash: str) -> tuple[dict
     return recipe, inputs
 
 
-def _refuse_holding(out_dir: Path, inputs: tuple[Path, ...]) -> None:
-    """An output folder that is, holds or lies inside an input: publishing replaces the whole
-    folder, so it is refused even with --force."""
-    for p in inputs:
-        if overlaps(out_dir, p):
-            raise OutputError(f"{out_dir}: output folder overlaps {p}, an input of this run; choose another "
-                              "output dir")
+def output_inputs(cfg, protect: tuple[Path, ...] = ()) -> WriteInputs:
+    """What an adapter output folder may not overlap (output/safety.py): the base, the adapters,
+    a stacked base's source models, the cache, and `protect` (params.yaml)."""
+    models = (cfg.base, *(e.path for e in cfg.experts))
+    return WriteInputs(models=models, sources=stacked_sources(models), cache=cfg.cache_dir,
+                       command=tuple(protect))
 
 
 def _published(out_dir: Path, wanted: str) -> dict | None:
@@ -172,11 +173,11 @@ def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
     Raises:
         ConfigError: the config cannot make an adapter (config/adapter_output.py), an adapter
         that does not fit the base or holds what an adapter output cannot write.
-        OutputError: the output folder cannot be replaced (output/publish.py).
+        OutputError: the output folder may not be written (output/safety.py).
     """
     coefficients = check_adapter_output(cfg)
     out_dir = check_output_path(out_dir if out_dir is not None else cfg.output.dir)
-    _refuse_holding(out_dir, (cfg.base, *(e.path for e in cfg.experts), *protect))
+    refuse_overlap(out_dir, output_inputs(cfg, protect))
     base = open_checkpoint(cfg.base)
     table_hash = base_table_hash(base)
     sources = open_sources(cfg, base, table_hash, coefficients)

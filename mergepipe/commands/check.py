@@ -92,7 +92,7 @@ def load_recipe(path: Path, *, budget: str | None = None, output: str | None = N
     if budget is not None:
         overrides["budget"] = budget
     if output is not None:
-        from mergepipe.output.publish import check_output_path
+        from mergepipe.output.safety import check_output_path
         overrides["output"] = {"dir": str(check_output_path(output))}
     data = read_yaml(path)
     if isinstance(data, dict) and "experts" not in data and any(k in data for k in MERGEKIT_KEYS):
@@ -115,7 +115,7 @@ def check_file(path: Path, *, budget: str | None = None, output: str | None = No
     return check(cfg, config_file=path, force=force, threads=threads, probe=probe)
 
 
-def _check_adapter_output(report: Report, cfg: MergeConfig) -> Report:
+def _check_adapter_output(report: Report, cfg: MergeConfig, config_file: Path | None, force: bool) -> Report:
     from mergepipe.config.adapter_output import check_adapter_output
     try:
         check_adapter_output(cfg)
@@ -124,7 +124,25 @@ def _check_adapter_output(report: Report, cfg: MergeConfig) -> Report:
         return report
     report.ok(f"output.adapter: {cfg.output.adapter.combination} of {len(cfg.experts)} adapter(s); the adapters "
               "are checked against the base's headers when run opens them")
+    _check_adapter_folder(report, cfg, config_file, force)
     return report
+
+
+def _check_adapter_folder(report: Report, cfg: MergeConfig, config_file: Path | None, force: bool) -> None:
+    """What run refuses about an adapter output's folder (output/safety.py), before any work."""
+    from mergepipe.commands.adapter_run import output_inputs
+    from mergepipe.output.safety import check_output_path, check_replace, refuse_overlap
+
+    out = cfg.output.dir
+    protect = () if config_file is None else (Path(config_file),)
+
+    def safe() -> None:
+        check_output_path(out)
+        refuse_overlap(out, output_inputs(cfg, protect))
+        check_replace(out, force=force)
+    if report.attempt(safe)[0]:
+        state = "a mergepipe output, replaced when the adapter is published" if out.is_dir() else "a new folder"
+        report.ok(f"output {cfg.normalized()['output']['dir']}: {state}")
 
 
 def check(cfg: MergeConfig, *, config_file: Path | None = None, budget: Budget | str | None = None,
@@ -135,7 +153,7 @@ def check(cfg: MergeConfig, *, config_file: Path | None = None, budget: Budget |
     report = Report()
     report.ok(f"recipe {cfg.source}: method {cfg.method}, {len(cfg.experts)} expert(s), budget {cfg.budget}")
     if cfg.output.adapter is not None:  # reads only the adapters: run's own checks, nothing to predict
-        return _check_adapter_output(report, cfg)
+        return _check_adapter_output(report, cfg, config_file, force)
     ctx = _check(report, cfg, budget, detail=True)
     _check_output(report, cfg, config_file, force)
     if report.error is None and ctx is not None:
@@ -228,6 +246,9 @@ def _check_models(report: Report, cfg: MergeConfig, *, detail: bool  # noqa: C90
     for e, e_written in zip(cfg.experts, written["experts"]):
         where = f"expert {e.name!r} ({e_written.get('path', e_written.get('adapter'))})"
         if getattr(e, "adapter", None) is not None:
+            from mergepipe.checkpoint.lora import check_adapter  # its config and header: no factor read
+            if not report.attempt(lambda e=e: check_adapter(e.adapter, base))[0]:
+                return None
             experts[e.name] = None
             if detail:
                 report.ok(f"{where}: a LoRA adapter of the base (its tensors are the base's)")
@@ -320,28 +341,20 @@ def _check_budget(report: Report, cfg: MergeConfig, base: Checkpoint, experts: d
 
 
 def _check_output(report: Report, cfg: MergeConfig, config_file: Path | None, force: bool) -> None:
-    """What merge_plan and the publisher refuse about the output folder, before any work:
-    a protected path, a run-record path holding another file, an overlap with an input, the
-    cache or the recipe, and (without --force) a folder mergepipe did not write."""
-    from mergepipe.commands.pipeline import _check_output_target
-    from mergepipe.output import run_record
-    from mergepipe.output.publish import Publisher, check_output_path
+    """What merge_plan and the publisher refuse about the output folder, before any work
+    (output/safety.check_output_folder, the merge's own question)."""
+    from mergepipe.commands.stack import stacked_sources
+    from mergepipe.output.safety import WriteInputs, check_output_folder
 
     out = cfg.output.dir
-    models = SimpleNamespace(base=SimpleNamespace(root=cfg.base),
-                             experts={e.name: SimpleNamespace(root=e.path) for e in cfg.experts},
-                             tokenizer_dir=cfg.output.tokenizer_dir)
+    models = (cfg.base, *(e.path for e in cfg.experts))
     protect = [] if config_file is None else [Path(config_file)]
     text = (cfg.plan_options or {}).get("text")
     if text is not None:
         protect.append(cfg.config_path(text))
-
-    def safe() -> None:
-        check_output_path(out)
-        run_record.check_writable(out)
-        _check_output_target(out, models, SimpleNamespace(root=cfg.cache_dir), tuple(protect))
-        Publisher(out, force=force)._check_target()  # the publisher's own rule, without taking its lock
-    if not report.attempt(safe)[0]:
+    inputs = WriteInputs(models=models, sources=stacked_sources(models), tokenizer=cfg.output.tokenizer_dir,
+                         cache=cfg.cache_dir, command=tuple(protect))
+    if not report.attempt(lambda: check_output_folder(out, inputs, force=force))[0]:
         return
     state = "a mergepipe output, replaced when the merge is published" if out.is_dir() else "a new folder"
     report.ok(f"output {cfg.normalized()['output']['dir']}: {state}")

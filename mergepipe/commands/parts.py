@@ -27,6 +27,8 @@ from mergepipe.engine.layout import one_file_record, plan_layout
 from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output.manifest import MANIFEST, load_manifest
+from mergepipe.output.safety import WriteInputs, parts_inputs, refuse_inside
+from mergepipe.commands.stack import stacked_sources
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.tensor_table import subset
@@ -118,21 +120,6 @@ def _write_json(path: Path, obj: dict) -> None:
     atomic_write_bytes(path, (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode())
 
 
-def _check_parts_dir(parts_dir: Path, inputs: Inputs) -> None:
-    """Part files are added to -o, never replacing it; but added to an input model's folder they
-    change that model (a second *.safetensors file without an index json is no longer a
-    checkpoint), so -o may not be or lie inside an input model or the tokenizer source."""
-    out = parts_dir.resolve()
-    roots = [ck.root for ck in (inputs.base, *inputs.experts.values())]
-    if inputs.tokenizer_dir is not None:
-        roots.append(inputs.tokenizer_dir)
-    for root in roots:
-        real = root.resolve()
-        if out == real or real in out.parents:
-            raise OutputError(f"{parts_dir}: parts folder is inside the input {root}; part files there would change "
-                              "that model folder; choose another -o")
-
-
 def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
                threads: int = 2, progress: bool = False, force: bool = False) -> dict:
     """Merge part i of n into parts_dir; returns its sidecar (also written as JSON). A file
@@ -140,7 +127,10 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
     replaced only with `force`."""
     check_parts(n, what=f"--part {i}/{n}", tensors=len(inputs.base.tensors))
     parts_dir = Path(parts_dir)
-    _check_parts_dir(parts_dir, inputs)
+    # part files are added to -o, never replacing it; added to an input model's folder they change that model
+    models = tuple(ck.root for ck in (inputs.base, *inputs.experts.values()))
+    refuse_inside(parts_dir, parts_inputs(WriteInputs(models=models, sources=stacked_sources(models),
+                                                      tokenizer=inputs.tokenizer_dir)), what="parts folder -o")
     parts_dir.mkdir(parents=True, exist_ok=True)
     st_path, js_path = part_paths(parts_dir, i, n)
     for p in (st_path, js_path):

@@ -32,8 +32,8 @@ from mergepipe.config.paths import check_expert_kinds
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
-from mergepipe.util.fs import hash_file, overlaps
-from mergepipe.errors import ConfigError, IntegrityError, OutputError
+from mergepipe.util.fs import hash_file
+from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output import run_record as records
 from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
                                       manifest_hash, verify_outputs, write_manifest)
@@ -43,10 +43,11 @@ from mergepipe.plan.default_strategy import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.lineage import input_lineage
-from mergepipe.output.publish import Publisher, check_output_path
+from mergepipe.output.publish import Publisher
+from mergepipe.output.safety import WriteInputs, check_output_folder
 from mergepipe.index.store import Store
 from mergepipe.index.store_key import STORE_MAC, entry_mac, mac_matches, store_key
-from mergepipe.commands.stack import STACK_FILE, check_fresh, stack_sources
+from mergepipe.commands.stack import STACK_FILE, check_fresh, stacked_sources
 from mergepipe.config.mergekit import dump_params
 
 
@@ -219,29 +220,13 @@ def _with_card(tmp: Path, man: dict, card: dict[str, bytes]) -> dict:
     return man
 
 
-def _check_output_target(out_dir: Path, inputs: Inputs, store: Store, protect: tuple[Path, ...] = ()) -> None:
-    """Refuse (even with --force) an output folder that is, holds or lies inside an input
-    model, the tokenizer source or the cache (publishing replaces the whole folder; gc
-    prunes inside the cache), or that holds another input of the command (`protect`: the
-    params.yaml or plan file, a parts folder)."""
-    out = out_dir.resolve()
-    for ck in [inputs.base, *inputs.experts.values()]:
-        if overlaps(out_dir, ck.root):
-            raise OutputError(f"{out_dir}: output folder overlaps input model {ck.root}; choose another output dir")
-        for src in stack_sources(ck.root):  # a stacked input's models are inputs too
-            if overlaps(out_dir, src):
-                raise OutputError(f"{out_dir}: output folder overlaps {src}, a source model of the stacked input "
-                                  f"{ck.root}; choose another output dir")
-    if inputs.tokenizer_dir is not None and overlaps(out_dir, inputs.tokenizer_dir):
-        raise OutputError(f"{out_dir}: output folder overlaps the tokenizer source {inputs.tokenizer_dir}; "
-                          "choose another output dir")
-    if overlaps(out_dir, store.root):
-        raise OutputError(f"{out_dir}: output folder overlaps the cache folder {store.root}; choose another "
-                          "output dir (or another --cache-dir)")
-    for p in protect:
-        if out == p.resolve() or out in p.resolve().parents or (p.is_dir() and overlaps(out_dir, p)):
-            raise OutputError(f"{out_dir}: output folder holds {p}, an input of this command; publishing would "
-                              "delete it, even with --force; choose another output dir")
+def output_inputs(inputs: Inputs, store_root: Path, protect: tuple[Path, ...] = ()) -> WriteInputs:
+    """What the merge's output folder may not overlap (output/safety.py): the input models and
+    their stacked sources, the tokenizer source, the cache, and the command's other inputs
+    (`protect`: the params.yaml or plan file, a parts folder, the calibration text)."""
+    models = tuple(ck.root for ck in (inputs.base, *inputs.experts.values()))
+    return WriteInputs(models=models, sources=stacked_sources(models), tokenizer=inputs.tokenizer_dir,
+                       cache=store_root, command=tuple(Path(p) for p in protect))
 
 
 def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
@@ -257,9 +242,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     output folder must not hold. `card`: the card files (`output_card` of the user's recipe;
     a replay's, the output's own: `recorded_card`); None: the card of the plan alone.
     """
-    check_output_path(out_dir)
-    records.check_writable(out_dir)
-    _check_output_target(out_dir, inputs, store, tuple(Path(p) for p in protect))
+    check_output_folder(out_dir, output_inputs(inputs, store.root, protect), force=force)
     cached = store.root / "merges" / plan["plan_hash"]
     lineage = input_lineage((inputs.base, inputs.base_index),
                             {n: (inputs.experts[n], inputs.expert_indexes[n]) for n in inputs.experts})

@@ -110,7 +110,8 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
         OutputError: `dest` is inside the folder, or exists (without `force`).
         IntegrityError: the folder does not verify. ConfigError: the key is unusable.
     """
-    if out_dir.resolve() in dest.resolve().parents:
+    from mergepipe.output.safety import inside_output
+    if inside_output(dest, out_dir):
         raise OutputError(f"-o {dest}: inside {out_dir}, where it would be a file the manifest does not "
                           "record; write it beside the folder")
     if dest.is_dir() or (dest.exists() and not force):

@@ -91,8 +91,8 @@ def signature_path(out_dir: Path, signature: Path | None) -> Path:
     other than model.sig would be a file the manifest does not record)."""
     if signature is None:
         return out_dir / SIGNATURE
-    where = signature.resolve()
-    if out_dir.resolve() in where.parents and where != (out_dir / SIGNATURE).resolve():
+    from mergepipe.output.safety import inside_output
+    if inside_output(signature, out_dir) and signature.resolve() != (out_dir / SIGNATURE).resolve():
         raise ConfigError(f"--signature {signature}: inside {out_dir}; there it must be {SIGNATURE} "
                           "(any other file there is one its manifest does not record)")
     return signature

@@ -155,6 +155,12 @@ def stack_sources(folder: str | Path) -> list[Path]:
         return []
 
 
+def stacked_sources(models) -> tuple[tuple[Path, Path], ...]:
+    """(source model, stacked input) for every source each of `models` records: a stacked input's
+    models are inputs too, which an output may not overlap (output/safety.WriteInputs)."""
+    return tuple((src, Path(m)) for m in models for src in stack_sources(m))
+
+
 def _written_files(record: dict) -> dict[str, str]:
     """{file name: blake3} of what the import wrote into the folder (a record from before the
     config and copied files were hashed holds the weights' only)."""

@@ -72,7 +72,8 @@ def check_sweep_folder(out: Path, *, force: bool = False) -> None:
     Raises:
         OutputError: `out` is a file, cannot be listed, or holds something a sweep did not write.
     """
-    from mergepipe.output.publish import leftover_of, replaceable
+    from mergepipe.output.publish import leftover_of
+    from mergepipe.output.safety import replaceable
     if not out.exists() and not out.is_symlink():
         return
     if out.is_symlink() or not out.is_dir():

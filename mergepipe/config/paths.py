@@ -1,5 +1,6 @@
 """Path resolution: params.yaml paths made absolute against its folder (as written kept
-for `normalized()`), and the output folder refused where it overlaps an input or the cache.
+for `normalized()`), and the output folder refused where it overlaps an input or the cache
+(output/safety.overlaps, asked at load so that a config error names its key).
 `check_models_exist` is for the plan step (loading a config checks no path's existence)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mergepipe.checkpoint.lora import is_adapter
 from mergepipe.config.hf_cache import hub_repo, hub_snapshot, looks_like_hub_id
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.units import short_repr
-from mergepipe.util.fs import overlaps
+from mergepipe.output.safety import overlaps  # the one owner of output safety (layer exception: test_layers)
 
 if TYPE_CHECKING:
     from mergepipe.config.models import MergeConfig

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.methods import METHODS
-from mergepipe.output.publish import CARD_TITLE
+from mergepipe.output.safety import CARD_TITLE
 from mergepipe.plan.bound_text import bound_line
 
 README = "README.md"

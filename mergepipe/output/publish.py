@@ -5,11 +5,9 @@ into place, so a reader (or a crash) sees either the previous complete folder or
 the new one, never a partial one. A lock file beside the target stops a second
 writer; a lock or temp folder left by a dead process is detected and removed.
 
-Only what mergepipe published before (a folder with a valid manifest.json and
-nothing it did not write) or an empty folder is ever replaced; anything else is
-refused unless `force`. Paths whose replacement would destroy far more than a
-model (/, the home folder, the working directory or any folder above it) are
-refused even with `force`. Temp and lock names are `.NAME.tmp-<12 hex>`,
+Whether the target may be written or replaced (protected paths, a folder mergepipe did not
+write, `force`) is output/safety.py's rule: the publisher asks it when it is created, again
+under the lock, and again just before the swap. Temp and lock names are `.NAME.tmp-<12 hex>`,
 `.NAME.old-<12 hex>` and `.NAME.lock`, matched exactly (never by a prefix glob),
 so the writers of `m` and `m.v2` never touch each other's files. SIGTERM and
 SIGHUP unwind like Ctrl-C, so the temp folder and the lock are removed.
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import re
 import shlex
@@ -33,6 +30,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.errors import OutputError
+from mergepipe.output.safety import check_output_path, check_replace, replaceable
+
+__all__ = ["Publisher", "Terminated", "check_output_path", "clean_dead_writer", "leftover_of", "replaceable",
+           "terminate_unwinds"]  # check_output_path, replaceable: output/safety.py's, for publish's callers
 
 _RENAME_EXCHANGE = 2
 _EMPTY_LOCK_GRACE_S = 10  # a file lock (no-symlink folders) is filled microseconds after its creation
@@ -221,142 +222,12 @@ def _recover_previous(target: Path) -> Path | None:
     return newest
 
 
-def _protected(target: Path) -> str | None:
-    """Why replacing `target` would destroy more than an output (even with --force), or None."""
-    real = Path(os.path.realpath(target))
-    if real == Path(real.anchor):
-        return "is the root folder"
-    try:
-        home = Path(os.path.realpath(Path.home()))
-    except (RuntimeError, KeyError):
-        home = None
-    if home is not None and real == home:
-        return "is your home folder"
-    cwd = Path(os.path.realpath(os.getcwd()))
-    if real == cwd:
-        return "is the current folder"
-    if real in cwd.parents:
-        return "contains the current folder"
-    return None
-
-
-def check_output_path(target: str | Path, *, what: str = "output") -> Path:
-    """Refuse output paths that must never be replaced (even with --force): empty, ".",
-    /, home, the working folder or a folder above it; returns the absolute path."""
-    if str(target).strip() == "":
-        raise OutputError(f"{what} path is empty (an unset shell variable?); give the folder to write")
-    path = Path(target).absolute()
-    why = _protected(path)
-    if why is not None:
-        raise OutputError(f"{target}: {what} path {why} ({os.path.realpath(path)}); refusing to replace it, "
-                          "even with --force; give a new folder")
-    return path
-
-
-_OUTPUT_FILE = re.compile(r"[^/]+\.(safetensors|json|txt|model)|README\.md|mergekit_config\.yml")
-
-
-CARD_TITLE = "# Merged with mergepipe ("  # the model card's title line (output/model_card.py)
-
-
-def _our_card(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16).decode("utf-8", "replace")  # after front matter naming every model
-    except OSError:
-        return False
-    return any(line.startswith(CARD_TITLE) for line in head.splitlines())
-
-
-def _manifest_removed(target: Path, entries: list[str]) -> bool:
-    """A mergepipe output whose weights and manifest a build tool deleted before rerunning the
-    job (Snakemake removes a job's declared outputs first): our model card is there, and
-    nothing but files of the kinds an output holds (weights, JSON, tokenizer files, card)."""
-    if not ("README.md" in entries and _our_card(target / "README.md")):
-        return False
-    return all(_OUTPUT_FILE.fullmatch(n) and (target / n).is_file() and not (target / n).is_symlink()
-               for n in entries)
-
-
-def _legacy_record(path: Path) -> bool:
-    """An earlier version's run record inside its output (run.json: timings and host, or a
-    restore), which a republication drops."""
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(rec, dict) and bool({"host", "restored_from"} & set(rec)) and not path.is_symlink()
-
-
-def _not_ours(target: Path) -> str | None:
-    """None if `target` may be replaced: an empty folder, or a complete mergepipe output
-    (a manifest whose hash holds, and no file it does not record). Else the reason."""
-    try:
-        entries = sorted(p.name for p in target.iterdir())
-    except OSError as e:
-        return f"cannot be listed ({e.strerror})"
-    if not entries:
-        return None
-    from mergepipe.errors import IntegrityError
-    from mergepipe.output.manifest import MANIFEST, load_manifest  # publish stays generic otherwise
-    from mergepipe.output.run_record import LEGACY_NAME
-    if MANIFEST not in entries:
-        if _manifest_removed(target, entries):
-            return None
-        return f"is a folder that mergepipe did not write (no {MANIFEST}; holds {entries[0]!r}"+ (
-            f" and {len(entries) - 1} more" if len(entries) > 1 else "") + ")"
-    try:
-        man = load_manifest(target)
-        files = man["outputs"]["files"]
-        if not isinstance(files, dict):
-            raise TypeError
-    except (IntegrityError, KeyError, TypeError):
-        return f"holds a {MANIFEST} that is not a valid mergepipe manifest"
-    foreign = [n for n in entries if n not in files and n != MANIFEST
-               and not (n == LEGACY_NAME and _legacy_record(target / n))]
-    if foreign:
-        return f"holds {foreign[0]!r}, which the mergepipe output there does not record"
-    from mergepipe.output.manifest import replaced_weight_file
-    replaced = replaced_weight_file(target, man)
-    if replaced is not None:
-        return (f"holds {replaced!r}, which is not the weight file mergepipe published there (another file or "
-                "size, and not the manifest's bytes: a user's weights?)")
-    edited = _edited(target, files)
-    if edited is not None:
-        return (f"holds {edited!r}, edited since mergepipe published it (a rebuild would replace the edit; "
-                "copy it elsewhere first)")
-    return None
-
-
-def _edited(target: Path, files: dict) -> str | None:
-    """The first recorded file other than weights (model card, config, tokenizer files: recorded
-    by blake3) whose bytes are no longer the manifest's: a user's edit, which a rebuild would
-    lose. Weight files (recorded by hash tree) are mergepipe's alone: damaged ones are rebuilt."""
-    from mergepipe.util.fs import hash_file
-    for name, rec in sorted(files.items()):
-        path = target / name
-        if isinstance(rec, dict) and isinstance(rec.get("blake3"), str) and path.is_file() \
-                and not path.is_symlink() and hash_file(path) != rec["blake3"]:
-            return name
-    return None
-
-
 _LEFTOVER = re.compile(r"\..+\.(?:lock|(?:tmp|old)-[0-9a-f]{12})")
 
 
 def leftover_of(path: Path) -> bool:
     """Whether `path` is named like a writer's lock, temp folder or previous version (of any target)."""
     return bool(_LEFTOVER.fullmatch(path.name))
-
-
-def replaceable(target: Path) -> str | None:
-    """None if publishing at `target` may replace it without --force (an empty folder or a
-    complete mergepipe output); else why not."""
-    if target.is_symlink():
-        return "is a symbolic link"
-    if not target.is_dir():
-        return "is not a folder"
-    return _not_ours(target)
 
 
 class Publisher:
@@ -375,18 +246,7 @@ class Publisher:
         self._signals = terminate_unwinds()
 
     def _check_target(self) -> None:
-        t = self.target
-        if t.is_symlink():
-            where = os.readlink(t)
-            state = "a dangling symbolic link" if not t.exists() else "a symbolic link"
-            raise OutputError(f"{t}: output path is {state} (to {where}); give the real folder instead")
-        if t.exists() and not t.is_dir():
-            raise OutputError(f"{t}: output path exists and is not a folder")
-        if t.is_dir() and not self.force:
-            why = _not_ours(t)
-            if why is not None:
-                raise OutputError(f"{t}: output folder {why}; refusing to replace it (choose a new folder, "
-                                  "or pass --force to replace it)")
+        check_replace(self.target, force=self.force)
 
     def __enter__(self) -> Path:
         self._check_target()

@@ -32,13 +32,6 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def overlaps(a: Path | str, b: Path | str) -> bool:
-    """Whether folder or file `a` is `b`, holds it or lies inside it (links resolved): a folder
-    published over `a` would replace or contain `b`."""
-    a, b = Path(a).resolve(), Path(b).resolve()
-    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
-
-
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Write `data` to `path` atomically: a uniquely named temp file in the same folder,
     fsynced, renamed over `path`, then the folder fsynced.

@@ -1,0 +1,181 @@
+"""Output safety (output/safety.py): one owner answers "may I write here?", and where the copies
+it replaced disagreed, the safer answer holds for every command."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from mergepipe.cli import main
+from mergepipe.commands.stack import SOURCES_FILE, source_stats
+from mergepipe.errors import OutputError
+from mergepipe.output import safety
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mergepipe"
+OWNER = PACKAGE / "output" / "safety.py"
+# what only the owner defines: its public questions and the rules behind them
+RULES = {"check_output_path", "overlaps", "refuse_overlap", "refuse_inside", "inside_output", "replaceable",
+         "check_replace", "check_file_target", "check_output_folder", "_protected", "_not_ours", "_at_or_inside",
+         "_manifest_removed", "_our_card", "_edited", "_legacy_record"}
+# path containment outside the owner, each a read-side question: a weight file's link stays in its
+# model folder (checkpoint/safetensors.py), the nearest existing folder for a free-space estimate
+CONTAINMENT_ELSEWHERE = {"checkpoint/safetensors.py", "commands/check_predict.py"}
+CONTAINMENT = re.compile(r"\.is_relative_to\(|\bin [\w.()\[\]]+\.parents\b")
+# the owner's refusals, which no other raise words (part files, signatures and adapters have their own)
+REFUSALS = ("output folder overlaps", "an input of this command", "or pass --force to replace it",
+            "that mergepipe did not write", "output path is", "is inside an input")
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE)): p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_module_but_the_owner_defines_an_output_safety_rule():
+    defined = [(path, node.name) for path, text in _sources().items() if path != "output/safety.py"
+               for node in ast.walk(ast.parse(text))
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in RULES]
+    assert defined == []
+
+
+def test_no_module_but_the_owner_compares_output_paths_or_words_a_refusal():
+    contained = [path for path, text in _sources().items()
+                 if path != "output/safety.py" and path not in CONTAINMENT_ELSEWHERE and CONTAINMENT.search(text)]
+    assert contained == []
+    worded = [(path, phrase) for path, text in _sources().items() if path != "output/safety.py"
+              for raised in ast.walk(ast.parse(text)) if isinstance(raised, ast.Raise)
+              for node in ast.walk(raised) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+              for phrase in REFUSALS if phrase in node.value]
+    assert worded == []
+
+
+def test_the_workflow_asks_the_owner_and_decides_nothing_itself():
+    rules = {p.name: p.read_text(encoding="utf-8") for p in [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]}
+    assert "from mergepipe.output.safety import replaceable" in rules["common.smk"]
+    for name, text in rules.items():
+        assert not CONTAINMENT.search(text), name
+        assert "mergepipe.output.publish" not in text, name
+        assert not any(phrase in text for phrase in REFUSALS), name
+
+
+def test_the_owner_imports_nothing_above_util_at_module_level():
+    """config/paths asks `overlaps` at load time (the one upward import, tests/test_layers.py)."""
+    tree = ast.parse(OWNER.read_text(encoding="utf-8"))
+    top = [node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module]
+    ours = [m for m in top if m.startswith("mergepipe")]
+    assert ours and all(m == "mergepipe.errors" or m.startswith("mergepipe.util") for m in ours), ours
+
+
+def test_publish_s_names_are_the_owner_s():
+    from mergepipe.output import publish
+    assert publish.check_output_path is safety.check_output_path and publish.replaceable is safety.replaceable
+
+
+def test_a_file_inside_an_input_is_refused_and_beside_it_is_not(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for inside in (model, model / "model.safetensors", model / "sub" / "x.json"):
+        with pytest.raises(OutputError, match="an input of this command"):
+            safety.refuse_inside(inside, [model])
+    safety.refuse_inside(tmp_path / "model.json", [model])
+    safety.refuse_inside(tmp_path / "model2" / "x", [model])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _stacked(tiny_family, tmp_path: Path) -> tuple[Path, Path]:
+    """(source model, a stacked base recording it as its source): the stack's record only."""
+    src = _copy(Path(tiny_family["base"]), tmp_path / "source")
+    stacked = _copy(Path(tiny_family["base"]), tmp_path / "stacked")
+    (stacked / SOURCES_FILE).write_text(json.dumps({"sources": source_stats([src]), "rerun": "import again"}))
+    return src, stacked
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _lora(tiny_family, folder: Path) -> Path:
+    """A PEFT LoRA adapter of the tiny base's q_proj layers, written by hand."""
+    folder.mkdir()
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for layer in (0, 1):
+        key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{key}.lora_A.weight"] = torch.randn(2, 128, generator=g) * 0.01
+        tensors[f"{key}.lora_B.weight"] = torch.randn(128, 2, generator=g) * 0.01
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
+    return folder
+
+
+def _one_line(capsys, *fragments: str) -> None:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(f in err for f in fragments), err
+
+
+def test_an_adapter_output_never_replaces_a_stacked_base_s_source_model(tiny_family, tmp_path, capsys):
+    """The merge refused an output overlapping a stacked input's source models; the adapter run
+    did not, and `--force` replaced the source model with the adapter."""
+    src, stacked = _stacked(tiny_family, tmp_path)
+    params = tmp_path / "adapter.yaml"
+    params.write_text(yaml.safe_dump({
+        "base": str(stacked), "method": "task_arithmetic",
+        "experts": [{"name": "a", "adapter": str(_lora(tiny_family, tmp_path / "lora")), "weight": 1.0}],
+        "output": {"dir": str(src), "adapter": {"combination": "cat"}}, "cache_dir": str(tmp_path / "cache")}))
+    before = _snapshot(src)
+    capsys.readouterr()
+    assert main(["run", str(params), "-q", "--force"]) == OutputError.exit_code
+    _one_line(capsys, str(src), "a source model of the stacked input")
+    # `check` says what run refuses (it did not look at an adapter output's folder)
+    assert main(["check", str(params), "-q", "--force"]) == OutputError.exit_code
+    assert "a source model of the stacked input" in capsys.readouterr().out
+    assert _snapshot(src) == before
+
+
+def test_part_files_are_never_added_to_a_stacked_base_s_source_model(tiny_family, tmp_path, capsys):
+    """The parts folder was refused inside an input model but not inside a stacked input's
+    source model, which a second *.safetensors file there changes."""
+    src, stacked = _stacked(tiny_family, tmp_path)
+    experts = [{"name": "e0", "path": str(tiny_family["experts"][1]), "weight": 0.5}]
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"base": str(stacked), "experts": experts, "method": "task_arithmetic",
+                                      "budget": "full", "output": {"dir": str(tmp_path / "out")},
+                                      "cache_dir": str(tmp_path / "cache")}))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(params), "-o", str(plan), "-q"]) == 0
+    before = _snapshot(src)
+    capsys.readouterr()
+    argv = ["merge", str(plan), "--part", "1/2", "-o", str(src / "parts"), "--cache-dir", str(tmp_path / "cache"),
+            "-q", "--force"]
+    assert main(argv) == OutputError.exit_code
+    _one_line(capsys, str(src), "parts folder -o is inside an input of this command")
+    assert _snapshot(src) == before and not (src / "parts").exists()
+
+
+def test_import_mergekit_does_not_replace_a_symbolic_link_without_force(tiny_family, tmp_path, capsys):
+    """`plan -o` and `index -o` refused an existing -o that is a symbolic link (even a dangling one)
+    without --force; import-mergekit replaced it."""
+    config = tmp_path / "mk.yaml"
+    config.write_text(yaml.safe_dump({
+        "merge_method": "task_arithmetic", "base_model": str(tiny_family["base"]), "dtype": "bfloat16",
+        "models": [{"model": str(tiny_family["experts"][1]), "parameters": {"weight": 1.0}}]}))
+    link = tmp_path / "params.yaml"
+    os.symlink(tmp_path / "elsewhere.yaml", link)
+    capsys.readouterr()
+    assert main(["import-mergekit", str(config), "-o", str(link), "-q"]) == OutputError.exit_code
+    _one_line(capsys, str(link), "exists; refusing to overwrite it")
+    assert link.is_symlink() and not (tmp_path / "elsewhere.yaml").exists()
+    assert main(["import-mergekit", str(config), "-o", str(link), "-q", "--force"]) == 0
