@@ -125,6 +125,18 @@ RECIPES = {
                            for name, n, w in (("text_decoder", TEXT_LAYERS, [0.2, 1.0]),
                                               ("vision_tower", VISION_LAYERS, 0.5),
                                               ("multi_modal_projector", 2, 0.9))}},
+    # a model left out of a module: weight 0 there (linear in the weights), normalized in one module
+    "partial": {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"weight": 0.6},
+                "modules": {"text_decoder": {"models": [_m("a"), _m("b", weight=0.3)]},
+                            "vision_tower": {"models": [_m("c", weight=0.8)], "parameters": {"lambda": 1.2}},
+                            "multi_modal_projector": {"models": [_m("b"), _m("c")],
+                                                      "parameters": {"normalize": True}}}},
+    # linear with a base averaged in, models left out of modules
+    "linear_partial": {"merge_method": "linear", "base_model": "family/base",
+                       "modules": {"text_decoder": {"models": [_m("base", weight=1.0), _m("a", weight=2.0)]},
+                                   "vision_tower": {"models": [_m("base", weight=0.5), _m("b", weight=0.5),
+                                                               _m("c", weight=[1.0, 2.0])]},
+                                   "multi_modal_projector": {"models": [_m("base", weight=1.0), _m("a", weight=1.5)]}}},
     # no base: the first model plays it, its weight averaged in, per module
     "linear": {"merge_method": "linear",
                "modules": {"text_decoder": {"models": [_m("a", weight=1.0), _m("b", weight=3.0)]},
@@ -209,6 +221,10 @@ def test_each_module_takes_its_own_settings(merged, recipe):
         assert group["model.layers.2.mlp.up_proj.weight"]["parameters"]["lambda"] == 0.6
         assert group["model.layers.2.mlp.up_proj.weight"]["experts"]["a"]["weight"] == 1.0
         assert group["visual.blocks.1.mlp.up_proj.weight"]["parameters"]["lambda"] == 1.5
+    if recipe == "partial":
+        assert group["visual.blocks.0.attn.qkv.weight"]["experts"] == {"a": {"weight": 0.0}, "b": {"weight": 0.0},
+                                                                       "c": {"weight": 0.8}}
+        assert group["model.layers.0.mlp.up_proj.weight"]["experts"]["c"] == {"weight": 0.0}
 
 
 @pytest.mark.parametrize("form", ["models", "slices"])
@@ -236,6 +252,7 @@ def _qwen_refusal(tmp_path, monkeypatch, capsys, modules, config=None, **top) ->
     monkeypatch.chdir(tmp_path)
     recipe = {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"weight": 1.0},
               **top, "modules": modules}
+    recipe = {k: v for k, v in recipe.items() if v is not None}
     (tmp_path / "mk.yml").write_text(yaml.safe_dump(recipe))
     assert main(["import-mergekit", "mk.yml", "-o", "p.yaml", "-q"]) != 0
     err = capsys.readouterr().err.strip()
@@ -257,9 +274,10 @@ _ALL = {"text_decoder": {"models": [_m("a")]}, "vision_tower": {"models": [_m("a
      r"0\.1\.5 writes no tensor of a module left out"),
     ({**_ALL, "vision_tower": {"models": [_m("a")], "merge_method": "linear"}},
      r"modules\.vision_tower\.merge_method: mergekit 0\.1\.5 merges every module with the top-level merge_method"),
-    ({**_ALL, "vision_tower": {"models": [_m("a"), _m("b")]}},
-     r"modules\.vision_tower\.models: merges \['family/a', 'family/b'\] on 'family/base', the first module "
-     r"\['family/a'\] on 'family/base'; modules merging different models are not built"),
+    ({"text_decoder": {"models": [_m("a"), _m("b")]}, "vision_tower": {"models": [_m("a")]},
+      "multi_modal_projector": {"models": [_m("a"), _m("b")]}},
+     r"modules\.vision_tower\.models: leaves out \['family/b'\], which other modules merge: only methods linear in "
+     r"the weights \(linear, task_arithmetic\) can leave a model out of one module"),
     ({**_ALL, "multi_modal_projector": {"models": [_m("a", weight=[0, 1])]}},
      r"modules\.multi_modal_projector: a\.weight is a gradient; mergekit 0\.1\.5 evaluates this module's tensors"),
     ({**_ALL, "vision_tower": {"slices": [{"sources": [_src("a", 1)]}]}},
@@ -275,7 +293,7 @@ _ALL = {"text_decoder": {"models": [_m("a")]}, "vision_tower": {"models": [_m("a
      r"modules\.vision_tower\.residual: unknown module key; expected models, slices, parameters"),
 ])
 def test_modules_refusals_are_one_line(tmp_path, monkeypatch, capsys, modules, message):
-    err = _qwen_refusal(tmp_path, monkeypatch, capsys, modules)
+    err = _qwen_refusal(tmp_path, monkeypatch, capsys, modules, merge_method="ties")
     assert re.search(message, err), err
 
 
@@ -292,6 +310,15 @@ def test_whisper_decoder_is_refused_as_mergekit_fails_on_it(tmp_path, monkeypatc
                         {"encoder": {"models": [_m("a")]}, "decoder": {"models": [_m("a")]}},
                         {"architectures": ["WhisperForConditionalGeneration"], "encoder_layers": 2})
     assert "modules.decoder: mergekit 0.1.5 names this module's tensors without a dot" in err, err
+
+
+def test_modules_on_different_bases_are_refused(tmp_path, monkeypatch, capsys):
+    modules = {"text_decoder": {"models": [_m("a", weight=1), _m("b", weight=1)]},
+               "vision_tower": {"models": [_m("b", weight=1), _m("a", weight=1)]},
+               "multi_modal_projector": {"models": [_m("a", weight=1), _m("b", weight=1)]}}
+    err = _qwen_refusal(tmp_path, monkeypatch, capsys, modules, merge_method="linear", base_model=None)
+    assert "modules.vision_tower.models: merges on 'family/b', the first module on 'family/a'; every module " \
+           "merges onto one base" in err, err
 
 
 def test_modules_and_models_together_are_refused(tmp_path, monkeypatch, capsys):

@@ -9,9 +9,11 @@ module's own layers. A module the recipe leaves out is not written at all, and a
 `merge_method` is ignored (its OutputModuleDefinition has no such field).
 
 Here each module is converted as mergekit's `models:` form of its own (config/mergekit.py, so
-every method's base and weight rules carry over); every module must then merge the same models,
-which become the experts, and each module's parameters and per-model settings become that
-module's params.yaml settings. Other shapes are refused in one line naming the key.
+every method's base and weight rules carry over); every module merges onto one base, the models
+of all modules become the experts, and each module's parameters and per-model settings become
+that module's params.yaml settings. A model a module leaves out has weight 0 there, which only
+methods linear in the weights reproduce exactly (`_zero_is_absent`). Other shapes are refused
+in one line naming the key.
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
-from mergepipe.config.mergekit import ModelPaths, _fail, _model_layers, _model_ref, mergekit_to_params
+from mergepipe.config.mergekit import ModelPaths, _expert_name, _fail, _model_layers, _model_ref, mergekit_to_params
 from mergepipe.config.mergekit_slices import _merged_parameters
 from mergepipe.errors import ConfigError
-from mergepipe.methods import get_method
+from mergepipe.methods import METHODS, get_method
 from mergepipe.units import short_repr
 
 DEFAULT = "default"  # mergekit's one module of an architecture without modules
@@ -266,11 +268,36 @@ def _defaults(method: str) -> dict[str, Any]:
             if not f.is_required() and f.get_default(call_default_factory=True) is not None}
 
 
+def _ref(expert: dict[str, Any]) -> str:
+    return expert["path"] if "path" in expert else expert["adapter"]
+
+
+def _zero_is_absent(method: str, parameters: dict[str, Any], experts: list[dict[str, Any]]) -> str | None:
+    """None where a model left out of a module merges there as it would with weight 0 (the
+    method's output is W0 + sum_k c_k delta_k with c_k = 0 for a zero weight and the others
+    unchanged, by its own `delta_coefficients` at the module's parameters); else why not."""
+    coefficients = get_method(method).delta_coefficients
+    linear = sorted(n for n, m in METHODS.items() if m.delta_coefficients and m.max_experts != 1)
+    if coefficients is None:
+        return f"only methods linear in the weights ({', '.join(linear)}) can leave a model out of one module"
+    scalars = {k: v for k, v in parameters.items() if not isinstance(v, list | dict)}
+    weights = {e["name"]: e["weight"] if isinstance(e.get("weight"), int | float) else 1.0 for e in experts}
+    try:
+        without = coefficients(scalars, weights)
+        with_zero = coefficients(scalars, {**weights, "\0absent": 0.0})
+    except ValueError as err:
+        return str(err)
+    if with_zero.pop("\0absent") != 0 or with_zero != without:
+        return f"{method} at these parameters is not the same with a weight-0 model as without it"
+    return None
+
+
 def _modules_section(converted: dict[str, dict[str, Any]], facts: dict[str, ModuleFacts],
-                     name_of: dict[str, str]) -> dict[str, Any]:
+                     names: dict[str, str]) -> dict[str, Any]:
     """params.yaml's `modules:`. The top-level settings are the first module's, and a module's
     settings win over them only where given, so every module gives in full each parameter and
-    expert knob that the top level does: its own value, else the method's default."""
+    expert knob that the top level does: its own value, else the method's default; a model a
+    module leaves out has weight 0 there."""
     first = next(iter(converted.values()))
     defaults = _defaults(first["method"])
     top_keys = set(first["parameters"])
@@ -281,11 +308,41 @@ def _modules_section(converted: dict[str, dict[str, Any]], facts: dict[str, Modu
         parameters = {**{k: defaults[k] for k in top_keys - set(params["parameters"]) if k in defaults},
                       **params["parameters"]}
         knobs = {k: parameters.get(k, defaults.get(k)) for k in top_knobs | ({"density", "gamma"} & set(parameters))}
-        experts = {name_of[e["path"]]: {**{k: v for k, v in knobs.items() if v is not None},
-                                        **{k: e[k] for k in ("weight", "density", "gamma") if k in e}}
+        experts = {names[_ref(e)]: {**{k: v for k, v in knobs.items() if v is not None},
+                                    **{k: e[k] for k in ("weight", "density", "gamma") if k in e}}
                    for e in params["experts"]}
-        out[name] = {"prefixes": list(facts[name].prefixes), "parameters": parameters, "experts": experts}
+        experts.update({n: {"weight": 0.0} for n in names.values() if n not in experts})
+        out[name] = {"prefixes": list(facts[name].prefixes), "parameters": parameters,
+                     "experts": dict(sorted(experts.items()))}
     return out
+
+
+def _all_experts(converted: dict[str, dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The experts of every module, in order of first appearance, named anew (the first module's
+    keep their names); a module leaving one out is checked by `_zero_is_absent`.
+
+    Raises:
+        ConfigError: modules on different bases, or leaving a model out where that is not weight 0.
+    """
+    first = next(iter(converted.values()))
+    experts = [dict(e) for e in first["experts"]]
+    taken = {e["name"].lower() for e in experts}
+    for params in converted.values():
+        for e in params["experts"]:
+            if all(_ref(e) != _ref(x) for x in experts):
+                experts.append({**{k: v for k, v in e.items() if k in ("path", "adapter")},
+                                "name": _expert_name(_ref(e), taken), "weight": 0.0})
+    for name, params in converted.items():
+        if params["base"] != first["base"]:
+            raise _fail(source, f"modules.{name}.models", f"merges on {short_repr(params['base'])}, the first module "
+                                                          f"on {short_repr(first['base'])}; every module merges onto "
+                                                          "one base")
+        left_out = [_ref(x) for x in experts if all(_ref(e) != _ref(x) for e in params["experts"])]
+        why = _zero_is_absent(params["method"], params["parameters"], params["experts"]) if left_out else None
+        if why is not None:
+            raise _fail(source, f"modules.{name}.models", f"leaves out {short_repr(left_out)}, which other modules "
+                                                          f"merge: {why}")
+    return experts
 
 
 def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, *, output_dir: str,
@@ -296,7 +353,8 @@ def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, 
 
     Raises:
         ConfigError: an architecture mergepipe knows no modules of, a module it lacks or that is
-            left out, modules merging different models, a key mergekit ignores, naming the key.
+            left out, modules on different bases or leaving a model out where weight 0 is not
+            the same, a key mergekit ignores, naming the key.
     """
     modules = data["modules"]
     if not isinstance(modules, dict) or not all(isinstance(k, str) for k in modules):
@@ -313,13 +371,8 @@ def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, 
     first = next(iter(converted.values()))
     if facts is None:
         return first
-    paths_of = {e["path"]: e["name"] for e in first["experts"]}
+    experts = _all_experts(converted, source)
     for name, params in converted.items():
-        if params["base"] != first["base"] or {e["path"] for e in params["experts"]} != set(paths_of):
-            theirs = sorted(e["path"] for e in params["experts"])
-            raise _fail(source, f"modules.{name}.models",
-                        f"merges {short_repr(theirs)} on {short_repr(params['base'])}, the first module "
-                        f"{short_repr(sorted(paths_of))} on {short_repr(first['base'])}; modules merging different "
-                        "models are not built")
         _check_gradients(name, facts[name], params, source)
-    return {**first, "modules": _modules_section(converted, facts, paths_of)}
+    section = _modules_section(converted, facts, {_ref(e): e["name"] for e in experts})
+    return {**first, "experts": experts, "modules": section}
