@@ -58,7 +58,8 @@ def test_no_module_but_the_owner_compares_output_paths_or_words_a_refusal():
 
 
 def test_the_workflow_asks_the_owner_and_decides_nothing_itself():
-    rules = {p.name: p.read_text(encoding="utf-8") for p in [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]}
+    files = [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]
+    rules = {p.name: p.read_text(encoding="utf-8") for p in files}
     assert "from mergepipe.output.safety import replaceable" in rules["common.smk"]
     for name, text in rules.items():
         assert not CONTAINMENT.search(text), name
