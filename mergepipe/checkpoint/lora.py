@@ -27,7 +27,7 @@ from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from blake3 import blake3
 
@@ -39,6 +39,8 @@ from mergepipe.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")  # a tensor, or its shape (check_adapter)
 
 LORA_FORMAT = 1  # bump when an adapter's bytes change meaning (the Δ arithmetic, the key rules)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -184,15 +186,7 @@ def open_adapter(folder: str | Path, base: Checkpoint, base_content_hash: str) -
     """
     folder = Path(folder)
     settings, config_bytes = read_settings(folder)
-    weights = folder / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
-        if pickles:
-            raise ConfigError(f"{folder / pickles[0]}: pickled adapter weights are refused (never "
-                              f"unpickled); save the adapter as {ADAPTER_WEIGHTS} "
-                              "(save_pretrained(safe_serialization=True))")
-        raise ConfigError(f"{weights}: missing; a PEFT adapter folder holds {ADAPTER_CONFIG} and "
-                          f"{ADAPTER_WEIGHTS}")
+    weights = _weights_file(folder)
     tensors, weights_hash = _read_tensors(weights)
     adapter = _build(folder, weights, tensors, settings, base)
     identity = blake3(json.dumps({"format": LORA_FORMAT, "base": base_content_hash,
@@ -206,6 +200,47 @@ def open_adapter(folder: str | Path, base: Checkpoint, base_content_hash: str) -
     return AdapterCheckpoint(folder, base.files, base.tensors, base, adapter, identity, columns)
 
 
+def check_adapter(folder: str | Path, base: Checkpoint) -> None:
+    """What open_adapter refuses about adapter `folder` and `base`, from adapter_config.json and
+    the safetensors header alone (no factor is read: `mergepipe check`); NaN/Inf factors are
+    found only when the adapter is opened.
+
+    Raises:
+        ConfigError, CheckpointError: as open_adapter, with its messages, in its order.
+    """
+    folder = Path(folder)
+    settings, _ = read_settings(folder)
+    weights = _weights_file(folder)
+    shapes = {}
+    for t in open_checkpoint(weights).files[0].tensors:  # data-offset order, as _read_tensors
+        _check_float(weights, t)
+        shapes[t.name] = tuple(t.shape)
+    modules, wholes = _group(weights, shapes)
+    for name, (key, shape) in wholes.items():
+        _check_whole(weights, key, name, shape, base)
+    for module, parts in sorted(modules.items()):
+        _check_module(weights, module, parts, settings, base)
+
+
+def _weights_file(folder: Path) -> Path:
+    """The adapter's safetensors file (a pickled one is refused, never unpickled)."""
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+        if pickles:
+            raise ConfigError(f"{folder / pickles[0]}: pickled adapter weights are refused (never "
+                              f"unpickled); save the adapter as {ADAPTER_WEIGHTS} "
+                              "(save_pretrained(safe_serialization=True))")
+        raise ConfigError(f"{weights}: missing; a PEFT adapter folder holds {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS}")
+    return weights
+
+
+def _check_float(path: Path, t: TensorInfo) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"{path}: tensor {t.name!r} is {t.dtype}; adapter tensors are floats")
+
+
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor of the adapter's safetensors file, and the blake3 of the file's bytes (its
     header, then its tensors in offset order: they tile the file, as the parser checked)."""
@@ -216,8 +251,7 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
         for t in ckpt.files[0].tensors:  # data-offset order
             buf = reader.read_range(t, t.begin, t.end)
             digest.update(buf)
-            if t.dtype not in FLOAT_DTYPES:
-                raise ConfigError(f"{path}: tensor {t.name!r} is {t.dtype}; adapter tensors are floats")
+            _check_float(path, t)
             out[t.name] = as_tensor(buf, t.dtype, t.shape)
     return out, digest.hexdigest()
 
@@ -238,57 +272,78 @@ def _split_key(key: str, path: Path) -> tuple[str, str]:
     return ".".join(s for s in segments if s not in _WRAPPERS), "whole"
 
 
+def _group(path: Path, items: dict[str, T]) -> tuple[dict[str, dict[str, T]], dict[str, tuple[str, T]]]:
+    """The adapter's tensors (or their shapes) by key, grouped: ({module: {part: item}},
+    {base tensor name: (key, item)} for whole tensors).
+
+    Raises:
+        ConfigError: a key that is not a plain LoRA factor or a base tensor, a base tensor stored twice.
+    """
+    modules: dict[str, dict[str, T]] = {}
+    wholes: dict[str, tuple[str, T]] = {}
+    for key, item in items.items():
+        name, part = _split_key(key, path)
+        if part == "whole":
+            if name in wholes:
+                raise ConfigError(f"{path}: tensor {key!r}: a second tensor for base tensor {name!r}")
+            wholes[name] = (key, item)
+        else:
+            modules.setdefault(name, {})[part] = item
+    return modules, wholes
+
+
 def _build(folder: Path, path: Path, tensors: dict[str, torch.Tensor], settings: LoraSettings,
            base: Checkpoint) -> Adapter:
     """The adapter's Δ and whole tensors by base tensor name, each checked against the base."""
-    modules: dict[str, dict[str, torch.Tensor]] = {}
+    from mergepipe.checkpoint.safetensors import DTYPES
+    modules, wholes = _group(path, tensors)
     replaced: dict[str, bytearray] = {}
-    for key, tensor in tensors.items():
-        name, part = _split_key(key, path)
-        if part == "whole":
-            if name in replaced:
-                raise ConfigError(f"{path}: tensor {key!r}: a second tensor for base tensor {name!r}")
-            replaced[name] = _whole(path, key, name, tensor, base)
-        else:
-            modules.setdefault(name, {})[part] = tensor
+    for name, (key, tensor) in wholes.items():
+        t = _check_whole(path, key, name, tuple(tensor.shape), base)
+        replaced[name] = bytearray(tensor_bytes(tensor.to(DTYPES[t.dtype][1])))
     deltas: dict[str, Delta] = {}
     for module, parts in sorted(modules.items()):
         deltas.update(_module_deltas(path, module, parts, settings, base))
     return Adapter(folder, deltas, replaced)
 
 
-def _whole(path: Path, key: str, name: str, tensor: torch.Tensor, base: Checkpoint) -> bytearray:
+def _check_whole(path: Path, key: str, name: str, shape: tuple[int, ...], base: Checkpoint) -> TensorInfo:
+    """The base tensor a whole tensor of the adapter replaces, checked to take its shape."""
     t = base.tensors.get(name)
     if t is None:
         raise ConfigError(f"{path}: tensor {key!r}: module tensor {name!r} is not in the base {base.root}; "
                           "is this an adapter of another model?")
-    if tuple(tensor.shape) != tuple(t.shape):
-        raise ConfigError(f"{path}: tensor {key!r} has shape {list(tensor.shape)}, the base's {name!r} "
+    if shape != tuple(t.shape):
+        raise ConfigError(f"{path}: tensor {key!r} has shape {list(shape)}, the base's {name!r} "
                           f"{list(t.shape)}; is this an adapter of another model?")
     if t.dtype not in FLOAT_DTYPES:
         raise ConfigError(f"{path}: tensor {key!r}: the base's {name!r} is {t.dtype}, not a float")
-    from mergepipe.checkpoint.safetensors import DTYPES
-    return bytearray(tensor_bytes(tensor.to(DTYPES[t.dtype][1])))
+    return t
 
 
-def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], settings: LoraSettings,
-                   base: Checkpoint) -> dict[str, Delta]:
-    """Δ of `module`'s weight (and of its bias, with a LoRA bias), checked against the base."""
+def _check_module(path: Path, module: str, shapes: dict[str, tuple[int, ...]], settings: LoraSettings,
+                  base: Checkpoint) -> tuple[TensorInfo, bool, TensorInfo | None]:
+    """(the target weight, whether the factors are transposed, the base bias a LoRA bias adds to)
+    of `module`, its factors' `shapes` by part checked against the config's rank and the base.
+
+    Raises:
+        ConfigError: naming the module.
+    """
     def fail(message: str) -> ConfigError:
         return ConfigError(f"{path}: module {module!r}: {message}")
 
-    embedding = "emb_A" in parts or "emb_B" in parts
+    embedding = "emb_A" in shapes or "emb_B" in shapes
     a_part, b_part = ("emb_A", "emb_B") if embedding else ("A", "B")
     allowed = {a_part, b_part} if embedding else {a_part, b_part, "bias"}
-    if set(parts) - allowed or a_part not in parts or b_part not in parts:
-        raise fail(f"needs both {a_part} and {b_part} (and at most a lora_B bias), got {sorted(parts)}")
-    a, b = parts[a_part], parts[b_part]
-    if a.dim() != 2 or b.dim() != 2:
-        raise fail(f"LoRA factors must be matrices, got A {list(a.shape)} and B {list(b.shape)} "
+    if set(shapes) - allowed or a_part not in shapes or b_part not in shapes:
+        raise fail(f"needs both {a_part} and {b_part} (and at most a lora_B bias), got {sorted(shapes)}")
+    a, b = shapes[a_part], shapes[b_part]
+    if len(a) != 2 or len(b) != 2:
+        raise fail(f"LoRA factors must be matrices, got A {list(a)} and B {list(b)} "
                    "(convolution adapters are not supported)")
     r = settings.rank_of(module)
-    if a.shape[0] != r or b.shape[1] != r:
-        raise fail(f"rank {r} in {ADAPTER_CONFIG}, but A is {list(a.shape)} and B {list(b.shape)}")
+    if a[0] != r or b[1] != r:
+        raise fail(f"rank {r} in {ADAPTER_CONFIG}, but A is {list(a)} and B {list(b)}")
     weight = base.tensors.get(f"{module}.weight")
     if weight is None:
         raise fail(f"target {module}.weight is not in the base {base.root}; is this an adapter of another "
@@ -296,19 +351,31 @@ def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], sett
     if weight.dtype not in FLOAT_DTYPES:
         raise fail(f"target {module}.weight is {weight.dtype}, not a float")
     transposed = embedding or settings.fan_in_fan_out
-    want = (a.shape[1], b.shape[0]) if transposed else (b.shape[0], a.shape[1])
+    want = (a[1], b[0]) if transposed else (b[0], a[1])
     if tuple(weight.shape) != want:
         layout = "(B·A)ᵀ" if transposed else "B·A"
         raise fail(f"{layout} is {list(want)}, the base's {module}.weight {list(weight.shape)}; is this an "
                    "adapter of another model?")
+    bias = None
+    if "bias" in shapes:
+        bias = base.tensors.get(f"{module}.bias")
+        if bias is None or bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b[0],) \
+                or shapes["bias"] != (b[0],):
+            raise fail(f"lora_B bias {list(shapes['bias'])} needs a float base {module}.bias of shape "
+                       f"[{b[0]}]")
+    return weight, transposed, bias
+
+
+def _module_deltas(path: Path, module: str, parts: dict[str, torch.Tensor], settings: LoraSettings,
+                   base: Checkpoint) -> dict[str, Delta]:
+    """Δ of `module`'s weight (and of its bias, with a LoRA bias), checked against the base."""
+    weight, transposed, bias = _check_module(path, module, {p: tuple(t.shape) for p, t in parts.items()},
+                                             settings, base)
+    embedding = "emb_A" in parts
+    a, b = (parts["emb_A"], parts["emb_B"]) if embedding else (parts["A"], parts["B"])
     scale = settings.scale_of(module)
     left, right = (a.T, b.T) if transposed else (b, a)
     out = {weight.name: Delta(module, scale, left=left, right=right, embedding=embedding, transposed=transposed)}
-    if "bias" in parts:
-        bias, lora_bias = base.tensors.get(f"{module}.bias"), parts["bias"]
-        if bias is None or bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b.shape[0],) \
-                or tuple(lora_bias.shape) != (b.shape[0],):
-            raise fail(f"lora_B bias {list(lora_bias.shape)} needs a float base {module}.bias of shape "
-                       f"[{b.shape[0]}]")
-        out[bias.name] = Delta(module, scale, vector=lora_bias)
+    if bias is not None:
+        out[bias.name] = Delta(module, scale, vector=parts["bias"])
     return out

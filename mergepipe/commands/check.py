@@ -246,6 +246,9 @@ def _check_models(report: Report, cfg: MergeConfig, *, detail: bool  # noqa: C90
     for e, e_written in zip(cfg.experts, written["experts"]):
         where = f"expert {e.name!r} ({e_written.get('path', e_written.get('adapter'))})"
         if getattr(e, "adapter", None) is not None:
+            from mergepipe.checkpoint.lora import check_adapter  # its config and header: no factor read
+            if not report.attempt(lambda e=e: check_adapter(e.adapter, base))[0]:
+                return None
             experts[e.name] = None
             if detail:
                 report.ok(f"{where}: a LoRA adapter of the base (its tensors are the base's)")
