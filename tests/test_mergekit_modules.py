@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from mergepipe.cli import main
 from mergepipe.config.params import config_from_dict
+from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.errors import ConfigError
 from tests._equivalence import INSTALL, MERGEKIT_PYTHON, ulp
 
@@ -347,3 +348,13 @@ def test_params_modules_are_checked(extra, message):
 
 def test_a_config_without_modules_keeps_its_normalized_form():
     assert "modules" not in config_from_dict(_params()).normalized()
+
+
+def test_a_tensor_in_no_module_is_named():
+    cfg = config_from_dict(_params(modules={"text_decoder": {"prefixes": ["model.layers.", "lm_head."]},
+                                            "vision_tower": {"prefixes": ["visual."]}}))
+    groups = resolve_tensor_parameters(cfg, ["model.layers.0.mlp.weight", "visual.blocks.0.qkv.weight"])
+    assert set(groups["tensors"]) == {"model.layers.0.mlp.weight", "visual.blocks.0.qkv.weight"}
+    with pytest.raises(ConfigError, match=r"modules: tensor 'model\.visual\.blocks\.0\.qkv\.weight' is in no "
+                                          r"module \(no prefix starts it\)"):
+        resolve_tensor_parameters(cfg, ["model.layers.0.mlp.weight", "model.visual.blocks.0.qkv.weight"])

@@ -50,7 +50,10 @@ _VISION_LAYERS = ("vision_config.num_hidden_layers",)
 
 
 def _qwen_vl(text_layers: tuple[str, ...]) -> dict[str, ModuleFacts]:
-    return {"text_decoder": ModuleFacts(("model.", "lm_head."), text_layers),
+    # mergekit's text decoder is these tensors, not all of model.: model.visual.* (the names transformers >= 4.52
+    # gives the vision tower in memory) would be a text tensor, and is in no module
+    return {"text_decoder": ModuleFacts(("model.embed_tokens.", "model.layers.", "model.norm.", "lm_head."),
+                                        text_layers),
             "vision_tower": ModuleFacts(("visual.",), ("vision_config.depth",)),
             "multi_modal_projector": ModuleFacts(("visual.merger.",), 2, gradients=False)}
 

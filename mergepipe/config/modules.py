@@ -14,7 +14,7 @@ tensor belongs to.
       prefixes: [visual.merger.]       # the longest matching prefix wins
 
 A tensor belongs to the module with the longest prefix its name starts with; a tensor no
-prefix matches takes the top-level settings alone. Gradients are evaluated at the tensor's
+prefix matches is an error (mergekit writes only its modules' tensors). Gradients are evaluated at the tensor's
 position in its own layer stack (config/settings.py `layer_positions`: a VLM's vision and
 language layers each run from t = 0 to 1), as mergekit evaluates them over each module's
 layers. A module's key wins over the top-level one; where it gives none (absent, or no filter
@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from mergepipe.config.fields import MODEL_CONFIG
 from mergepipe.config.settings import Setting, layer_positions
 from mergepipe.config.slices import SliceExpert
+from mergepipe.errors import ConfigError
 
 Prefix = Annotated[str, Field(strict=True, min_length=1)]
 
@@ -85,6 +86,18 @@ def module_of(name: str, modules: dict[str, ModuleConfig]) -> str | None:
     return best
 
 
-def module_placements(modules: dict[str, ModuleConfig], names: Iterable[str]) -> dict[str, tuple[str | None, float]]:
-    """(module or None, t) of every tensor (see the module docstring)."""
-    return {name: (module_of(name, modules), t) for name, t in layer_positions(names).items()}
+def module_placements(modules: dict[str, ModuleConfig], names: Iterable[str],
+                      where: str) -> dict[str, tuple[str, float]]:
+    """(module, t) of every tensor (see the module docstring).
+
+    Raises:
+        ConfigError: a tensor in no module, naming it.
+    """
+    out = {}
+    for name, t in layer_positions(names).items():
+        module = module_of(name, modules)
+        if module is None:
+            raise ConfigError(f"{where}: modules: tensor {name!r} is in no module (no prefix starts it); mergekit "
+                              "writes only its modules' tensors: add its prefix to a module")
+        out[name] = (module, t)
+    return out

@@ -61,7 +61,8 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     if cfg.slices is not None:
         placed, parts, part_settings = placements(cfg.slices, names, cfg.source), cfg.slices, cfg.slice_settings
     elif cfg.modules is not None:
-        placed, parts, part_settings = module_placements(cfg.modules, names), cfg.modules, cfg.module_settings
+        placed = module_placements(cfg.modules, names, cfg.source)
+        parts, part_settings = cfg.modules, cfg.module_settings
     else:
         placed, parts, part_settings = {name: (None, t) for name, t in layer_positions(names).items()}, [], []
     groups: list[dict[str, Any]] = []
