@@ -457,6 +457,16 @@ def _build_beside(args: argparse.Namespace, out: Path, name: str, sources: list[
     return name
 
 
+def cmd_extract_lora(args: argparse.Namespace) -> int:
+    from mergepipe.commands.extract_lora import extract_lora, rank_rule
+    run = extract_lora(args.expert, args.base, args.o, rule=rank_rule(args.rank, args.energy),
+                       keep=args.modules_to_save, embed_lora=args.embed_lora, threads=args.threads,
+                       log=lambda line: _log(args, line))
+    _log(args, f"{args.o}: {run.factored} modules factored, {run.whole} tensors kept whole, {run.unchanged} "
+               f"unchanged (manifest {run.manifest['manifest_hash'][:16]})")
+    return 0
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from mergepipe.config.params import load_config
     from mergepipe.commands.sweep import (check_sweep_folder, plot_png, require_matplotlib, run_sweep, to_csv,
@@ -632,6 +642,21 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
                    "rewritten relative to its folder, and the merge goes to merged-<its name>/ beside it")
     s.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     s.set_defaults(fn=cmd_import)
+
+    s = sub.add_parser("extract-lora", parents=[common], help="a PEFT LoRA adapter of BASE from a dense fine-tune: "
+                       "truncated SVD of expert - base per module, with each module's retained energy")
+    s.add_argument("expert", help="the fine-tuned model folder")
+    s.add_argument("--base", required=True, help="the model it was fine-tuned from")
+    rank = s.add_mutually_exclusive_group(required=True)
+    rank.add_argument("--rank", type=int, help="the rank of every module")
+    rank.add_argument("--energy", type=float, help="per module, the smallest rank keeping this fraction of "
+                      "||delta||^2 (e.g. 0.9)")
+    s.add_argument("-o", required=True, help="the adapter folder to write (a new one, or one extract-lora wrote)")
+    s.add_argument("--modules-to-save", nargs="+", default=[], metavar="PATTERN", help="modules kept whole "
+                   "(PEFT's rule: the module name ends with PATTERN), e.g. embed_tokens norm")
+    s.add_argument("--embed-lora", action="store_true", help="factor changed embeddings too (lora_embedding_A/B; "
+                   "default: kept whole)")
+    s.set_defaults(fn=cmd_extract_lora)
 
     s = sub.add_parser("sweep", parents=[common], help="merge at several budgets: table and plot of I/O vs deviation")
     s.add_argument("config", help="params.yaml")

@@ -27,7 +27,10 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
     """
     man = verify_outputs(out_dir, deep=deep)
     checked = [f"{len(man['outputs']['files'])} files" + (" reread" if deep else "")]
-    if man.get("kind") == ADAPTER_KIND and (inputs or replay):  # no plan: the recipe and the adapters' hashes
+    if man.get("kind") == ADAPTER_KIND and (inputs or replay) and "extract" in (man.get("recipe") or {}):
+        from mergepipe.commands.extract_lora import check_recorded_inputs as check_extracted
+        checked += check_extracted(out_dir, man, root, replay=replay, threads=threads)
+    elif man.get("kind") == ADAPTER_KIND and (inputs or replay):  # no plan: the recipe and the adapters' hashes
         from mergepipe.commands.adapter_run import check_recorded_inputs
         checked += check_recorded_inputs(out_dir, man, root, replay=replay)
     elif inputs or replay:

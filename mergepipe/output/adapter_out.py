@@ -49,10 +49,16 @@ def tensor_names(m: OutModule) -> tuple[str, str]:
 
 def adapter_config(modules: list[OutModule], *, fan_in_fan_out: bool, base_model: str | None,
                    task_type: str | None) -> dict:
-    """A LoraConfig whose every module's scale is 1: lora_alpha = r, and each module whose rank is
-    not r in rank_pattern and alpha_pattern (keys: the module's name as a regular expression
-    matching only it, PEFT's pattern rule), no rsLoRA."""
-    ranks = {m.name: m.combined.rank for m in modules}
+    """`scale_one_config` of the modules' ranks."""
+    return scale_one_config({m.name: m.combined.rank for m in modules}, fan_in_fan_out=fan_in_fan_out,
+                            base_model=base_model, task_type=task_type)
+
+
+def scale_one_config(ranks: dict[str, int], *, fan_in_fan_out: bool, base_model: str | None,
+                     task_type: str | None) -> dict:
+    """A LoraConfig of modules (full names) -> rank whose every module's scale is 1: lora_alpha = r,
+    and each module whose rank is not r in rank_pattern and alpha_pattern (keys: the module's name
+    as a regular expression matching only it, PEFT's pattern rule), no rsLoRA."""
     counts = Counter(ranks.values())
     r = max(counts, key=lambda k: (counts[k], k))  # the most common rank; ties: the larger
     pattern = {re.escape(name): rank for name, rank in sorted(ranks.items()) if rank != r}
