@@ -115,3 +115,19 @@ def test_a_view_moved_with_its_project_is_still_fresh(tiny_family, tmp_path):
             f.unlink()
             f.write_bytes(data)
     assert main(["run", str(params), "-q"]) == 0
+
+
+def test_a_layer_range_outside_a_later_view_writes_no_view(tiny_family, tmp_path, capsys):
+    """The base view was built, then the expert's out-of-range slice refused: a views folder
+    was left beside a params.yaml that was never written."""
+    root = Path(tiny_family["root"])
+    mk = tmp_path / "mk.yml"
+    src = [str(root / m) for m in ("base", "expert_1")]
+    mk.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": src[0],
+                                  "parameters": {"weight": 0.5}, "slices": [
+        {"sources": [{"model": src[0], "layer_range": [0, 2]}, {"model": src[1], "layer_range": [0, 2]}]},
+        {"sources": [{"model": src[0], "layer_range": [2, 4]}, {"model": src[1], "layer_range": [3, 5]}]}]}))
+    capsys.readouterr()
+    assert main(["import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml"), "-q"]) == 2
+    assert "layer_range" in _one_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml"]

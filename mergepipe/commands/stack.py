@@ -337,15 +337,16 @@ def slice_views(config: str, params_file: Path) -> tuple[dict[str, list[dict]], 
 
 def build_views(views: dict[str, list[dict]], roots: dict[str, Path], target: Path, *, rerun: str) -> Path:
     """Every position's stacked view, `target/<position>` (build_stack: each published whole,
-    a previous view replaced, any other folder never); returns `target`. Every view is checked
-    before the first is built, so a refusal leaves all of them as they were.
+    a previous view replaced, any other folder never); returns `target`. Every view's layers and
+    folder are checked before the first is built, so a refusal writes nothing.
 
     Raises:
         OutputError: `target` is a symbolic link or not a folder; as build_stack.
     """
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise OutputError(f"{target}: exists and is not a folder of stacked views; remove it or choose another -o")
-    for name in views:
+    for name, slices in views.items():
+        stack_plan(slices, roots)  # a layer range outside its model, from the headers
         _check_replaceable(target / name)
     target.mkdir(exist_ok=True)
     for name, slices in views.items():
