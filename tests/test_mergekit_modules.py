@@ -1,8 +1,8 @@
 """mergekit `modules:` recipes (issue 26 item 3): per-module parameters and per-module model
 settings of a VLM (text decoder, vision tower, projector), through `import-mergekit` + `run`,
 against mergekit 0.1.5's own output (tests/_equivalence.py's ulp rule) on a Qwen2.5-VL-shaped
-fp32 family (3 text layers, 2 vision blocks, a projector), merged to bf16; all recipes in one
-mergekit process. mergekit 0.1.5 has one merge_method for every module (a module's own is
+fp32 family (3 text layers, 2 vision blocks, a projector) and a T5-shaped one (encoder, decoder,
+shared), merged to bf16; all recipes in one mergekit process. mergekit 0.1.5 has one merge_method for every module (a module's own is
 ignored), so the recipes differ per module in parameters and weights, not in method.
 Refusals are one line. Skipped without `.venv-mergekit` (the refusals and the params checks
 are not).
@@ -77,10 +77,36 @@ def _shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _write_family(root, config: dict | None = None) -> None:
+T5_CONFIG = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": HIDDEN,
+             "d_ff": INTERMEDIATE, "d_kv": 8, "num_heads": 2, "num_layers": 2, "num_decoder_layers": 3,
+             "vocab_size": VOCAB,
+             "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 8, "tie_word_embeddings": False,
+             "is_encoder_decoder": True, "torch_dtype": "float32"}
+
+
+def _t5_shapes() -> dict[str, tuple[int, ...]]:
+    """T5 with its three modules: encoder, decoder, shared (the embeddings and the untied head)."""
+    shapes = {n: (VOCAB, HIDDEN) for n in ("shared.weight", "encoder.embed_tokens.weight",
+                                           "decoder.embed_tokens.weight", "lm_head.weight")}
+    ff = {"DenseReluDense.wi_0.weight": (INTERMEDIATE, HIDDEN), "DenseReluDense.wi_1.weight": (INTERMEDIATE, HIDDEN),
+          "DenseReluDense.wo.weight": (HIDDEN, INTERMEDIATE), "layer_norm.weight": (HIDDEN,)}
+    attn = {f"{m}.weight": (HIDDEN, HIDDEN) for m in ("q", "k", "v", "o")}
+    stacks = (("encoder", 2, ("SelfAttention",)), ("decoder", 3, ("SelfAttention", "EncDecAttention")))
+    for stack, layers, parts in stacks:
+        shapes[f"{stack}.final_layer_norm.weight"] = (HIDDEN,)
+        shapes[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = (8, 2)
+        for i in range(layers):
+            for j, part in enumerate(parts):
+                shapes.update({f"{stack}.block.{i}.layer.{j}.{part}.{k}": v for k, v in attn.items()})
+                shapes[f"{stack}.block.{i}.layer.{j}.layer_norm.weight"] = (HIDDEN,)
+            shapes.update({f"{stack}.block.{i}.layer.{len(parts)}.{k}": v for k, v in ff.items()})
+    return shapes
+
+
+def _write_family(root, config: dict | None = None, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     g = torch.Generator().manual_seed(2603)
     base = {n: torch.randn(s, generator=g) * 0.05 + (1.0 if "norm" in n or "ln_q" in n else 0.0)
-            for n, s in _shapes().items()}
+            for n, s in (shapes or _shapes()).items()}
     for k, name in enumerate(MODELS):  # fp32: no two |delta| of a tensor tie at a TIES threshold
         tensors = base if k == 0 else {n: w + torch.randn(w.shape, generator=g) * 0.01 * k for n, w in base.items()}
         (root / name).mkdir(parents=True)
@@ -138,6 +164,12 @@ RECIPES = {
                                    "vision_tower": {"models": [_m("base", weight=0.5), _m("b", weight=0.5),
                                                                _m("c", weight=[1.0, 2.0])]},
                                    "multi_modal_projector": {"models": [_m("base", weight=1.0), _m("a", weight=1.5)]}}},
+    # T5: the encoder, the decoder (a weight gradient over its 3 blocks) and the shared embeddings and head
+    "t5": {"merge_method": "task_arithmetic", "base_model": "t5/base", "parameters": {"weight": 0.5},
+           "modules": {"encoder": {"models": [{"model": "t5/a"}, {"model": "t5/b"}], "parameters": {"lambda": 0.7}},
+                       "decoder": {"models": [{"model": "t5/a", "parameters": {"weight": [0.2, 1.0]}},
+                                              {"model": "t5/b"}]},
+                       "shared": {"models": [{"model": "t5/b", "parameters": {"weight": 0.9}}]}}},
     # no base: the first model plays it, its weight averaged in, per module
     "linear": {"merge_method": "linear",
                "modules": {"text_decoder": {"models": [_m("a", weight=1.0), _m("b", weight=3.0)]},
@@ -158,6 +190,7 @@ def merged(tmp_path_factory):
     """{recipe: (ours, mergekit's or None, our output folder, mergekit's output folder)}."""
     root = tmp_path_factory.mktemp("modules")
     _write_family(root / "family")
+    _write_family(root / "t5", T5_CONFIG, _t5_shapes())
     jobs, ours = [], {}
     for name, recipe in RECIPES.items():
         mk = root / f"{name}.yml"
@@ -197,6 +230,10 @@ def test_modules_recipe_gives_mergekits_model(merged, recipe):
     for cfg in (mine, mk):  # transformers 5 writes `dtype`, older ones `torch_dtype`
         cfg["dtype"] = cfg.pop("torch_dtype", cfg.get("dtype"))
     assert mine["architectures"] == mk["architectures"] and mine["dtype"] == mk["dtype"] == "bfloat16"
+    if recipe == "t5":
+        layers = ("num_layers", "num_decoder_layers")
+        assert [mine[k] for k in layers] == [mk[k] for k in layers] == [2, 3]
+        return
     assert mine["text_config"]["num_hidden_layers"] == mk["text_config"]["num_hidden_layers"] == TEXT_LAYERS
     assert mine["vision_config"]["depth"] == mk["vision_config"]["depth"] == VISION_LAYERS
 
