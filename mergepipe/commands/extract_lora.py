@@ -25,7 +25,7 @@ from mergepipe.output.adapter_out import ADAPTER_KIND
 from mergepipe.output.extracted_adapter import EXTRACT_FORMAT, AdapterWriter, write_extract_manifest
 from mergepipe.output.manifest import MANIFEST, load_manifest, verify_outputs
 from mergepipe.output.publish import Publisher
-from mergepipe.output.safety import WriteInputs, check_output_folder, check_output_path
+from mergepipe.output.safety import WriteInputs, check_output_path, refuse_overlap, replaceable
 from mergepipe.util.canonical import canonical_blake3
 
 
@@ -56,20 +56,20 @@ def _open_input(path: Path, what: str) -> Checkpoint:
 
 
 def _check_out(out: Path, inputs: tuple[Path, ...]) -> Path:
-    """The output folder: output/safety.py's rules (never an input, inside one or holding one; an
-    existing folder only if mergepipe wrote it and nothing else is there), and of the folders
-    mergepipe writes only an adapter (a merged model is not replaced by an adapter)."""
+    """The output folder (output/safety.py's rules): never an input, inside one or holding one; an
+    existing folder only if it is empty or an adapter mergepipe wrote with nothing else there (a
+    merged model is not replaced by an adapter). There is no --force: nothing else is replaced."""
     from mergepipe.commands.stack import stacked_sources
     out = check_output_path(out, what="-o")
-    check_output_folder(out, WriteInputs(models=inputs, sources=stacked_sources(inputs)), force=False)
-    if out.is_dir() and not out.is_symlink() and any(out.iterdir()):
-        try:
-            kind = load_manifest(out).get("kind")
-        except IntegrityError:
-            kind = None
-        if kind != ADAPTER_KIND:
-            raise OutputError(f"{out}: output folder is not empty and not an adapter mergepipe wrote; refusing to "
-                              "replace it (choose a new folder)")
+    refuse_overlap(out, WriteInputs(models=inputs, sources=stacked_sources(inputs)))
+    if not (out.exists() or out.is_symlink()):
+        return out
+    why = replaceable(out)
+    if why is None and any(out.iterdir()) and not ((out / MANIFEST).is_file()
+                                                   and load_manifest(out).get("kind") == ADAPTER_KIND):
+        why = "is a mergepipe output but not an adapter"
+    if why is not None:
+        raise OutputError(f"{out}: output folder {why}; refusing to replace it (choose a new folder)")
     return out
 
 
