@@ -77,3 +77,32 @@ def test_the_true_manifest_still_passes_both(published, tmp_path):
     assert main(["verify", str(out), "--deep"]) == 0
     assert subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True).returncode == 0
     assert json.loads((out / MANIFEST).read_text())["manifest_hash"]
+
+
+def _forged_plan(published: Path, tmp_path: Path) -> Path:
+    """A manifest whose plan lists an expert its reads do not name, both hashes recomputed
+    (anyone who can write the folder can do this: the hashes have no key)."""
+    from mergepipe.output.manifest import manifest_hash
+    from mergepipe.plan.planner import plan_hash
+    man = json.loads((published / MANIFEST).read_text())
+    plan = man["plan"]
+    plan["experts"] = [{**plan["experts"][0], "name": "ghost"}, *plan["experts"][1:]]
+    man["plan_hash"] = plan["plan_hash"] = plan_hash(plan)
+    man["manifest_hash"] = manifest_hash(man)
+    return _copy(published, tmp_path, json.dumps(man))
+
+
+@pytest.mark.parametrize("target", ["folder", "manifest"])
+def test_explain_refuses_a_plan_no_merge_could_have_in_one_line(target, published, tmp_path, capsys):
+    """explain read the manifest's plan without checking it: a KeyError traceback."""
+    out = _forged_plan(published, tmp_path)
+    capsys.readouterr()
+    assert main(["explain", str(out if target == "folder" else out / MANIFEST)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out / MANIFEST) in err and "plan key" in err, err
+
+
+def test_explain_still_reads_a_plan_file_with_its_made_from_record(published, tmp_path, tiny_family):
+    cfg = write_config(tmp_path, tiny_family)
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    assert main(["explain", str(tmp_path / "plan.json"), "--cache-dir", str(tmp_path / "cache")]) == 0

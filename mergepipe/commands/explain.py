@@ -103,16 +103,25 @@ def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: 
 
 
 def _load(target: Path) -> tuple[dict, dict | None]:
+    """(plan, manifest or None) of a plan file or output folder, the plan checked as merge checks
+    one (plan/record.py): the tables read its keys as a valid plan has them.
+
+    Raises:
+        ConfigError: not a plan or output folder, or a plan key that is not a plan's (named).
+    """
+    from mergepipe.plan.record import split_plan_file, validate_plan
     man = None
     if target.is_dir() or target.name == MANIFEST:
         man = load_manifest(target if target.is_dir() else target.parent)
         refuse_adapter_manifest(man, target, "explain")
-        plan = man["plan"]
+        plan, where = man.get("plan"), f"{target if target.name == MANIFEST else target / MANIFEST}: plan"
     else:
         try:
-            plan = json.loads(read_json_object_text(target))
+            plan, where = json.loads(read_json_object_text(target)), str(target)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{target}: not a plan or output folder: {e}") from None
+        plan, _ = split_plan_file(plan, where)  # made_from: the params bytes, beside the plan
+    validate_plan(plan, where)
     return plan, man
 
 
