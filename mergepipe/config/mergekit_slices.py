@@ -16,29 +16,39 @@ input: a stacked view (commands/stack.py) whose output layers are, slice by slic
 of the model at that position, its embeddings those of slice 0's and its head those of the
 last slice's, exactly the tensors mergekit hands the method for each output tensor. The
 params file merges these views with `slices:` (config/slices.py) carrying each slice's
-parameters and per-position weights. Every slice must therefore merge the same number of
-models; other shapes are refused in one line.
+parameters and per-position weights. A slice merging fewer models than another fills its
+missing positions with its own base's layers at weight 0: an expert equal to the base with weight
+0 adds exactly nothing in the additive methods (`_ZERO_NEUTRAL`), so the slice merges only its own
+sources, as in mergekit; for other methods such slices are refused in one line.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.config.mergekit import (ModelPaths, _expert_name, _fail, _model_ref, _same_model, _setting,
-                                       _with_fallback, mergekit_to_params)
+                                       _with_fallback, mergekit_to_params, resolve_model_ref)
+from mergepipe.config.settings import LAYER_RE, parse_setting
 from mergepipe.units import short_repr
 
 BASE = "base"  # the base position's folder under the views folder (never an expert's name)
 _SLICE_KEYS = {"sources", "base_model", "parameters", "residual_weight"}  # residual_weight: unused by 0.1.5
+# per-input settings: mergekit matches their filters against the source's tensor name
+_PER_INPUT = ("weight", "density", "gamma")
 # mergekit methods whose input contract ignores base_model (they merge a slice's sources alone)
 _BASE_IGNORED = {"linear", "karcher"}
+# mergekit methods where an expert equal to the base at weight 0 changes no bit of the merge
+# (every term it adds is 0 * 0 or 0 * x, and no count or norm of the experts is taken)
+_ZERO_NEUTRAL = {"linear", "task_arithmetic", "ties"}
 
 
 @dataclass(frozen=True, slots=True)
 class SlicedRecipe:
     """`views`: position name -> that position's source per slice, [{model (as mergekit names
     it), layer_range}] (commands/stack.py builds each); `slices`: each slice's params dict of
-    the models form (config/mergekit.py); `names`: the expert name of each non-base position."""
+    the models form (config/mergekit.py), whose experts are the first positions (the later ones
+    are that slice's base, at weight 0); `names`: the expert name of each non-base position."""
 
     views: dict[str, list[dict[str, Any]]]
     slices: list[dict[str, Any]]
@@ -131,20 +141,110 @@ def sliced_recipe(data: dict[str, Any], source: str, paths: ModelPaths | None = 
             raise _fail(source, key, "a tokenizer other than the base's is not built with slices that merge")
     converted = [_slice_params(data, i, sl, source, paths) for i, sl in enumerate(slices)]
     counts = [len(p["experts"]) for p, _, _ in converted]
-    for i, n in enumerate(counts):
-        if n != counts[0]:
-            raise _fail(source, f"slices[{i}].sources", f"merges {n} model(s) besides its base, slices[0] "
-                                                        f"{counts[0]}; slices merging different numbers of models "
-                                                        "are not built")
-    positions: list[list[dict[str, Any]]] = [[] for _ in range(counts[0] + 1)]
-    for params, by_path, _ in converted:
-        for k, path in enumerate([params["base"], *(e["path"] for e in params["experts"])]):
+    most = max(counts)
+    if data.get("merge_method") not in _ZERO_NEUTRAL:
+        for i, n in enumerate(counts):
+            if n != counts[0]:
+                raise _fail(source, f"slices[{i}].sources", f"merges {n} model(s) besides its base, slices[0] "
+                                                            f"{counts[0]}; slices merging different numbers of "
+                                                            f"models are built for {', '.join(sorted(_ZERO_NEUTRAL))}"
+                                                            f", not {data.get('merge_method')}")
+    positions: list[list[dict[str, Any]]] = [[] for _ in range(most + 1)]
+    filled: list[tuple[int, int]] = []  # (position, slice)
+    for i, (params, by_path, _) in enumerate(converted):
+        models = [params["base"], *(e["path"] for e in params["experts"])]
+        for k, path in enumerate(models + [params["base"]] * (most + 1 - len(models))):
             model, lr = next(v for p, v in by_path.items() if _same_model(p, path))
             positions[k].append({"model": model, "layer_range": list(lr)})
+            if k >= len(models):
+                filled.append((k, i))
     taken = {BASE}
-    names = [_position_name([s["model"] for s in pos], taken) for pos in positions[1:]]
+    names = [_position_name([s["model"] for i, s in enumerate(pos) if (k, i) not in filled], taken)
+             for k, pos in enumerate(positions[1:], start=1)]
     return SlicedRecipe({BASE: positions[0], **dict(zip(names, positions[1:]))}, [p for p, _, _ in converted],
                         names, [n for _, _, n in converted])
+
+
+def _renames(slices: list[dict[str, Any]], source: str) -> tuple[list[list[tuple[str, str]]], set[str]]:
+    """For one position's slices ([{model, layer_range}]): per slice, the (output name, source
+    name) of every layer tensor; and every output name of the view."""
+    pairs: list[list[tuple[str, str]]] = []
+    names: set[str] = set()
+    start = 0
+    for i, sl in enumerate(slices):
+        folder = resolve_model_ref(sl["model"], f"slices[{i}].sources.model", source)
+        first, end = sl["layer_range"]
+        own = []
+        for name in open_checkpoint(folder).tensors:
+            m = LAYER_RE.match(name)
+            if m is None:
+                names.add(name)
+            elif first <= int(m.group(2)) < end:
+                own.append((m.group(1) + str(start + int(m.group(2)) - first) + name[m.end(2):], name))
+        pairs.append(own)
+        names.update(out for out, _ in own)
+        start += end - first
+    return pairs, names
+
+
+def _first_match(conditions, tensor: str) -> int | None:
+    return next((i for i, (flt, _) in enumerate(conditions) if flt is None or flt == "*" or flt in tensor), None)
+
+
+def _source_numbered(value: Any, pairs: list[tuple[str, str]], names: set[str], key: str, source: str) -> Any:
+    """A per-input setting whose filters, evaluated on the output names of a slice (as params.yaml
+    does), pick for every tensor the condition mergekit picks on the source's name: each tensor
+    where the two differ gets a condition of its own full name first; a condition that then
+    matches no output name is dropped (it applied nowhere).
+
+    Raises:
+        ConfigError: a tensor whose source name no condition matches while its output name does,
+            or an output name inside another (its condition would reach that one too).
+    """
+    if not isinstance(value, list | dict) or not any(isinstance(c, dict) for c in
+                                                      (value if isinstance(value, list) else [value])):
+        return value
+    conditions = parse_setting(value).conditions
+    own = []
+    for out, src in sorted(pairs):
+        want, have = _first_match(conditions, src), _first_match(conditions, out)
+        if want == have:
+            continue
+        if want is None:
+            raise _fail(source, key, f"no filter matches source tensor {src!r} but one matches its output name "
+                                     f"{out!r}; mergekit matches the source's name: add a catch-all {{value: ...}}")
+        if any(out in n for n in names if n != out):
+            raise _fail(source, key, f"the filters pick another condition for {src!r} than for its output name "
+                                     f"{out!r}, which is inside another tensor's name; write filters without "
+                                     "layer numbers")
+        own.append({"filter": out, "value": _written(conditions[want][1])})
+    if not own:
+        return value
+    kept = [{**({} if flt is None else {"filter": flt}), "value": _written(v)} for flt, v in conditions
+            if flt is None or flt == "*" or any(flt in n for n in names)]
+    return own + kept
+
+
+def _written(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _on_source_names(sliced: SlicedRecipe, out_slices: list[dict[str, Any]], source: str) -> None:
+    """Every slice's per-input settings (the experts' weight, density, gamma; linear's
+    base_weight, the base's weight) made to pick what mergekit picks on the source's names."""
+    for position, views in sliced.views.items():
+        pairs, names = _renames(views, source)
+        for i, sl in enumerate(out_slices):
+            if position == BASE:
+                if "base_weight" in sl["parameters"]:
+                    sl["parameters"]["base_weight"] = _source_numbered(
+                        sl["parameters"]["base_weight"], pairs[i], names, f"slices[{i}].base_model.weight", source)
+                continue
+            settings = sl["experts"][position]
+            for k in _PER_INPUT:
+                if k in settings:
+                    settings[k] = _source_numbered(settings[k], pairs[i], names,
+                                                   f"slices[{i}].sources ({position}).{k}", source)
 
 
 def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, views_dir: str, *,
@@ -154,14 +254,22 @@ def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, v
     mergekit_to_params."""
     sliced = sliced_recipe(data, source, paths)
     first = sliced.slices[0]
-    experts = [{**e, "name": name, "path": f"{views_dir}/{name}"} for name, e in zip(sliced.names, first["experts"])]
+    firsts = [*first["experts"], *[{"weight": 0.0}] * (len(sliced.names) - len(first["experts"]))]
+    experts = [{**e, "name": name, "path": f"{views_dir}/{name}"} for name, e in zip(sliced.names, firsts)]
     out_slices, start = [], 0
-    for params, n in zip(sliced.slices, sliced.lengths):
+    for i, (params, n) in enumerate(zip(sliced.slices, sliced.lengths)):
         # each knob given in full: the top-level experts' values are slice 0's, never another slice's
         knobs = {k: params["parameters"][k] for k in ("density", "gamma") if k in params["parameters"]}
-        out_slices.append({"layers": [start, start + n], "parameters": params["parameters"],
-                           "experts": {name: {**knobs, **{k: e[k] for k in ("weight", "density", "gamma") if k in e}}
-                                       for name, e in zip(sliced.names, params["experts"])}})
+        own = [*params["experts"], *[{"weight": 0.0}] * (len(sliced.names) - len(params["experts"]))]
+        settings = {name: {**knobs, **{k: e[k] for k in ("weight", "density", "gamma") if k in e}}
+                    for name, e in zip(sliced.names, own)}
+        out_slices.append({"layers": [start, start + n], "parameters": dict(params["parameters"]),
+                           "experts": settings})
         start += n
+    _on_source_names(sliced, out_slices, source)
+    # the top-level settings (where a slice gives none) are slice 0's, as its tensors read them
+    experts = [{**e, **{k: out_slices[0]["experts"][e["name"]][k] for k in _PER_INPUT if k in e}} for e in experts]
+    parameters = {**first["parameters"], **{k: v for k, v in out_slices[0]["parameters"].items() if k == "base_weight"}}
     output = {**first["output"], "dir": output_dir, **({} if recipe is None else {"mergekit_config": recipe})}
-    return {**first, "base": f"{views_dir}/{BASE}", "experts": experts, "output": output, "slices": out_slices}
+    return {**first, "base": f"{views_dir}/{BASE}", "experts": experts, "parameters": parameters, "output": output,
+            "slices": out_slices}
