@@ -2,8 +2,10 @@
 settings of a VLM (text decoder, vision tower, projector), through `import-mergekit` + `run`,
 against mergekit 0.1.5's own output (tests/_equivalence.py's ulp rule) on a Qwen2.5-VL-shaped
 fp32 family (3 text layers, 2 vision blocks, a projector) and a T5-shaped one (encoder, decoder,
-shared), merged to bf16; all recipes in one mergekit process. mergekit 0.1.5 has one merge_method for every module (a module's own is
-ignored), so the recipes differ per module in parameters and weights, not in method.
+shared), merged to bf16; all recipes in one mergekit process. mergekit 0.1.5 has one
+merge_method for every module (a module's own is ignored), so the recipes differ per module in
+parameters, weights and models, not in method. The module facts are checked against mergekit's
+own architecture definitions.
 Refusals are one line. Skipped without `.venv-mergekit` (the refusals and the params checks
 are not).
 """
@@ -19,6 +21,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mergepipe.cli import main
+from mergepipe.config.mergekit_modules import ARCHITECTURES
+from mergepipe.config.modules import ModuleConfig, module_of
 from mergepipe.config.params import config_from_dict
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.errors import ConfigError
@@ -395,3 +399,42 @@ def test_a_tensor_in_no_module_is_named():
     with pytest.raises(ConfigError, match=r"modules: tensor 'model\.visual\.blocks\.0\.qkv\.weight' is in no "
                                           r"module \(no prefix starts it\)"):
         resolve_tensor_parameters(cfg, ["model.layers.0.mlp.weight", "model.visual.blocks.0.qkv.weight"])
+
+
+DEFINITIONS = r'''
+import json, sys
+from mergekit.architecture.json_definitions import NAME_TO_ARCH
+out = {}
+for arch in json.loads(sys.argv[1]):
+    info = NAME_TO_ARCH[arch][0]
+    out[arch] = {}
+    for name, module in info.modules.items():
+        d = module.architecture.definition
+        weights = d.pre_weights + d.layer_templates.weights + d.post_weights
+        out[arch][name] = {"names": [(module.weight_prefix or "") + w.name.replace("${layer_index}", "0")
+                                     for w in weights],
+                           "layers": d.override_num_layers if d.override_num_layers is not None
+                           else d.num_layers_config_key}
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not MERGEKIT_PYTHON.exists(),
+                    reason=f"mergekit reference venv not found; create it with: {INSTALL}")
+def test_module_facts_put_every_tensor_mergekit_lists_in_its_module():
+    """Every tensor name mergekit 0.1.5's definitions list for a module (layer 0) falls in that
+    module by our prefixes, and the layer counts name the same config key or fixed count."""
+    proc = subprocess.run([str(MERGEKIT_PYTHON), "-c", DEFINITIONS, json.dumps(sorted(ARCHITECTURES))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for arch, facts in ARCHITECTURES.items():
+        assert set(theirs[arch]) == set(facts), arch
+        prefixes = {name: ModuleConfig(prefixes=list(f.prefixes)) for name, f in facts.items()}
+        for name, module in theirs[arch].items():
+            layers = facts[name].layers
+            assert module["layers"] == (layers if isinstance(layers, int) else layers[0]), (arch, name)
+            if facts[name].broken:  # Whisper's decoder: mergekit's names lack the dot after the prefix
+                assert all(not n.startswith(facts[name].prefixes) for n in module["names"]), (arch, name)
+                continue
+            assert all(module_of(n, prefixes) == name for n in module["names"]), (arch, name)

@@ -58,9 +58,9 @@ def _qwen_vl(text_layers: tuple[str, ...]) -> dict[str, ModuleFacts]:
             "multi_modal_projector": ModuleFacts(("visual.merger.",), 2, gradients=False)}
 
 
-def _prefixed(vision: str) -> dict[str, ModuleFacts]:
+def _prefixed(vision: str, vision_name: str = "vision_tower") -> dict[str, ModuleFacts]:
     return {"text_decoder": ModuleFacts(("language_model.",), _TEXT_LAYERS),
-            "vision_tower": ModuleFacts((vision,), _VISION_LAYERS),
+            vision_name: ModuleFacts((vision,), _VISION_LAYERS),
             "multi_modal_projector": ModuleFacts(("multi_modal_projector.",), 0)}
 
 
@@ -77,7 +77,7 @@ ARCHITECTURES: dict[str, dict[str, ModuleFacts]] = {
     "Qwen3VLMoeForConditionalGeneration": _QWEN3_VL,
     "Gemma3ForConditionalGeneration": _prefixed("vision_tower.vision_model."),
     "Mistral3ForConditionalGeneration": _prefixed("vision_tower."),
-    "Llama4ForConditionalGeneration": _prefixed("vision_model."),
+    "Llama4ForConditionalGeneration": _prefixed("vision_model.", "vision_model"),
     "T5ForConditionalGeneration": {
         "encoder": ModuleFacts(("encoder.",), ("num_hidden_layers", "num_layers")),
         "decoder": ModuleFacts(("decoder.",), ("num_decoder_layers", "num_layers")),
