@@ -29,6 +29,8 @@ Semantics carried over from mergekit:
   tokens, pad_to_multiple_of}` (source union by default, as mergekit's) become
   `output.tokenizer_source: union`, `output.tokens` (models named as params.yaml names
   them) and `output.pad_to_multiple_of` (checkpoint/vocab.py rebuilds the embeddings).
+- `modules:` (config/mergekit_modules.py): each module converted as a `models:` form of its own,
+  written as params.yaml's `modules:` (that module's tensors, by tensor-name prefix).
 """
 from __future__ import annotations
 
