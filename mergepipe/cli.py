@@ -472,7 +472,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from mergepipe.commands.sweep import (check_sweep_folder, plot_png, require_matplotlib, run_sweep, to_csv,
                                           to_markdown, write_results)
     from mergepipe.units import parse_budget_list
-    from mergepipe.output.publish import check_output_path
+    from mergepipe.output.safety import check_output_path
     check_output_path(args.o, what="-o")
     check_sweep_folder(Path(args.o), force=args.force)
     cfg = load_config(args.config)
