@@ -106,3 +106,14 @@ def test_explain_still_reads_a_plan_file_with_its_made_from_record(published, tm
     cfg = write_config(tmp_path, tiny_family)
     assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     assert main(["explain", str(tmp_path / "plan.json"), "--cache-dir", str(tmp_path / "cache")]) == 0
+
+
+def test_provenance_refuses_a_plan_no_merge_could_have_in_one_line(published, tmp_path, capsys):
+    """provenance quoted the manifest's plan without checking it: KeyError/TypeError tracebacks
+    for a plan without experts or with a base that is not a record."""
+    out = _forged_plan(published, tmp_path)
+    capsys.readouterr()
+    assert main(["provenance", str(out), "-o", str(tmp_path / "prov.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out / MANIFEST) in err and "plan key" in err, err
+    assert not (tmp_path / "prov.json").exists()

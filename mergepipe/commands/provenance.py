@@ -27,6 +27,8 @@ from mergepipe.commands.audit_search import hub_id_of
 from mergepipe.commands.sign import checked_output, file_digests
 from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.output.adapter_out import refuse_adapter_manifest
+from mergepipe.output.manifest import MANIFEST
+from mergepipe.plan.record import validate_plan
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
 
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -81,9 +83,11 @@ def provenance_statement(out_dir: Path, *, deep: bool = False) -> dict:
 
     Raises:
         IntegrityError: the folder does not verify, or holds a file its manifest does not record.
+        ConfigError: the manifest's plan is not a plan (a key named).
     """
     man = checked_output(out_dir, deep=deep)
     refuse_adapter_manifest(man, out_dir, "provenance")
+    validate_plan(man.get("plan"), f"{out_dir / MANIFEST}: plan")  # the statement reads a valid plan's keys
     digests = file_digests(out_dir)
     return {
         "_type": dsse.STATEMENT_TYPE,
