@@ -162,6 +162,11 @@ RECIPES = {
                             "vision_tower": {"models": [_m("c", weight=0.8)], "parameters": {"lambda": 1.2}},
                             "multi_modal_projector": {"models": [_m("b"), _m("c")],
                                                       "parameters": {"normalize": True}}}},
+    # the vision tower kept from the base (its module lists only the base)
+    "base_only": {"merge_method": "task_arithmetic", "base_model": "family/base", "parameters": {"weight": 0.5},
+                  "modules": {"text_decoder": {"models": [_m("a"), _m("b")], "parameters": {"lambda": 0.8}},
+                              "vision_tower": {"models": [_m("base")]},
+                              "multi_modal_projector": {"models": [_m("a"), _m("base")]}}},
     # linear with a base averaged in, models left out of modules
     "linear_partial": {"merge_method": "linear", "base_model": "family/base",
                        "modules": {"text_decoder": {"models": [_m("base", weight=1.0), _m("a", weight=2.0)]},
@@ -263,6 +268,8 @@ def test_each_module_takes_its_own_settings(merged, recipe):
         assert group["model.layers.2.mlp.up_proj.weight"]["parameters"]["lambda"] == 0.6
         assert group["model.layers.2.mlp.up_proj.weight"]["experts"]["a"]["weight"] == 1.0
         assert group["visual.blocks.1.mlp.up_proj.weight"]["parameters"]["lambda"] == 1.5
+    if recipe == "base_only":
+        assert group["visual.blocks.1.mlp.up_proj.weight"]["experts"] == {"a": {"weight": 0.0}, "b": {"weight": 0.0}}
     if recipe == "partial":
         assert group["visual.blocks.0.attn.qkv.weight"]["experts"] == {"a": {"weight": 0.0}, "b": {"weight": 0.0},
                                                                        "c": {"weight": 0.8}}
@@ -320,6 +327,8 @@ _ALL = {"text_decoder": {"models": [_m("a")]}, "vision_tower": {"models": [_m("a
       "multi_modal_projector": {"models": [_m("a"), _m("b")]}},
      r"modules\.vision_tower\.models: leaves out \['family/b'\], which other modules merge: only methods linear in "
      r"the weights \(linear, task_arithmetic\) can leave a model out of one module"),
+    ({**_ALL, "vision_tower": {"models": [_m("base")]}},
+     r"modules\.vision_tower\.models: leaves out \['family/a'\], which other modules merge: only methods linear"),
     ({**_ALL, "multi_modal_projector": {"models": [_m("a", weight=[0, 1])]}},
      r"modules\.multi_modal_projector: a\.weight is a gradient; mergekit 0\.1\.5 evaluates this module's tensors"),
     ({**_ALL, "vision_tower": {"slices": [{"sources": [_src("a", 1)]}]}},

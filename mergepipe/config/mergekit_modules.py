@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
-from mergepipe.config.mergekit import ModelPaths, _expert_name, _fail, _model_layers, _model_ref, mergekit_to_params
+from mergepipe.config.mergekit import (ModelPaths, _expert_name, _fail, _model_layers, _model_ref, _same_model,
+                                       mergekit_to_params)
 from mergepipe.config.mergekit_slices import _merged_parameters
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS, get_method
@@ -348,6 +349,33 @@ def _all_experts(converted: dict[str, dict[str, Any]], source: str) -> list[dict
     return experts
 
 
+def _model_refs(sub: dict[str, Any]) -> list[Any]:
+    return [m.get("model") if isinstance(m, dict) else m for m in sub["models"]]
+
+
+def _convert_module(name: str, sub: dict[str, Any], subs: dict[str, dict[str, Any]], source: str,
+                    paths: ModelPaths | None, *, output_dir: str, recipe: str | None) -> dict[str, Any]:
+    """A module's models form as a params dict. A module that lists only the base model (mergekit
+    merges the base alone there) is converted with another module's model at weight 0, which is
+    then taken out again: it is left out there, as `_all_experts` checks."""
+    filler = None
+    if sub.get("base_model") is not None:
+        base = _model_ref(sub["base_model"], "base_model", source, paths)
+        key = f"modules.{name}.models"
+        if all(isinstance(r, str) and _same_model(_model_ref(r, key, source, paths), base) for r in _model_refs(sub)):
+            others = [r for other in subs.values() for r in _model_refs(other) if isinstance(r, str) and "+" not in r
+                      and not _same_model(_model_ref(r, "modules", source, paths), base)]
+            filler = others[0] if others else None  # none: every module lists only the base, refused below
+    if filler is not None:
+        sub = {**sub, "models": [*sub["models"], {"model": filler, "parameters": {"weight": 0.0}}]}
+    params = mergekit_to_params(sub, source=f"{source}: modules.{name}", output_dir=output_dir, paths=paths,
+                                recipe=recipe)
+    if filler is not None:
+        written = _model_ref(filler, "modules", source, paths)
+        params = {**params, "experts": [e for e in params["experts"] if not _same_model(_ref(e), written)]}
+    return params
+
+
 def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, *, output_dir: str,
                    recipe: str | None) -> dict[str, Any]:
     """The params dict of a `modules:` recipe (see the module docstring): the first module's
@@ -367,10 +395,9 @@ def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, 
         if data.get(key):
             raise _fail(source, key, "give one of models, slices or modules (mergekit refuses several)")
     facts = _module_facts(data, modules, source, paths)
-    converted = {name: mergekit_to_params(_module_data(data, name, m, facts and facts[name], source, paths),
-                                          source=f"{source}: modules.{name}", output_dir=output_dir, paths=paths,
-                                          recipe=recipe)
-                 for name, m in modules.items()}
+    subs = {name: _module_data(data, name, m, facts and facts[name], source, paths) for name, m in modules.items()}
+    converted = {name: _convert_module(name, sub, subs, source, paths, output_dir=output_dir, recipe=recipe)
+                 for name, sub in subs.items()}
     first = next(iter(converted.values()))
     if facts is None:
         return first
