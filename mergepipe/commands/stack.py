@@ -115,11 +115,12 @@ def source_stats(roots: list[Path]) -> dict[str, dict[str, list[int]]]:
 
 
 def check_fresh(folder: str | Path) -> None:
-    """Refuse a stacked folder whose source models changed since it was built (see the module
-    docstring); anything without a stack-sources.json (an ordinary model, a merge output) passes.
+    """Refuse a stacked folder whose source models, or whose own files, changed since it was
+    built (see the module docstring); anything without a stack-sources.json (an ordinary model,
+    a merge output) passes.
 
     Raises:
-        IntegrityError: naming the stacked folder, the changed file and the import to rerun.
+        IntegrityError: naming the changed file and the import to rerun.
     """
     record_path = Path(folder) / SOURCES_FILE
     if not record_path.is_file():
