@@ -96,3 +96,22 @@ def test_a_good_adapter_passes_check_and_runs(tiny_family, tmp_path, capsys):
     assert main(["check", str(params), "--no-probe"]) == 0
     assert "a LoRA adapter of the base" in capsys.readouterr().out
     assert main(["run", str(params), "-q"]) == 0
+
+
+def test_audit_proves_a_merge_with_an_adapter_expert_wherever_the_adapter_now_is(tiny_family, tmp_path, capsys):
+    """audit looked every input up as a dense checkpoint: an adapter expert was "not found at
+    that path" (exit 8) even where it lay, so no merge with an adapter could be proven."""
+    import shutil
+    lora = _adapter(tmp_path / "lora", _factors())
+    params = _params(tmp_path, tiny_family, lora)
+    assert main(["run", str(params), "-q"]) == 0
+    moved = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(lora, moved)
+    shutil.rmtree(lora)
+    capsys.readouterr()
+    assert main(["audit", str(tmp_path / "out"), "--search", str(tmp_path / "elsewhere")]) == 0
+    report = capsys.readouterr().out
+    assert f"found {moved}" in report and "replay: identical" in report, report
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    assert main(["audit", str(tmp_path / "out"), "--search", str(tmp_path / "elsewhere")]) == 8  # not this adapter

@@ -107,7 +107,9 @@ class _Audit:
         inputs = [_Input("base", "base", plan["base"])] + [
             _Input(e["name"], f"expert {e['name']}", e) for e in plan["experts"]]
         for item in inputs:
-            self._locate(item, layout, depth, like=next((i.ckpt for i in inputs if i.ckpt is not None), None))
+            base = inputs[0]  # located first: an expert that is a LoRA adapter is one of it
+            self._locate(item, layout, depth, like=next((i.ckpt for i in inputs if i.ckpt is not None), None),
+                         base=None if item is base or base.index is None else (base.ckpt, base.index))
         tokenizer = self._tokenizer(plan, inputs, depth)
         if all(i.index is not None for i in inputs) and tokenizer is not False:
             self._replay(man, plan, inputs, tokenizer, produced, depth, out_dir)
@@ -115,9 +117,10 @@ class _Audit:
             self.report.say(depth, "replay: not run (an input is missing or differs)")
         self._lineage(man, inputs, depth)
 
-    def _locate(self, item: _Input, layout: BlockLayout, depth: int, *, like: Checkpoint | None) -> None:
+    def _locate(self, item: _Input, layout: BlockLayout, depth: int, *, like: Checkpoint | None,
+                base: tuple[Checkpoint, ModelIndex] | None = None) -> None:
         want, recorded = item.ref["content_hash"], item.ref["path"]
-        found = self.finder.find(want, recorded, layout, like=like)
+        found = self.finder.find(want, recorded, layout, like=like, base=base)
         if found is None:
             there = self.finder.indexed.get(os.path.realpath(Path(recorded).expanduser()))
             if there is not None:  # the model at the recorded path is another one
@@ -128,7 +131,10 @@ class _Audit:
                                           "at that path, in the --search folders or in the Hugging Face cache")
             return
         try:
-            ckpt, index = self.fresh.model_index(found.folder, block_bytes=layout, threads=self.threads)
+            fresh_base = None if base is None else self.fresh.model_index(
+                base[0].root, block_bytes=layout, threads=self.threads)  # the adapter's base, rehashed too
+            ckpt, index = self.fresh.model_index(found.folder, block_bytes=layout, threads=self.threads,
+                                                 base=fresh_base)
         except MergepipeError as e:
             self.report.mismatch(depth, f"{item.label}: {found.folder}: rehash failed: {e}")
             return

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.checkpoint.blocks import BlockLayout
+from mergepipe.checkpoint.lora import is_adapter
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
 from mergepipe.config.hf_cache import hub_cache, looks_like_hub_id
-from mergepipe.errors import CheckpointError
+from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.index.records import ModelIndex
 from mergepipe.index.store import Store
 from mergepipe.output.lineage import folder_manifest
 from mergepipe.output.manifest import MANIFEST
@@ -64,7 +66,8 @@ def folders(root: Path) -> Iterator[Path]:
 
 
 def model_folders(root: Path) -> Iterator[Path]:
-    return filter(is_model_folder, folders(root))
+    """Model folders and LoRA adapter folders (an expert of a base) under `root`."""
+    return (f for f in folders(root) if is_model_folder(f) or is_adapter(f))
 
 
 def hub_snapshots(model_id: str) -> list[Path]:
@@ -121,22 +124,25 @@ class Finder:
         yield from self.searched()
         yield from ((s, "Hugging Face cache") for s in all_hub_snapshots())
 
-    def content_hash(self, folder: Path, block_bytes: int) -> str | None:
-        """The folder's content hash (cached in the Store), or None when it is not a readable checkpoint."""
-        key = (os.path.realpath(folder), block_bytes)
+    def content_hash(self, folder: Path, block_bytes: int,
+                     base: tuple[Checkpoint, ModelIndex] | None = None) -> str | None:
+        """The folder's content hash (cached in the Store), or None when it is not a readable
+        checkpoint; a LoRA adapter folder's is that of the expert it makes of `base` (None without one)."""
+        key = (os.path.realpath(folder), block_bytes, None if base is None else base[1].content_hash)
         if key not in self._hashes:
             try:
-                _, index = self.store.model_index(folder, block_bytes=block_bytes, threads=self.threads)
+                _, index = self.store.model_index(folder, block_bytes=block_bytes, threads=self.threads, base=base)
                 self._hashes[key] = self.indexed[key[0]] = index.content_hash
-            except (CheckpointError, OSError):
+            except (CheckpointError, ConfigError, OSError):  # ConfigError: an adapter not of this base
                 self._hashes[key] = None
         return self._hashes[key]
 
     def find(self, content_hash: str, recorded: str, layout: BlockLayout, *,
-             like: Checkpoint | None = None) -> Found | None:
+             like: Checkpoint | None = None, base: tuple[Checkpoint, ModelIndex] | None = None) -> Found | None:
         """The first candidate with this content hash. `like`: an input already found; the
         inputs of one merge share tensor names, dtypes and shapes, so a candidate whose headers
-        differ from its is skipped without reading its weights."""
+        differ from its is skipped without reading its weights. `base`: the merge's base, found,
+        of which an adapter folder is an expert (it has no headers of its own to compare)."""
         excluded = {os.path.realpath(p) for p in self.exclude}
         tried: set[str] = set()
         for folder, how in self.candidates(recorded):
@@ -144,9 +150,9 @@ class Finder:
             if real in tried or real in excluded or not folder.is_dir():
                 continue
             tried.add(real)
-            if like is not None and not _same_tensors(folder, like):
+            if like is not None and not is_adapter(folder) and not _same_tensors(folder, like):
                 continue
-            if self.content_hash(folder, layout.block_bytes) == content_hash:
+            if self.content_hash(folder, layout.block_bytes, base) == content_hash:
                 return Found(folder, how)
         return None
 
