@@ -158,6 +158,12 @@ RECIPES = {
         "slices": [{"sources": [_src("a", 0, 3, scale=0.5)]},
                    {"sources": [_src("b", 2, 5, scale=[{"filter": "o_proj", "value": 0.0}, {"value": 1.0}])]},
                    {"sources": [_src("c", 5, 6)]}]},
+    # ... and a global scale naming a source layer: b's layer 3 is output layer 2
+    "passthrough_scale[layer]": {
+        "merge_method": "passthrough", "parameters": {"scale": [{"filter": "layers.3.self_attn", "value": 2.0},
+                                                                {"value": 1.0}]},
+        "slices": [{"sources": [_src("a", 0, 1)]}, {"sources": [_src("b", 2, 5)], "parameters": {"scale": 1.0}},
+                   {"sources": [_src("a", 3, 6)]}]},
     # item 2: per-input filters naming a layer, matched on the source's names: a's layers 3 and 4
     # are output layers 2 and 3 here
     "layer_filter": {
@@ -176,8 +182,7 @@ _NOWHERE = ("a filter in no tensor name ('absent') is refused as a likely typo (
             "match nothing")
 DIFFERS = {**{name: _STRINGS for name in RECIPES if name.startswith("resolution[")},
            "precedence[1]": _NOWHERE, "precedence[2]": _NOWHERE,
-           "fewer_models[linear]": "a linear slice of one model is refused (the models form needs two without a base)",
-           "passthrough_scale": "passthrough slices with per-source parameters are refused"}
+           "fewer_models[linear]": "a linear slice of one model is refused (the models form needs two without a base)"}
 
 
 def _ours(recipe: Path, folder: Path, family: Path) -> tuple[Path | None, str]:

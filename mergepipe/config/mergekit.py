@@ -344,7 +344,13 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                 raise _fail(source, "slices", "stacking layers builds a model folder first; "
                                               "run `mergepipe import-mergekit CONFIG -o params.yaml`")
             stack_ref = stack_dir if paths is None else paths.mergekit_ref(stack_dir)
+            from mergepipe.config.mergekit_slices import stacked_slice_parameters
+            per_slice = stacked_slice_parameters(data, source)
             data = {**data, "models": [{"model": stack_ref}]}  # passthrough of the stacked folder
+            if per_slice is not None:  # its layers scaled slice by slice (the top level: slice 0's)
+                params = mergekit_to_params({**data, "slices": None, "parameters": per_slice[0]["parameters"]},
+                                            source=source, output_dir=output_dir, paths=paths, recipe=recipe)
+                return {**params, "slices": per_slice}
         elif merges_slices(data["slices"], paths):
             if stack_dir is None:
                 raise _fail(source, "slices", "slices that merge build stacked views first; "
@@ -578,10 +584,12 @@ def stacking_slices(data: Any, source: str) -> list[dict[str, Any]] | None:
         if not isinstance(sl, dict) or not isinstance(sl.get("sources"), list) or len(sl["sources"]) != 1:
             raise _fail(source, key, "a stacked slice takes exactly one source (merging inside stacked "
                                      "slices is not built)")
-        extra = sorted((k for k, v in sl.items() if k != "sources" and v not in (None, {}, [])), key=str)
+        extra = sorted((k for k, v in sl.items() if k not in ("sources", "parameters") and v not in (None, {}, [])),
+                       key=str)
         src = sl["sources"][0]
-        if extra or not isinstance(src, dict) or set(src) - {"model", "layer_range"} or src.get("parameters"):
-            raise _fail(source, key, "stacked slices take only sources: [{model, layer_range}]")
+        if extra or not isinstance(src, dict) or set(src) - {"model", "layer_range", "parameters"}:
+            raise _fail(source, key, "stacked slices take only parameters and sources: "
+                                     "[{model, layer_range, parameters}]")
         lr = src.get("layer_range")
         if not (isinstance(lr, list | tuple) and len(lr) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in lr)

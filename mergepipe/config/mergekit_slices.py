@@ -247,6 +247,36 @@ def _on_source_names(sliced: SlicedRecipe, out_slices: list[dict[str, Any]], sou
                                                    f"slices[{i}].sources ({position}).{k}", source)
 
 
+def stacked_slice_parameters(data: dict[str, Any], source: str) -> list[dict[str, Any]] | None:
+    """params.yaml's `slices:` for a passthrough stack whose slices or sources carry parameters
+    (`scale`): each slice's parameters, its source's over the slice's over the global ones, as
+    mergekit reads them (`scale` is per input: its filters pick what they pick on the source's
+    tensor names); None when none carries any.
+
+    Raises:
+        ConfigError: a parameters entry that is not a mapping, or a setting mergekit refuses.
+    """
+    slices = data["slices"]
+    if not any(sl.get("parameters") or sl["sources"][0].get("parameters") for sl in slices):
+        return None
+    views = [{"model": sl["sources"][0]["model"], "layer_range": list(sl["sources"][0]["layer_range"])}
+             for sl in slices]
+    pairs, names = _renames(views, source)
+    out, start = [], 0
+    for i, sl in enumerate(slices):
+        key = f"slices[{i}].sources[0]"
+        merged = _merged_parameters(sl.get("parameters"), data.get("parameters"), f"slices[{i}]", source)
+        own = _merged_parameters(sl["sources"][0].get("parameters"), None, key, source)
+        parameters = {k: _source_numbered(_with_fallback(own.get(k), merged.get(k)), pairs[i], names,
+                                          f"{key}.parameters.{k}", source)
+                      for k in sorted({*own, *merged}, key=str)}
+        parameters.setdefault("scale", 1.0)  # unset, mergekit copies the tensor (never another slice's scale)
+        n = views[i]["layer_range"][1] - views[i]["layer_range"][0]
+        out.append({"layers": [start, start + n], "parameters": parameters})
+        start += n
+    return out
+
+
 def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, views_dir: str, *,
                   output_dir: str, recipe: str | None) -> dict[str, Any]:
     """The params dict merging the views in `views_dir` (as params.yaml names it): slice 0's
