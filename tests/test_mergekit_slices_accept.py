@@ -181,8 +181,7 @@ _STRINGS = "numbers written as strings ('1e-5') are refused; mergekit reads them
 _NOWHERE = ("a filter in no tensor name ('absent') is refused as a likely typo (params check); mergekit lets it "
             "match nothing")
 DIFFERS = {**{name: _STRINGS for name in RECIPES if name.startswith("resolution[")},
-           "precedence[1]": _NOWHERE, "precedence[2]": _NOWHERE,
-           "fewer_models[linear]": "a linear slice of one model is refused (the models form needs two without a base)"}
+           "precedence[1]": _NOWHERE, "precedence[2]": _NOWHERE}
 
 
 def _ours(recipe: Path, folder: Path, family: Path) -> tuple[Path | None, str]:

@@ -436,6 +436,8 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                                                       "model; name base_model")
     if base is None and facts.no_base == "first":
         key, base, first = entries.pop(0)
+        if not entries and method == "linear":  # one model: itself at weight 0 is the expert (adds 0)
+            entries = [(key, base, {"weight": 0.0})]
         if not entries:
             raise _fail(source, models_key, f"{mk_method} without base_model needs at least two models")
         parameters["base_weight"] = _weight(first, default_weight, key, source)
@@ -453,6 +455,8 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
         if listed:
             key, _, base_params = listed[0]
             parameters["base_weight"] = _weight(base_params, default_weight, key, source)
+            if not entries:  # the base alone: itself at weight 0 is the expert (adds 0)
+                entries = [(key, base, {"weight": 0.0})]
         elif default_weight is not None:
             # mergekit adds the unlisted base as a source; only the global weight applies
             parameters["base_weight"] = default_weight

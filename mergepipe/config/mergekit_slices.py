@@ -30,6 +30,7 @@ from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.config.mergekit import (ModelPaths, _expert_name, _fail, _model_ref, _same_model, _setting,
                                        _with_fallback, mergekit_to_params, resolve_model_ref)
 from mergepipe.config.settings import LAYER_RE, parse_setting
+from mergepipe.config.slices import PRE_WEIGHT_RE
 from mergepipe.units import short_repr
 
 BASE = "base"  # the base position's folder under the views folder (never an expert's name)
@@ -54,6 +55,9 @@ class SlicedRecipe:
     slices: list[dict[str, Any]]
     names: list[str]
     lengths: list[int]
+    # mergekit 0.1.5 merges the head and final norm from the last slice's first
+    # len(slices[0].sources) sources only: the positions left out there (weight 0 on those tensors)
+    head_dropped: tuple[str, ...] = ()
 
 
 def _layer_range(value: Any, key: str, source: str) -> tuple[int, int]:
@@ -161,8 +165,16 @@ def sliced_recipe(data: dict[str, Any], source: str, paths: ModelPaths | None = 
     taken = {BASE}
     names = [_position_name([s["model"] for i, s in enumerate(pos) if (k, i) not in filled], taken)
              for k, pos in enumerate(positions[1:], start=1)]
+    last, (_, last_sources, _) = converted[-1][0], converted[-1]
+    kept = list(last_sources)[:len(slices[0]["sources"])]  # sources in their written order
+    last_models = [last["base"], *(e["path"] for e in last["experts"])]
+    dropped = [k for k, path in enumerate(last_models) if not any(_same_model(path, p) for p in kept)]
+    if 0 in dropped:
+        raise _fail(source, f"slices[{len(slices) - 1}].sources", "mergekit 0.1.5 merges the head from this "
+                                                                 f"slice's first {len(kept)} source(s), which leave "
+                                                                 "out its base; list the base first")
     return SlicedRecipe({BASE: positions[0], **dict(zip(names, positions[1:]))}, [p for p, _, _ in converted],
-                        names, [n for _, _, n in converted])
+                        names, [n for _, _, n in converted], tuple(names[k - 1] for k in dropped))
 
 
 def _renames(slices: list[dict[str, Any]], source: str) -> tuple[list[list[tuple[str, str]]], set[str]]:
@@ -297,6 +309,16 @@ def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, v
                            "experts": settings})
         start += n
     _on_source_names(sliced, out_slices, source)
+    if sliced.head_dropped:
+        post = sorted(n for n in _renames(sliced.views[BASE], source)[1]
+                      if not LAYER_RE.match(n) and not PRE_WEIGHT_RE.search(n))
+        for name in sliced.head_dropped:
+            settings = out_slices[-1]["experts"][name]
+            weight = settings.get("weight", 1.0)
+            weight = [weight] if isinstance(weight, dict) else weight
+            settings["weight"] = [*({"filter": n, "value": 0.0} for n in post),
+                                  *(weight if isinstance(weight, list) and weight and isinstance(weight[0], dict)
+                                    else [{"value": weight}])]
     # the top-level settings (where a slice gives none) are slice 0's, as its tensors read them
     experts = [{**e, **{k: out_slices[0]["experts"][e["name"]][k] for k in _PER_INPUT if k in e}} for e in experts]
     parameters = {**first["parameters"], **{k: v for k, v in out_slices[0]["parameters"].items() if k == "base_weight"}}
