@@ -77,7 +77,14 @@ def _fail(source: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: {clip(str(key))}: {message}")
 
 
+# a number written as a string ("1e-5"), which mergekit reads by the parameter's numeric type
+_NUMBER_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _leaf(value: Any, key: str, source: str) -> Any:
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):
+        text = value.strip()
+        return int(text) if text.lstrip("+-").isdigit() else float(text)
     if value is None or isinstance(value, bool | int | float | str):
         return value
     raise _fail(source, key, f"unsupported value {short_repr(value)}; expected a number, boolean or string")
