@@ -301,3 +301,15 @@ def test_model_signing_accepts_our_signatures_and_we_accept_its(merged, out, key
     made = subprocess.run([*script, "sign", str(theirs), str(priv)], capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
     assert check_signature(theirs, [pub]).startswith(f"signed by key sha256:{fingerprint(pub)}")
+
+
+def test_provenance_never_writes_into_an_input_even_with_force(out, capsys):
+    man = load_manifest(out)
+    base = Path(man["plan"]["base"]["path"])
+    if not base.is_absolute():
+        base = out.parent / base
+    target = base / "config.json"
+    before = target.read_bytes()
+    rc, _, err = cli(capsys, "provenance", out, "-o", target, "--force")
+    assert rc == 7 and "an input of this command" in err and "even with --force" in err
+    assert target.read_bytes() == before

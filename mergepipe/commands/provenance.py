@@ -114,7 +114,7 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
         OutputError: `dest` is inside the folder, or exists (without `force`).
         IntegrityError: the folder does not verify. ConfigError: the key is unusable.
     """
-    from mergepipe.output.safety import inside_output
+    from mergepipe.output.safety import inside_output, refuse_inside
     if inside_output(dest, out_dir):
         raise OutputError(f"-o {dest}: inside {out_dir}, where it would be a file the manifest does not "
                           "record; write it beside the folder")
@@ -123,6 +123,7 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
                           "--force)")
     private = None if key is None else dsse.load_private_key(key, password_env=password_env)
     statement = provenance_statement(out_dir, deep=deep)
+    refuse_inside(dest, _recorded_inputs(statement, out_dir))
     data = canonical_json(statement, indent=2) if private is None else dsse.sign_statement(statement, private)
     try:
         atomic_write_bytes(dest, data)
@@ -131,6 +132,17 @@ def write_provenance(out_dir: Path, dest: Path, *, key: Path | None = None, pass
     how = "unsigned" if private is None else \
         f"signed with key sha256:{dsse.fingerprint(private.public_key())}"
     return f"{dest}: SLSA provenance of {len(statement['subject'])} files of {out_dir} ({how})"
+
+
+def _recorded_inputs(statement: dict, out_dir: Path) -> list[Path]:
+    """The input folders the manifest records, as the working directory and the output's parent
+    see them (a recorded path is relative to the run's root): -o never writes into one."""
+    found = []
+    for dep in statement["predicate"]["buildDefinition"]["resolvedDependencies"]:
+        path = dep["annotations"].get("path")
+        if isinstance(path, str) and path:
+            found += [p for p in (Path(path), out_dir.parent / path) if p.exists()]
+    return found
 
 
 def read_provenance(path: Path, trusted: list[Path]) -> tuple[dict, str]:
