@@ -288,6 +288,8 @@ BAD = [
     ({"output.dir": "."}, "output.dir: '.' overlaps the input model base"),
     ({"output.dir": "/work/x/models/base"}, "overlaps the input model base ('models/base')"),
     ({"cache_dir": "merged/.cache"}, "cache_dir: 'merged/.cache' overlaps output.dir"),
+    ({"cache_dir": "models/base"}, "cache_dir: 'models/base' is or lies in the input model base"),
+    ({"cache_dir": "models/math/.cache"}, "'models/math/.cache' is or lies in the input model experts[0].path"),
     ({"nonfinite": "ignore"}, "nonfinite: must be 'error' or 'allow', got 'ignore'"),
     ({"extra_key": 1}, "extra_key: unknown key; allowed keys: base, experts, method"),
     ({"Budget": "full"}, "Budget: unknown key"),

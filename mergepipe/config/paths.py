@@ -13,7 +13,8 @@ from mergepipe.checkpoint.lora import is_adapter
 from mergepipe.config.hf_cache import hub_repo, hub_snapshot, looks_like_hub_id
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.units import short_repr
-from mergepipe.output.safety import overlaps  # the one owner of output safety (layer exception: test_layers)
+# the one owner of output safety (layer exception: test_layers)
+from mergepipe.output.safety import overlaps, writes_into
 
 if TYPE_CHECKING:
     from mergepipe.config.models import MergeConfig
@@ -91,6 +92,11 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
             raise ConfigError(
                 f"{source}: output.dir: {written['output.dir']!r} overlaps the input model "
                 f"{key} ({written[key]!r}); write the merge to a separate folder")
+    for key, path in inputs:  # a cache's entries written into a model would change that model's folder
+        if writes_into(resolved.cache_dir, path):
+            raise ConfigError(
+                f"{source}: cache_dir: {written['cache_dir']!r} is or lies in the input model {key} "
+                f"({written[key]!r}); keep the cache outside the models")
     if overlaps(resolved.cache_dir, out):
         raise ConfigError(
             f"{source}: cache_dir: {written['cache_dir']!r} overlaps output.dir "

@@ -78,7 +78,7 @@ def overlaps(a: Path | str, b: Path | str) -> bool:
     return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
-def _at_or_inside(path: Path | str, folder: Path | str) -> bool:
+def writes_into(path: Path | str, folder: Path | str) -> bool:
     """Whether `path` is `folder` or lies inside it (links resolved): writing it changes `folder`."""
     return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
@@ -139,7 +139,7 @@ def refuse_inside(path: Path, inputs: Iterable[Path], *, what: str = "-o") -> No
     """
     out = Path(path).resolve()
     for src in inputs:
-        if _at_or_inside(out, src):
+        if writes_into(out, src):
             where = "inside " if out != Path(src).resolve() else ""
             raise OutputError(f"{path}: {what} is {where}an input of this command ({src}); "
                               "refusing to write there, even with --force; write it elsewhere")
