@@ -140,3 +140,15 @@ def test_verify_inputs_names_a_metadata_file_the_base_changed_since(tmp_path, ca
         rc, err = _verify(capsys, out, *args)
         assert rc == 6 and err == (f"mergepipe: error: {family / 'base' / 'config.json'}: changed since the plan "
                                    "was made (the plan hash covers it); re-plan"), err
+
+
+def test_a_replay_of_other_outputs_names_each_differing_file(tmp_path):
+    from mergepipe.errors import IntegrityError
+    from mergepipe.output.manifest import refuse_other_replay
+    recorded = {"outputs": {"files": {"adapter_model.safetensors": {"blake3": "a"}, "adapter_config.json": "c"}}}
+    refuse_other_replay(tmp_path, recorded, {"outputs": {"files": dict(recorded["outputs"]["files"])}})
+    again = {"outputs": {"files": {"adapter_model.safetensors": {"blake3": "b"}, "extra.json": "e"}}}
+    with pytest.raises(IntegrityError) as e:
+        refuse_other_replay(tmp_path, recorded, again)
+    assert str(e.value) == (f"{tmp_path}: replay produced different outputs: "
+                            "adapter_config.json, adapter_model.safetensors, extra.json")

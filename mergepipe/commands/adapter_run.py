@@ -20,7 +20,7 @@ from mergepipe.config.adapter_output import check_adapter_output
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.output.adapter_out import (ADAPTER_KIND, OutModule, adapter_config, adapter_manifest,
                                           recipe_hash, write_adapter, write_adapter_manifest, write_report)
-from mergepipe.output.manifest import load_manifest, verify_outputs
+from mergepipe.output.manifest import load_manifest, refuse_other_replay, verify_outputs
 from mergepipe.output.publish import Publisher
 from mergepipe.output.safety import WriteInputs, check_output_path, refuse_overlap
 from mergepipe.util.canonical import canonical_blake3
@@ -245,10 +245,7 @@ def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool)
                            "adapter": recipe["adapter"]},
                 "cache_dir": str(Path(tmp) / "cache")}, source=f"{where}: recipe")
             again = run_adapter_output(cfg).manifest
-        if again["outputs"] != man["outputs"]:
-            bad = sorted(n for n in {*again["outputs"]["files"], *man["outputs"]["files"]}
-                         if again["outputs"]["files"].get(n) != man["outputs"]["files"].get(n))
-            raise IntegrityError(f"{out_dir}: replay produced different outputs: {', '.join(bad)}")
+        refuse_other_replay(out_dir, man, again)
         checked.append("replay identical")
     return checked
 

@@ -23,7 +23,7 @@ from mergepipe.commands.adapter_run import base_table_hash
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
 from mergepipe.output.adapter_out import ADAPTER_KIND
 from mergepipe.output.extracted_adapter import EXTRACT_FORMAT, AdapterWriter, write_extract_manifest
-from mergepipe.output.manifest import MANIFEST, load_manifest, verify_outputs
+from mergepipe.output.manifest import MANIFEST, load_manifest, refuse_other_replay, verify_outputs
 from mergepipe.output.publish import Publisher
 from mergepipe.output.safety import WriteInputs, check_output_path, refuse_overlap, replaceable
 from mergepipe.util.canonical import canonical_blake3
@@ -179,10 +179,7 @@ def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool,
             again = extract_lora(paths["expert"], paths["base"], Path(tmp) / "replay", rule=rule,
                                  keep=list(recipe["modules_to_save"]), embed_lora=bool(recipe["embed_lora"]),
                                  threads=threads).manifest
-        if again["outputs"] != man["outputs"]:
-            bad = sorted(n for n in {*again["outputs"]["files"], *man["outputs"]["files"]}
-                         if again["outputs"]["files"].get(n) != man["outputs"]["files"].get(n))
-            raise IntegrityError(f"{out_dir}: replay produced different outputs: {', '.join(bad)}")
+        refuse_other_replay(out_dir, man, again)
         checked.append("replay identical")
     return checked
 

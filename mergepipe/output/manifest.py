@@ -153,6 +153,20 @@ def verify_outputs(out_dir: str | Path, *, deep: bool = False) -> dict:
     return man
 
 
+def refuse_other_replay(out_dir: Path, recorded: dict, again: dict) -> None:
+    """A replay's manifest `again` records the outputs `recorded` records, else the error names
+    each file whose record differs (a folder whose files are all weights or all small records).
+
+    Raises:
+        IntegrityError: naming the output folder and the differing files.
+    """
+    if again["outputs"] == recorded["outputs"]:
+        return
+    ours, theirs = again["outputs"]["files"], recorded["outputs"]["files"]
+    bad = sorted(n for n in {*ours, *theirs} if ours.get(n) != theirs.get(n))
+    raise IntegrityError(f"{out_dir}: replay produced different outputs: {', '.join(bad)}")
+
+
 def replaced_weight_file(out_dir: Path, man: dict) -> str | None:
     """The first weight file the manifest records that is not the one mergepipe published
     there (a user's weights under a copied manifest, a shard replaced by another file), or None.
