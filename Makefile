@@ -31,7 +31,7 @@ lint: venv
 	$(BIN)/ruff check $(LINTED)
 
 test: lint .venv-mergekit/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The whole suite as a CPU without AVX-512 runs it: the C kernels (util/cpu.py), torch, numba,
 # numpy and OpenBLAS each dispatch at most AVX2 (a test of the AVX-512 build skips, saying so).
