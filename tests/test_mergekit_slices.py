@@ -85,6 +85,12 @@ RECIPES = {
                                                 _src("b", 0, 3, weight=[0.2, 0.8])]},
                                    {"base_model": "family/a", "parameters": {"lambda": 0.7, "weight": 0.9},
                                     "sources": [_src("a", 3, 6), _src("b", 2, 5), _src("c", 3, 6, weight=0.3)]}]},
+    # lambda set by slice 0 only: slice 1 takes the method's default (1.0), not slice 0's 0.7
+    "task_arithmetic_first_lambda": {
+        "merge_method": "task_arithmetic", "base_model": "family/base",
+        "slices": [{"parameters": {"lambda": 0.7},
+                    "sources": [_src("base", 0, 3), _src("a", 0, 3, weight=0.6), _src("b", 0, 3, weight=0.5)]},
+                   {"sources": [_src("base", 3, 6), _src("a", 3, 6, weight=0.6), _src("b", 3, 6, weight=0.5)]}]},
     # densities per source and per slice; 4 output layers
     "ties": {"merge_method": "ties", "base_model": "family/base",
              "parameters": {"weight": 1.0, "density": 0.5},
@@ -96,7 +102,7 @@ RECIPES = {
                "slices": [{"sources": [_src("a", 0, 4, weight=1.0), _src("b", 0, 4, weight=2.0)]},
                           {"sources": [_src("b", 4, 6, weight=1.0), _src("c", 2, 4, weight=3.0)]}]},
 }
-OUT_LAYERS = {"slerp": 5, "task_arithmetic": 6, "ties": 4, "linear": 6}
+OUT_LAYERS = {"slerp": 5, "task_arithmetic": 6, "task_arithmetic_first_lambda": 6, "ties": 4, "linear": 6}
 
 
 def _load(folder) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
 from mergepipe.config.mergekit import (ModelPaths, _expert_name, _fail, _model_layers, _model_ref, _same_model,
                                        mergekit_to_params)
-from mergepipe.config.mergekit_slices import _merged_parameters
+from mergepipe.config.mergekit_slices import _merged_parameters, method_defaults
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS, get_method
 from mergepipe.units import short_repr
@@ -265,13 +265,6 @@ def _check_gradients(name: str, facts: ModuleFacts, params: dict[str, Any], sour
                                                    "fixed layer count), so it has no one value: give one")
 
 
-def _defaults(method: str) -> dict[str, Any]:
-    """The method's parameter defaults by params.yaml name (None defaults left out: they mean unset)."""
-    fields = get_method(method).params.model_fields
-    return {f.alias or k: f.get_default(call_default_factory=True) for k, f in fields.items()
-            if not f.is_required() and f.get_default(call_default_factory=True) is not None}
-
-
 def _ref(expert: dict[str, Any]) -> str:
     return expert["path"] if "path" in expert else expert["adapter"]
 
@@ -303,7 +296,7 @@ def _modules_section(converted: dict[str, dict[str, Any]], facts: dict[str, Modu
     expert knob that the top level does: its own value, else the method's default; a model a
     module leaves out has weight 0 there."""
     first = next(iter(converted.values()))
-    defaults = _defaults(first["method"])
+    defaults = method_defaults(first["method"])
     top_keys = set(first["parameters"])
     top_knobs = {k for e in first["experts"] for k in ("density", "gamma") if k in e} | \
         {k for k in ("density", "gamma") if k in first["parameters"]}

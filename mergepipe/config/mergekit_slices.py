@@ -31,6 +31,7 @@ from mergepipe.config.mergekit import (ModelPaths, _expert_name, _fail, _model_r
                                        _with_fallback, mergekit_to_params, resolve_model_ref)
 from mergepipe.config.settings import LAYER_RE, parse_setting
 from mergepipe.config.slices import PRE_WEIGHT_RE
+from mergepipe.methods import get_method
 from mergepipe.units import short_repr
 
 BASE = "base"  # the base position's folder under the views folder (never an expert's name)
@@ -65,6 +66,13 @@ def _layer_range(value: Any, key: str, source: str) -> tuple[int, int]:
             and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 0 <= value[0] < value[1]):
         raise _fail(source, key, f"must be [start, end], 0 <= start < end, got {short_repr(value)}")
     return value[0], value[1]
+
+
+def method_defaults(method: str) -> dict[str, Any]:
+    """The method's parameter defaults by params.yaml name (None defaults left out: they mean unset)."""
+    fields = get_method(method).params.model_fields
+    return {f.alias or k: f.get_default(call_default_factory=True) for k, f in fields.items()
+            if not f.is_required() and f.get_default(call_default_factory=True) is not None}
 
 
 def _merged_parameters(own: Any, default: Any, key: str, source: str) -> dict[str, Any]:
@@ -299,7 +307,12 @@ def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, v
     firsts = [*first["experts"], *[{"weight": 0.0}] * (len(sliced.names) - len(first["experts"]))]
     experts = [{**e, "name": name, "path": f"{views_dir}/{name}"} for name, e in zip(sliced.names, firsts)]
     out_slices, start = [], 0
+    # the top-level settings are slice 0's, and a slice's win over them only where given, so each
+    # slice gives in full every parameter slice 0 does: its own value, else the method's default
+    defaults, top_keys = method_defaults(first["method"]), set(first["parameters"])
     for i, (params, n) in enumerate(zip(sliced.slices, sliced.lengths)):
+        params = {**params, "parameters": {**{k: defaults[k] for k in top_keys - set(params["parameters"])
+                                               if k in defaults}, **params["parameters"]}}
         # each knob given in full: the top-level experts' values are slice 0's, never another slice's
         knobs = {k: params["parameters"][k] for k in ("density", "gamma") if k in params["parameters"]}
         own = [*params["experts"], *[{"weight": 0.0}] * (len(sliced.names) - len(params["experts"]))]
