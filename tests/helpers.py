@@ -87,3 +87,14 @@ def _compiler_makes(march: str) -> bool:
     cc = shutil.which("cc") or shutil.which("gcc")
     return cc is not None and subprocess.run([cc, f"-march={march}", "-x", "c", "-E", "-", "-o", "/dev/null"],
                                              input=b"", capture_output=True).returncode == 0
+
+
+def fails_in_one_line(capsys, argv: list[str], code: int, *fragments: str) -> None:
+    """`mergepipe argv` exits with `code` and one stderr line holding every fragment."""
+    from mergepipe.cli import main
+    capsys.readouterr()
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from mergepipe.cli import main
 from mergepipe.config.params import load_config
 from tests._equivalence import EPS32, RESIDUE_ULPS
-from tests.helpers import load_model
+from tests.helpers import fails_in_one_line, load_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -260,15 +260,6 @@ def test_the_standalone_checker_reads_an_adapter_manifest(fam, tmp_path):
     assert bad.returncode == 1 and "lora_B.weight' does not match" in bad.stderr, bad.stderr
 
 
-def _fails(capsys, argv: list[str], code: int, *fragments: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == code
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for fragment in fragments:
-        assert fragment in err, err
-
-
 @pytest.mark.parametrize("weights, kw, fragments", [
     ({"a": 1.0}, {"method": "ties"}, ["method 'ties' is not linear", "task_arithmetic"]),
     ({"a": 1.0}, {"budget": "50%"}, ["budget 50%", "budget: full"]),
@@ -281,7 +272,7 @@ def _fails(capsys, argv: list[str], code: int, *fragments: str) -> None:
 ])
 def test_what_cannot_be_one_adapter_is_refused_in_one_line(fam, tmp_path, capsys, weights, kw, fragments):
     kw.setdefault("adapter", {"combination": "cat"})
-    _fails(capsys, ["run", str(_params(tmp_path, fam, weights, **kw))], 2, *fragments)
+    fails_in_one_line(capsys, ["run", str(_params(tmp_path, fam, weights, **kw))], 2, *fragments)
     assert not (tmp_path / "out").exists()
 
 
@@ -290,8 +281,8 @@ def test_a_dense_expert_and_plan_are_refused(fam, tmp_path, capsys):
     cfg = yaml.safe_load(path.read_text())
     cfg["experts"].append({"name": "dense", "path": str(fam["base"]), "weight": 1.0})
     path.write_text(yaml.safe_dump(cfg))
-    _fails(capsys, ["run", str(path)], 2, "'dense' is a model folder")
-    _fails(capsys, ["plan", str(_params(tmp_path, fam, {"a": 1.0}, adapter={}))], 2, "has no plan")
+    fails_in_one_line(capsys, ["run", str(path)], 2, "'dense' is a model folder")
+    fails_in_one_line(capsys, ["plan", str(_params(tmp_path, fam, {"a": 1.0}, adapter={}))], 2, "has no plan")
 
 
 def test_the_config_key_is_normalized_only_when_set(tmp_path):
@@ -317,7 +308,8 @@ def test_verify_inputs_and_replay_rehash_the_adapters_and_rebuild(fam, tmp_path,
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(data)
-    _fails(capsys, ["verify", str(out), "--inputs"], 6, "a-copy/adapter_model.safetensors", "recorded adapter file")
+    fails_in_one_line(capsys, ["verify", str(out), "--inputs"], 6,
+                      "a-copy/adapter_model.safetensors", "recorded adapter file")
 
 
 def test_the_output_adapter_is_an_adapter_expert_giving_the_same_merge(fam, tmp_path):
@@ -343,4 +335,4 @@ def test_check_runs_the_adapter_checks_and_plan_readers_refuse_an_adapter_output
     assert "method 'ties' is not linear" in capsys.readouterr().out
     out = _run(tmp_path, fam, {"a": 1.0})
     for argv in (["explain", str(out)], ["audit", str(out)], ["provenance", str(out), "-o", str(tmp_path / "p.json")]):
-        _fails(capsys, argv, 2, "an adapter output", "has no plan", argv[0])
+        fails_in_one_line(capsys, argv, 2, "an adapter output", "has no plan", argv[0])

@@ -67,7 +67,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from mergepipe.cli import main  # noqa: E402
 from tests._equivalence import EPS32, ulp  # noqa: E402
-from tests.helpers import load_model  # noqa: E402
+from tests.helpers import fails_in_one_line, load_model  # noqa: E402
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -272,15 +272,6 @@ def test_the_adapter_has_the_same_bytes_at_every_thread_count(tmp_path):
     assert files[1] == files[2] and len(files[1]) == 3
 
 
-def _fails(capsys, argv: list[str], code: int, *fragments: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == code
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for fragment in fragments:
-        assert fragment in err, err
-
-
 def _edited_expert(fam, tmp_path: Path, edit) -> Path:
     folder = tmp_path / "edited"
     shutil.copytree(fam["expert32"], folder)
@@ -312,7 +303,7 @@ def test_inputs_that_do_not_fit_the_base_are_refused_naming_the_tensor(fam, tmp_
                                                                        fragments):
     expert = _edited_expert(fam, tmp_path, edit)
     out = tmp_path / "out"
-    _fails(capsys, ["extract-lora", "-q", str(expert), "--base", str(fam["base32"]), "--rank", "4", "-o",
+    fails_in_one_line(capsys, ["extract-lora", "-q", str(expert), "--base", str(fam["base32"]), "--rank", "4", "-o",
                     str(out)], code, *fragments)
     assert not out.exists()
 
@@ -320,21 +311,23 @@ def test_inputs_that_do_not_fit_the_base_are_refused_naming_the_tensor(fam, tmp_
 def test_bad_ranks_patterns_and_inputs_are_refused_in_one_line(fam, tmp_path, capsys):
     base, expert, out = str(fam["base32"]), str(fam["expert32"]), str(tmp_path / "out")
     args = ["extract-lora", expert, "--base", base, "-o", out]
-    _fails(capsys, [*args, "--rank", "0"], 2, "--rank 0")
-    _fails(capsys, [*args, "--rank", "17"], 2, "--rank 17", "'model.layers.0.self_attn.k_proj.weight'", "[16, 32]")
-    _fails(capsys, [*args, "--energy", "1.5"], 2, "--energy 1.5")
-    _fails(capsys, [*args, "--rank", "4", "--modules-to-save", "no_such"], 2, "'no_such'")
+    fails_in_one_line(capsys, [*args, "--rank", "0"], 2, "--rank 0")
+    fails_in_one_line(capsys, [*args, "--rank", "17"], 2,
+                      "--rank 17", "'model.layers.0.self_attn.k_proj.weight'", "[16, 32]")
+    fails_in_one_line(capsys, [*args, "--energy", "1.5"], 2, "--energy 1.5")
+    fails_in_one_line(capsys, [*args, "--rank", "4", "--modules-to-save", "no_such"], 2, "'no_such'")
     missing = str(tmp_path / "nowhere")
-    _fails(capsys, ["extract-lora", missing, "--base", base, "--rank", "4", "-o", out], 3, missing)
+    fails_in_one_line(capsys, ["extract-lora", missing, "--base", base, "--rank", "4", "-o", out], 3, missing)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
-    _fails(capsys, ["extract-lora", str(pickled), "--base", base, "--rank", "4", "-o", out], 3,
+    fails_in_one_line(capsys, ["extract-lora", str(pickled), "--base", base, "--rank", "4", "-o", out], 3,
            "pytorch_model.bin", "pickle")
     adapter = _extract(fam, "32", tmp_path / "adapter", "--rank", "2")
-    _fails(capsys, ["extract-lora", str(adapter), "--base", base, "--rank", "4", "-o", out], 2, "LoRA adapter")
-    _fails(capsys, ["extract-lora", base, "--base", base, "--rank", "4", "-o", out], 2, "nothing to extract")
-    _fails(capsys, [*args[:4], "--rank", "4", "-o", str(fam["expert32"] / "sub")], 7, "overlaps")
+    fails_in_one_line(capsys, ["extract-lora", str(adapter), "--base", base, "--rank", "4", "-o", out], 2,
+                      "LoRA adapter")
+    fails_in_one_line(capsys, ["extract-lora", base, "--base", base, "--rank", "4", "-o", out], 2, "nothing to extract")
+    fails_in_one_line(capsys, [*args[:4], "--rank", "4", "-o", str(fam["expert32"] / "sub")], 7, "overlaps")
     assert not (tmp_path / "out").exists() and not (fam["expert32"] / "sub").exists()
 
 
@@ -343,7 +336,7 @@ def test_an_output_folder_is_replaced_only_when_extract_lora_wrote_it(fam, tmp_p
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     args = ["extract-lora", str(fam["expert32"]), "--base", str(fam["base32"]), "--rank", "2", "-o", str(out)]
-    _fails(capsys, args, 7, str(out), "did not write", "'notes.txt'")
+    fails_in_one_line(capsys, args, 7, str(out), "did not write", "'notes.txt'")
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (out / "notes.txt").unlink()
     assert main(args) == 0
@@ -352,7 +345,7 @@ def test_an_output_folder_is_replaced_only_when_extract_lora_wrote_it(fam, tmp_p
     assert (out / "adapter_model.safetensors").read_bytes() != first
     report = out / "extract_report.json"
     report.write_text(report.read_text() + " ")  # a user's edit is never overwritten
-    _fails(capsys, args, 7, "extract_report.json", "edited")
+    fails_in_one_line(capsys, args, 7, "extract_report.json", "edited")
     assert report.read_text().endswith(" ")
 
 
@@ -368,4 +361,4 @@ def test_verify_rehashes_the_inputs_and_replays_the_extraction(fam, tmp_path, ca
     tensors = load_file(expert / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     save_file(tensors, expert / "model.safetensors", metadata={"format": "pt"})
-    _fails(capsys, ["verify", str(out), "--inputs"], 6, str(expert), "not the recorded")
+    fails_in_one_line(capsys, ["verify", str(out), "--inputs"], 6, str(expert), "not the recorded")
