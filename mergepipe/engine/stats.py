@@ -28,13 +28,12 @@ from mergepipe.checkpoint.safetensors import FLOAT_DTYPES
 from mergepipe.engine.prefetch import UnitReader, prefetched, units
 from mergepipe.errors import IntegrityError
 from mergepipe.index import joint as artifact
+from mergepipe.index.cache import CacheLayout
 from mergepipe.index.store import cache_write_error
 from mergepipe.methods.base import expert_knobs
 from mergepipe.methods.joint import JointExpert, JointSpec, TensorContext, as_rows, run_passes, statistics_key
 from mergepipe.methods.registry import Method
 from mergepipe.util.fs import atomic_write_bytes
-
-SUFFIX = ".stats"
 
 
 @dataclass
@@ -65,7 +64,7 @@ def joint_statistics(plan: dict, inputs, method: Method, params, *, threads: int
                              f"the one its inputs and parameters give ({key[:12]}); make the plan again")
     contexts = _contexts(plan, inputs, params)
     cache_dir = getattr(inputs, "cache_dir", None)
-    path = Path(cache_dir) / "joint" / f"{key}{SUFFIX}" if cache_dir is not None else None
+    path = CacheLayout(cache_dir).joint(key) if cache_dir is not None else None
     if path is not None:
         loaded = _load(path, key, plan["method"], spec, contexts)
         if loaded is not None:
