@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mergepipe.checkpoint.lora import ADAPTER_WEIGHTS, AdapterCheckpoint, open_adapter
 from mergepipe.checkpoint.lora_combine import Term, combine
+from mergepipe.checkpoint.lora_dense import DENSE_COMBINATIONS, DenseSpec, DenseTerm, combine_dense
 from mergepipe.checkpoint.json_files import parse_json, read_bounded
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
@@ -93,21 +94,41 @@ def _changed_whole_tensors(ckpt: AdapterCheckpoint) -> list[str]:
         return changed
 
 
-def combined_modules(sources: list[Source], combination: str, rank: int | None) -> list[OutModule]:
-    """Every module any adapter targets, its terms in the sources' order."""
+def combined_modules(sources: list[Source], spec, seed: int = 0) -> list[OutModule]:
+    """Every module any adapter targets, its terms in the sources' order, combined as `spec`
+    (output.adapter) says; `seed`: params.yaml's, for DARE's masks."""
     by_module: dict[str, list] = {}
     for s in sources:
-        for d in s.checkpoint.adapter.deltas.values():
-            by_module.setdefault(d.module, []).append((s, d))
+        for tensor, d in s.checkpoint.adapter.deltas.items():
+            by_module.setdefault(d.module, []).append((s, tensor, d))
     out = []
-    for module, pairs in sorted(by_module.items()):
-        kinds = {d.embedding for _, d in pairs}
+    for module, triples in sorted(by_module.items()):
+        kinds = {d.embedding for _, _, d in triples}
         if len(kinds) > 1:
-            raise ConfigError(f"module {module!r}: an embedding LoRA in {pairs[0][0].name!r} and a linear one "
-                              f"in {pairs[-1][0].name!r}; they cannot be one adapter's module")
-        terms = [Term(*d.peft_factors(), d.scale, s.coefficient) for s, d in pairs]
-        out.append(OutModule(module, combine(terms, combination, rank), kinds.pop()))
+            raise ConfigError(f"module {module!r}: an embedding LoRA in {triples[0][0].name!r} and a linear one "
+                              f"in {triples[-1][0].name!r}; they cannot be one adapter's module")
+        if spec.combination in DENSE_COMBINATIONS:
+            combined = _dense(triples, spec, seed)
+        else:
+            terms = [Term(*d.peft_factors(), d.scale, s.coefficient) for s, _, d in triples]
+            combined = combine(terms, spec.combination, spec.rank)
+        out.append(OutModule(module, combined, kinds.pop()))
     return out
+
+
+def _dense(triples: list, spec, seed: int):
+    """PEFT's dense combination of the module's Δs (checkpoint/lora_dense.py); each DARE mask
+    drawn from the generator of (seed, the adapter's identity, the tensor), as a DARE merge's
+    block generator (methods/base.block_rng) with the whole tensor one block."""
+    from mergepipe.methods.base import block_rng
+    random = spec.seeded
+    terms = []
+    for s, tensor, d in triples:
+        rows = d.left.shape[0]
+        generator = block_rng(seed, s.checkpoint.identity, tensor, 0) if random else None
+        terms.append(DenseTerm(d.rows(0, rows), s.coefficient, generator))
+    dense = DenseSpec(spec.combination, spec.rank, spec.density, spec.majority_sign_method or "total")
+    return combine_dense(terms, dense, transposed=triples[0][2].transposed)
 
 
 def _common(sources: list[Source], key: str):
@@ -133,6 +154,8 @@ def recipe_and_inputs(cfg, sources: list[Source], table_hash: str) -> tuple[dict
               "nonfinite": norm["nonfinite"],
               "experts": [{"name": s.name, "weight": weights[s.name], "coefficient": s.coefficient}
                           for s in sources]}
+    if cfg.output.adapter.seeded:  # DARE's masks follow the seed; no other output does
+        recipe["seed"] = cfg.seed
     inputs = {"base": {"path": norm["base"], "tensor_table": table_hash},
               "experts": [{"name": s.name, "adapter": s.written,
                            "config_blake3": hash_file(s.checkpoint.root / ADAPTER_CONFIG),
@@ -188,7 +211,7 @@ def run_adapter_output(cfg, *, out_dir: Path | None = None, force: bool = False,
     for s in sources:
         _refuse_unsupported(s, cfg.nonfinite)
     spec = cfg.output.adapter
-    modules = combined_modules(sources, spec.combination, spec.rank)
+    modules = combined_modules(sources, spec, cfg.seed)
     config = adapter_config(modules, fan_in_fan_out=_fan_in_fan_out(sources),
                             base_model=_common(sources, "base_model_name_or_path"),
                             task_type=_common(sources, "task_type"))
@@ -237,7 +260,7 @@ def check_recorded_inputs(out_dir: Path, man: dict, root: Path, *, replay: bool)
         with tempfile.TemporaryDirectory(prefix="mergepipe-verify-") as tmp:
             cfg = config_from_dict({
                 "base": str(base_dir), "method": recipe["method"], "parameters": recipe["parameters"],
-                "nonfinite": recipe["nonfinite"],
+                "nonfinite": recipe["nonfinite"], "seed": recipe.get("seed", 0),
                 "experts": [{"name": e["name"], "weight": e["weight"],
                              "adapter": str(_resolve(adapters[e["name"]]["adapter"], root))}
                             for e in recipe["experts"]],

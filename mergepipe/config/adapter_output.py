@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from mergepipe.checkpoint.lora_config import MAX_RANK
+from mergepipe.checkpoint.lora_dense import DENSE_COMBINATIONS
 from mergepipe.config.fields import MODEL_CONFIG
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS
@@ -20,25 +21,50 @@ if TYPE_CHECKING:
 
 
 class AdapterOutput(BaseModel):
-    """How the experts' adapters become one: concatenated ranks (exact) or a truncated SVD."""
+    """How the experts' adapters become one: concatenated ranks (exact), a truncated SVD of
+    their weighted sum, or one of PEFT's sparsifying combinations of their dense deltas,
+    truncated (checkpoint/lora_dense.py)."""
 
     model_config = MODEL_CONFIG
-    combination: Literal["cat", "svd"] = Field(
+    combination: Literal["cat", "svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd"] = Field(
         "cat", description="cat: the adapters' ranks side by side (exact, rank = their sum per module); "
-        "svd: each module's combined delta truncated to `rank` (error reported per module)")
+        "svd: each module's combined delta truncated to `rank` (error reported per module); ties_svd, "
+        "dare_linear_svd, dare_ties_svd, magnitude_prune_svd: PEFT's add_weighted_adapter combinations of "
+        "the dense deltas at `density`, truncated to `rank`")
     rank: Annotated[int, Field(strict=True, ge=1, le=MAX_RANK)] | None = Field(
-        None, description="svd only: the output rank")
+        None, description="every combination but cat: the output rank")
+    density: Annotated[float, Field(strict=True, gt=0, le=1)] | None = Field(
+        None, description="ties_svd, dare_*_svd, magnitude_prune_svd: the fraction of each delta kept")
+    majority_sign_method: Literal["total", "frequency"] | None = Field(
+        None, description="ties_svd, dare_ties_svd: the sign election (default total)")
 
     @model_validator(mode="after")
-    def _rank_for_svd(self) -> AdapterOutput:
-        if self.combination == "svd" and self.rank is None:
-            raise ValueError("combination svd needs a rank (e.g. rank: 16)")
+    def _settings_of_the_combination(self) -> AdapterOutput:
+        if self.combination != "cat" and self.rank is None:
+            raise ValueError(f"combination {self.combination} needs a rank (e.g. rank: 16)")
         if self.combination == "cat" and self.rank is not None:
             raise ValueError("rank is for combination svd; cat keeps every adapter's rank (their sum per module)")
+        dense = self.combination in DENSE_COMBINATIONS
+        if dense and self.density is None:
+            raise ValueError(f"combination {self.combination} needs a density (the fraction kept, e.g. 0.5)")
+        if not dense and self.density is not None:
+            raise ValueError(f"density is for ties_svd, dare_*_svd and magnitude_prune_svd, not {self.combination}")
+        if self.majority_sign_method is not None and DENSE_COMBINATIONS.get(self.combination, ("",))[-1] != "ties":
+            raise ValueError(f"majority_sign_method is for ties_svd and dare_ties_svd, not {self.combination}")
         return self
 
+    @property
+    def seeded(self) -> bool:
+        """Whether the output follows params.yaml's seed (DARE's masks)."""
+        return self.combination in DENSE_COMBINATIONS and DENSE_COMBINATIONS[self.combination][0] == "random"
+
     def normalized(self) -> dict:
-        return {"combination": self.combination, "rank": self.rank}
+        out = {"combination": self.combination, "rank": self.rank}
+        if self.combination in DENSE_COMBINATIONS:
+            out["density"] = self.density
+            if DENSE_COMBINATIONS[self.combination][1] == "ties":
+                out["majority_sign_method"] = self.majority_sign_method or "total"
+        return out
 
 
 # output keys that shape model files, with what they would need
