@@ -81,8 +81,8 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     """Two runs of one plan saving to and restoring from the store at once (threads, many times):
     no exception, and the entry left is complete."""
     from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, dumps, manifest_hash, verify_outputs
-    from mergepipe.commands.pipeline import _restore, _save_to_store
-    from mergepipe.index.store_key import STORE_MAC
+    from mergepipe.index.cache import STORE_MAC, CacheLayout
+    from mergepipe.output import merge_store
     from blake3 import blake3
     files = {f"f{j}": {"blake3": blake3(bytes([j]) * 1000).hexdigest()} for j in range(8)}
     man = {"schema": MANIFEST_SCHEMA, "plan_hash": "plan", "plan": {"plan_hash": "plan"},
@@ -103,7 +103,7 @@ def test_store_saves_and_restores_race_safely(tmp_path):
     def save(out):
         for _ in range(150):
             try:
-                _save_to_store(out, cached)
+                merge_store.save(CacheLayout(tmp_path), "plan", out)
             except Exception as e:  # noqa: BLE001 - any exception is the failure this test looks for
                 errors.append(repr(e))
 
@@ -112,7 +112,7 @@ def test_store_saves_and_restores_race_safely(tmp_path):
             scratch = tmp_path / f"r{k}"
             scratch.mkdir()
             try:
-                if _restore(cached, scratch, {"plan_hash": "plan"}):
+                if merge_store.restore(CacheLayout(tmp_path), {"plan_hash": "plan"}, scratch):
                     verify_outputs(scratch)
                     restored.append(k)
             except Exception as e:  # noqa: BLE001

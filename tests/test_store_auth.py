@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from mergepipe.cli import main
-from mergepipe.index.store_key import KEY_BYTES, KEY_ENV, STORE_MAC, entry_mac, key_path, load_key
+from mergepipe.index.cache import STORE_MAC
+from mergepipe.index.store_key import KEY_BYTES, KEY_ENV, entry_mac, key_path, load_key
 from mergepipe.output.manifest import MANIFEST, manifest_hash, write_manifest
 from mergepipe.output.run_record import record_path
 from tests.helpers import write_config

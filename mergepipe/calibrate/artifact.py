@@ -25,6 +25,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, OutTensor, SafetensorsWriter, parse_header
 from mergepipe.errors import IntegrityError
+from mergepipe.index.cache import CacheLayout
 from mergepipe.util.fs import canonical_json, fsync_dir, hash_file
 
 ARTIFACT_FORMAT = "mergepipe-importance-2"  # 2: the `vectors` checksum
@@ -33,7 +34,7 @@ Importance = dict[str, tuple[np.ndarray, np.ndarray]]
 
 def artifact_path(cache: Path, base_hash: str, text_hash: str, recipe: dict) -> Path:
     key = blake3(canonical_json([ARTIFACT_FORMAT, base_hash, text_hash, recipe])).hexdigest()[:40]
-    return cache / "calibration" / f"{key}.safetensors"
+    return CacheLayout(cache).calibration(key)
 
 
 def vector_lengths(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """`mergepipe gc`: prune the cache folder (default `.mergepipe/`).
 
-What it may remove:
+The kinds of entry, their folders and the names mergepipe gives them are index/cache.py's
+(`KINDS`); gc visits each kind's folder in that order. What it may remove:
   merges/<plan_hash>/   finished merges kept so that an earlier plan is restored, not recomputed;
                         those referenced by a `--keep` output folder or plan.json stay
   merges/*.partial      store entries a dead process left half written
@@ -21,13 +22,15 @@ the bytes a removal frees are those of files with no other link.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import ConfigError, OutputError
+from mergepipe.index.cache import (CALIBRATION, JOINT, KINDS, MERGES, PARTS, SKETCH, WEIGHTED, CacheLayout, Kind,
+                                   joint_key, temp_of)
 from mergepipe.output.manifest import MANIFEST
 from mergepipe.util.fs import read_json_object_text
 
@@ -92,30 +95,12 @@ def _freed(path: Path) -> int:
         return 0  # removed meanwhile by another process (a second gc)
 
 
-# Only names mergepipe gives its own cache entries are ever removed: a --cache-dir that is by
-# mistake a project folder (its models/, parts/ or merges/ the user's) loses nothing.
-_OURS = {
-    "merges": re.compile(r"[0-9a-f]{64}(\.partial-[0-9a-f]{12})?"),
-    "parts": re.compile(r"part-\d+-of-\d+\.(safetensors|json)"),
-    "models": re.compile(r"[0-9a-f]{40}\.(?:json\.gz|idx)"),
-    "deltas": re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+(?:-emb\d+)?-v\d+\.(?:json\.gz|idx)"),
-    "stat": re.compile(r"[0-9a-f]{32}\.json"),
-    "calibration": re.compile(r"[0-9a-f]{40}\.safetensors"),
-    "weighted": re.compile(r"[0-9a-f]{40}\.json"),
-    "joint": re.compile(r"[0-9a-f]{64}\.stats"),
-    "sketch": re.compile(r"[0-9a-f]{40}\.sk"),
-}
-_DERIVED = ("calibration", "weighted", "joint", "sketch")
-
-
-_TEMP = re.compile(r"\.(.+)\.[0-9a-z_]+\.tmp")  # atomic_write_bytes's and the artifact writer's temp names
 TEMP_AGE = 86400  # seconds: a live writer's temp is younger; a killed one's (kill -9, OOM) older
 
 
-def _stale_temp(sub: str, path: Path) -> bool:
+def _stale_temp(kind: Kind, path: Path) -> bool:
     """A temp file of one of our entries, a day old: its writer was killed before renaming it."""
-    m = _TEMP.fullmatch(path.name)
-    if not m or not _OURS[sub].fullmatch(m.group(1)) or path.is_symlink() or not path.is_file():
+    if not temp_of(kind, path.name) or path.is_symlink() or not path.is_file():
         return False
     try:
         return time.time() - path.stat().st_mtime > TEMP_AGE
@@ -131,18 +116,30 @@ def _head(path: Path, n: int) -> bytes:
         return b""
 
 
-def _written_by_us(sub: str, path: Path) -> bool:
-    """Whether a derived entry's content starts as mergepipe writes it (cheap: a few bytes)."""
-    if sub == "joint":
-        from mergepipe.index.joint import MAGIC
-        return _head(path, len(MAGIC)) == MAGIC
-    if sub == "sketch":
-        from mergepipe.index.sketch import header_digest
-        return header_digest(path) is not None
-    if sub == "weighted":
-        return _head(path, 22).startswith((b'{"artifact":"', b'{"format":1,"tensors":'))  # canonical: sorted keys
+def _joint_is_ours(path: Path) -> bool:
+    from mergepipe.index.joint import MAGIC
+    return _head(path, len(MAGIC)) == MAGIC
+
+
+def _sketch_is_ours(path: Path) -> bool:
+    from mergepipe.index.sketch import header_digest
+    return header_digest(path) is not None
+
+
+def _weighted_is_ours(path: Path) -> bool:
+    return _head(path, 22).startswith((b'{"artifact":"', b'{"format":1,"tensors":'))  # canonical: sorted keys
+
+
+def _calibration_is_ours(path: Path) -> bool:
     head = _head(path, 1 << 16)
     return b'"format":"mergepipe-importance-' in head.replace(b" ", b"") and len(head) > 8
+
+
+# per derived kind (index/cache.py, `derived`): whether an entry's content starts as mergepipe
+# writes it (cheap: a few bytes), so a user's look-alike file is kept
+WRITTEN_BY_US: dict[str, Callable[[Path], bool]] = {
+    JOINT.folder: _joint_is_ours, SKETCH.folder: _sketch_is_ours, WEIGHTED.folder: _weighted_is_ours,
+    CALIBRATION.folder: _calibration_is_ours}
 
 
 def _part_is_ours(path: Path) -> bool:
@@ -150,20 +147,33 @@ def _part_is_ours(path: Path) -> bool:
     return part_is_ours(path)
 
 
-def _referenced(sub: str, path: Path, keep: Keep) -> bool:
-    if sub == "joint":
-        return path.name[:-len(".stats")] in keep.joint
-    if sub == "sketch":
-        from mergepipe.index.sketch import header_digest
-        return header_digest(path) in keep.sketches
-    if sub == "weighted":
-        from mergepipe.index.weighted import recorded_artifact
-        return recorded_artifact(path) in keep.artifacts
+def _joint_referenced(path: Path, keep: Keep) -> bool:
+    return joint_key(path.name) in keep.joint
+
+
+def _sketch_referenced(path: Path, keep: Keep) -> bool:
+    from mergepipe.index.sketch import header_digest
+    return header_digest(path) in keep.sketches
+
+
+def _weighted_referenced(path: Path, keep: Keep) -> bool:
+    from mergepipe.index.weighted import recorded_artifact
+    return recorded_artifact(path) in keep.artifacts
+
+
+def _calibration_referenced(path: Path, keep: Keep) -> bool:
     from mergepipe.util.fs import hash_file
     try:
         return bool(keep.artifacts) and hash_file(path) in keep.artifacts
     except OSError:
         return False
+
+
+# per derived kind: whether a --keep output or plan names the entry (its joint key, sketch
+# header hash, importance artifact hash), so it stays
+REFERENCED: dict[str, Callable[[Path, Keep], bool]] = {
+    JOINT.folder: _joint_referenced, SKETCH.folder: _sketch_referenced, WEIGHTED.folder: _weighted_referenced,
+    CALIBRATION.folder: _calibration_referenced}
 
 
 def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = False,
@@ -173,29 +183,35 @@ def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = Fal
     name pattern; anything else is left alone. `foreign` collects the look-alike files kept
     because their content is not ours."""
     keep = keep if isinstance(keep, Keep) else Keep(plans=set(keep))
-    root = Path(cache_dir)
+    cache = CacheLayout(cache_dir)
     victims: list[Path] = []
-    for sub in ["merges", "parts", *_DERIVED, "models", "deltas", "stat"]:
-        folder = root / sub
+    for kind in KINDS:
+        folder = cache.folder(kind)
         if not folder.is_dir() or folder.is_symlink():
             continue
         for p in sorted(folder.iterdir()):
-            if sub != "merges" and _stale_temp(sub, p):
+            if _removable(kind, p, keep, indexes=indexes, foreign=foreign):
                 victims.append(p)
-                continue
-            if sub in ("models", "deltas", "stat") and not indexes:
-                continue
-            if (not _OURS[sub].fullmatch(p.name) or p.is_symlink()
-                    or not (p.is_dir() if sub == "merges" else p.is_file())):
-                continue
-            if sub == "merges" and p.name in keep.plans or sub in _DERIVED and _referenced(sub, p, keep):
-                continue
-            if sub in _DERIVED and not _written_by_us(sub, p) or sub == "parts" and not _part_is_ours(p):
-                if foreign is not None:
-                    foreign.append(p)
-                continue
-            victims.append(p)
     return [Removal(p, _freed(p)) for p in victims]
+
+
+def _removable(kind: Kind, p: Path, keep: Keep, *, indexes: bool, foreign: list[Path] | None) -> bool:
+    """Whether gc removes `p`, found in `kind`'s folder: a day-old temp of one of its entries,
+    or an entry with one of its names, of its type (folder or file), not referenced by `keep`
+    and (a derived entry or a part file) with content mergepipe wrote."""
+    if not kind.folders and _stale_temp(kind, p):
+        return True
+    if kind.index and not indexes:
+        return False
+    if not kind.entry.fullmatch(p.name) or p.is_symlink() or not (p.is_dir() if kind.folders else p.is_file()):
+        return False
+    if kind is MERGES and p.name in keep.plans or kind.derived and REFERENCED[kind.folder](p, keep):
+        return False
+    if kind.derived and not WRITTEN_BY_US[kind.folder](p) or kind is PARTS and not _part_is_ours(p):
+        if foreign is not None:
+            foreign.append(p)
+        return False
+    return True
 
 
 def _gone_ok(func, path, exc_info) -> None:

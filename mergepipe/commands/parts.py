@@ -26,15 +26,15 @@ from pathlib import Path
 from mergepipe.engine.layout import one_file_record, plan_layout
 from mergepipe.engine.merge import Inputs, Realized, record_outputs, run_merge
 from mergepipe.errors import ConfigError, IntegrityError, OutputError
-from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.output.safety import WriteInputs, parts_inputs, refuse_inside
 from mergepipe.commands.stack import stacked_sources
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, SafetensorsWriter, open_checkpoint
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.tensor_table import subset
 from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
+from mergepipe.index.cache import MERGES, part_stem
 from mergepipe.index.store import Store
-from mergepipe.index.store_key import STORE_MAC, mac_matches, store_key
+from mergepipe.output import merge_store
 from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
@@ -80,7 +80,7 @@ def partition(base: Checkpoint, n: int) -> list[list[str]]:
 
 
 def part_paths(parts_dir: str | Path, i: int, n: int) -> tuple[Path, Path]:
-    stem = Path(parts_dir) / f"part-{i}-of-{n}"
+    stem = Path(parts_dir) / part_stem(i, n)
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
 
 
@@ -97,23 +97,6 @@ def part_is_ours(path: Path) -> bool:
         return json.loads(sidecar.read_text())["file"]["size"] == path.stat().st_size
     except (OSError, ValueError, TypeError, KeyError):
         return False
-
-
-def _stored(store: Store, plan: dict) -> bool:
-    """A finished merge of this plan that this user stored (restoring authenticates and rehashes it
-    again): a forged or another user's entry must not make the part jobs skip their tensors."""
-    cached = store.root / "merges" / plan["plan_hash"]
-    key = store_key()
-    if key is None:
-        return False
-    try:
-        authentic = mac_matches(key, "merges", cached.name, (cached / MANIFEST).read_bytes(),
-                                (cached / STORE_MAC).read_bytes())
-        man = load_manifest(cached)
-    except (OSError, IntegrityError):
-        return False
-    return authentic and man.get("plan_hash") == plan["plan_hash"] and all(
-        (cached / name).is_file() for name in man["outputs"]["files"])
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -143,7 +126,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
                   "expert_bytes_read": {e["name"]: 0 for e in plan["experts"]}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=parts_dir, prefix=f".part-{i}-of-{n}-") as tmp:
-        if _stored(store, plan):
+        if merge_store.is_stored(store.layout, plan):
             info["from_store"] = True
             SafetensorsWriter(Path(tmp) / "model.safetensors", [], metadata={"format": "pt"}).close()
         else:
@@ -199,7 +182,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
         # Only called when the store has no merge of this plan.
         if any(info["from_store"] for info in infos):
             raise IntegrityError(f"{parts_dir}: the part jobs found plan {plan['plan_hash'][:16]} in the store "
-                                 f"({store.root / 'merges'}), but it is gone now; rerun the part jobs")
+                                 f"({store.layout.folder(MERGES)}), but it is gone now; rerun the part jobs")
         t0 = time.monotonic()
         groups = partition(inputs.base, n)
         for i, (info, names) in enumerate(zip(infos, groups), 1):

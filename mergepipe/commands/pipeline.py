@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import stat
-import uuid
 from pathlib import Path
 
 from blake3 import blake3
@@ -34,8 +31,9 @@ from mergepipe.engine.layout import layout_record, plan_layout
 from mergepipe.engine.merge import Inputs, run_merge
 from mergepipe.util.fs import hash_file
 from mergepipe.errors import ConfigError, IntegrityError
+from mergepipe.output import merge_store
 from mergepipe.output import run_record as records
-from mergepipe.output.manifest import (MANIFEST, MANIFEST_SCHEMA, SIGNATURE, build_manifest, load_manifest,
+from mergepipe.output.manifest import (MANIFEST, SIGNATURE, build_manifest, load_manifest,
                                       manifest_hash, verify_outputs, write_manifest)
 from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_stack
 from mergepipe.output.run_record import stat_key
@@ -46,7 +44,6 @@ from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher
 from mergepipe.output.safety import WriteInputs, check_output_folder
 from mergepipe.index.store import Store
-from mergepipe.index.store_key import STORE_MAC, entry_mac, mac_matches, store_key
 from mergepipe.commands.stack import STACK_FILE, check_fresh, stacked_sources
 from mergepipe.config.mergekit import dump_params
 
@@ -243,13 +240,13 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     a replay's, the output's own: `recorded_card`); None: the card of the plan alone.
     """
     check_output_folder(out_dir, output_inputs(inputs, store.root, protect), force=force)
-    cached = store.root / "merges" / plan["plan_hash"]
+    cached = store.layout.merge(plan["plan_hash"])
     lineage = input_lineage((inputs.base, inputs.base_index),
                             {n: (inputs.experts[n], inputs.expert_indexes[n]) for n in inputs.experts})
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
         card = card if card is not None else output_card(plan, inputs, None)
-        if _restore(cached, tmp, plan, lineage):
+        if merge_store.restore(store.layout, plan, tmp, lineage):
             man = _with_card(tmp, json.loads((tmp / MANIFEST).read_text()), card)
             run_info = {"restored_from": str(cached)}
         else:
@@ -273,7 +270,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
             if realized.joint_statistics:  # a joint method's statistics artifact (engine/stats.py)
                 run_info["joint_statistics"] = {**realized.joint_statistics, "bytes_read": realized.joint_bytes_read}
-            _save_to_store(tmp, cached)
+            merge_store.save(store.layout, plan["plan_hash"], tmp)
         # stat keys of the files as published (renaming their folder changes none of them):
         # `up_to_date` compares them, so an output edited in place is rebuilt
         run_info["stat"] = {name: stat_key(tmp / name) for name in [*man["outputs"]["files"], MANIFEST]}
@@ -283,78 +280,6 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
         # whose stat keys the new files do not have (the next run rehashes them)
         records.update(out_dir, lambda _old: run_info)
     return man
-
-
-def _restore(cached: Path, tmp: Path, plan: dict, lineage: dict | None = None) -> bool:
-    """Hard-link a previously built merge of this exact plan into tmp, if this user's run stored
-    it (its MAC verifies under this user's key, index/store_key.py: a shared cache folder's
-    writers can put any self-consistent entry there), it is intact, and it has this `lineage`
-    (the same input bytes, once plain, may now hold a mergepipe manifest)."""
-    key = store_key()  # before any work: a broken key file is an error, not a silent rebuild
-    if key is None:  # no key can be made here: nothing stored can be authenticated
-        return False
-    try:
-        recorded = (cached / STORE_MAC).read_bytes()
-        _link_owned(cached / MANIFEST, tmp / MANIFEST)
-        # the bytes the MAC covers are the ones linked into tmp, which only this user can replace
-        authentic = mac_matches(key, "merges", cached.name, (tmp / MANIFEST).read_bytes(), recorded)
-        man = load_manifest(tmp) if authentic else None
-        if man is None or man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan \
-                or man.get("schema") != MANIFEST_SCHEMA or man.get("lineage", {}) != (lineage or {}):
-            raise _NotRestorable  # another user's or a forged entry, another plan or lineage, an older format
-        for name in man["outputs"]["files"]:
-            _link_owned(cached / name, tmp / name)
-        verify_outputs(tmp, deep=True)  # rehashes every file against the authenticated manifest
-    except (_NotRestorable, IntegrityError, OSError):  # also: removed by a concurrent run's save meanwhile
-        for p in tmp.iterdir():
-            p.unlink()
-        return False
-    return True
-
-
-class _NotRestorable(Exception):
-    """A store entry that is absent, not this user's, or not of this plan and lineage."""
-
-
-def _link_owned(src: Path, dst: Path) -> None:
-    """A hard link when this user owns `src` (the owner of an inode could rewrite the published
-    file in place later), else a copy."""
-    _link_or_copy(src, dst)
-    st = os.lstat(dst)
-    if not stat.S_ISREG(st.st_mode):  # a link or a folder in an entry: not one a run wrote
-        raise _NotRestorable
-    if st.st_uid != os.geteuid():
-        dst.unlink()
-        shutil.copyfile(src, dst, follow_symlinks=False)
-
-
-def _save_to_store(tmp: Path, cached: Path) -> None:
-    key = store_key()
-    if key is None:  # an entry without this user's MAC would never be restored
-        return
-    # A staging folder of our own: two runs of one plan (to different targets) may save at once.
-    staging = cached.with_name(f"{cached.name}.partial-{uuid.uuid4().hex[:12]}")
-    try:
-        staging.mkdir(parents=True)
-        for p in tmp.iterdir():
-            if p.is_file():
-                _link_or_copy(p, staging / p.name)
-        manifest = (staging / MANIFEST).read_bytes()
-        (staging / STORE_MAC).write_text(entry_mac(key, "merges", cached.name, manifest))
-        if cached.exists():
-            shutil.rmtree(cached, ignore_errors=True)  # an entry _restore refused: damaged, forged, another user's
-        os.replace(staging, cached)
-    except OSError:
-        pass  # the store is only a cache: another run saved this plan first, or no space for a copy
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 def up_to_date(out_dir: Path, plan: dict, card: dict[str, bytes] | None = None) -> bool:

@@ -40,6 +40,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
 from mergepipe.errors import IntegrityError
+from mergepipe.index.cache import CacheLayout
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.index.store import cache_write_error
@@ -140,7 +141,7 @@ def residual_sq(l2: float, alpha: float, s1: float, nnz: int) -> float:
 
 def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | str) -> Path:
     key = blake3(f"{expert_hash}:{base_hash}:{layout_key}:v{SKETCH_FORMAT}".encode()).hexdigest()[:40]
-    return root / "sketch" / f"{key}.sk"
+    return CacheLayout(root).sketch(key)
 
 
 class _TempFile:

@@ -1,6 +1,6 @@
-"""The cache folder: stat cache, model indexes, delta indexes, plans, merged outputs.
+"""The index cache: stat cache, model indexes, delta indexes (where each lives under
+`cache_dir`, default `.mergepipe/`, and every other entry kind: index/cache.py).
 
-Layout under `cache_dir` (default `.mergepipe/`):
   stat/<key>.json        (path, size, mtime_ns, ctime_ns, inode, device, block_bytes) -> file fingerprint
   models/<key>.idx       ModelIndex, keyed by the files' fingerprints and block size
   deltas/<expert>-<base>-<block_bytes>-v<N>.idx   DeltaIndex
@@ -24,6 +24,7 @@ from blake3 import blake3
 from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
+from mergepipe.index.cache import CacheLayout
 from mergepipe.index.columns import DeltaColumns, ModelColumns, delta_describes, describes
 from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
 from mergepipe.checkpoint.lora import AdapterCheckpoint, is_adapter, open_adapter
@@ -161,15 +162,15 @@ DELTA_FORMAT = 3  # bump when DeltaIndex changes meaning: old cache entries are 
 
 class Store:
     def __init__(self, cache_dir: str | Path) -> None:
-        self.root = Path(cache_dir)
+        self.layout = CacheLayout(cache_dir)
+        self.root = self.layout.root
         self.index_reads = ReadCounter()
         self.hits = 0
         self.builds = 0
         self.seen: dict[Path, dict] = {}  # stat of each file whose index was trusted or built (check_unchanged)
 
     def _stat_path(self, path: Path, layout: BlockLayout) -> Path:
-        key = blake3(f"{path.resolve()}:{layout.key}".encode()).hexdigest()[:32]
-        return self.root / "stat" / f"{key}.json"
+        return self.layout.stat(blake3(f"{path.resolve()}:{layout.key}".encode()).hexdigest()[:32])
 
     @staticmethod
     def _stat(path: Path) -> dict:
@@ -191,7 +192,7 @@ class Store:
 
     def _model_key(self, fingerprints: dict[str, str], layout: BlockLayout) -> Path:
         key = blake3(json.dumps([sorted(fingerprints.items()), layout.key]).encode()).hexdigest()[:40]
-        return self.root / "models" / f"{key}.idx"
+        return self.layout.model(key)
 
     def _cached_model(self, ckpt: Checkpoint, block_bytes: BlockLayout,
                       anchor: ModelIndex | None = None) -> ModelIndex | None:
@@ -301,10 +302,8 @@ class Store:
         return donors, hashes
 
     def _delta_path(self, expert_index: ModelIndex, base_index: ModelIndex) -> Path:
-        blocks = str(expert_index.layout.key).replace("/", "-")
-        name = (f"{expert_index.content_hash[:32]}-{base_index.content_hash[:32]}-{blocks}"
-                f"-v{DELTA_FORMAT}.idx")
-        return self.root / "deltas" / name
+        return self.layout.delta(expert_index.content_hash, base_index.content_hash, expert_index.layout.key,
+                                 DELTA_FORMAT)
 
     def delta_index(self, base: Checkpoint, base_index: ModelIndex, expert: Checkpoint, expert_index: ModelIndex,
                     *, threads: int = 2, progress: bool = False) -> DeltaIndex:

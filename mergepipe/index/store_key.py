@@ -25,7 +25,6 @@ from mergepipe.util.fs import fsync_dir
 KEY_ENV = "MERGEPIPE_STORE_KEY_FILE"
 KEY_BYTES = 32
 MAC_PREFIX = "mergepipe-store-mac-1 "
-STORE_MAC = "store.mac"  # beside a stored merge's files: entry_mac("merges", plan hash, manifest bytes)
 
 
 def key_path() -> Path:

@@ -25,6 +25,7 @@ from blake3 import blake3
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
 from mergepipe.errors import IntegrityError
+from mergepipe.index.cache import CacheLayout
 from mergepipe.index.records import ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
@@ -70,7 +71,7 @@ def block_energies(base: Checkpoint, base_index: ModelIndex, expert: Checkpoint,
 def cache_path(root: Path, expert_hash: str, base_hash: str, artifact: str, block_bytes: int | str) -> Path:
     """`block_bytes`: the index's `BlockLayout.key` (an int for the plain layout)."""
     key = blake3(f"{expert_hash}:{base_hash}:{artifact}:{block_bytes}:v{WEIGHTED_FORMAT}".encode()).hexdigest()[:40]
-    return root / "weighted" / f"{key}.json"
+    return CacheLayout(root).weighted(key)
 
 
 def load_cached(path: Path, base_index: ModelIndex) -> BlockEnergy | None:
