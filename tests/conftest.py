@@ -1,4 +1,4 @@
-"""Shared fixtures: seeded tiny families on disk; hypothesis profiles. Plain helpers are in helpers.py."""
+"""Shared fixtures: seeded tiny families on disk; hypothesis profiles. Plain helpers: tests/helpers/."""
 from __future__ import annotations
 
 import os
@@ -94,11 +94,11 @@ def tiny_cache(tiny_family, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    """tests/tiny_llama.py's family with its calibration text (only some of the vocabulary's
+    """tests/helpers/tiny_llama.py's family with its calibration text (only some of the vocabulary's
     rows are used); one per test module, so a module's cache is its own."""
     import numpy as np
 
-    from tests.tiny_llama import WORDS, tiny_llama
+    from tests.helpers.tiny_llama import WORDS, tiny_llama
     root = tiny_llama(tmp_path_factory.mktemp("llama"))
     rng = np.random.default_rng(0)
     (root / "calib.txt").write_text(" ".join(rng.choice(WORDS[:8], 600)))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from mergepipe.cli import main
 from mergepipe.config.params import load_config
-from tests._equivalence import EPS32, RESIDUE_ULPS
+from tests.helpers.equivalence import EPS32, RESIDUE_ULPS
 from tests.helpers import fails_in_one_line, load_model
 
 peft = pytest.importorskip("peft")

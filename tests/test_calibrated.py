@@ -21,7 +21,7 @@ from mergepipe.calibrate import artifact
 from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.plan.strategies import STRATEGIES, Candidate, PlanContext
 from mergepipe.plan.strategies.calibrated import CalibratedParams
-from tests.tiny_llama import calibrated_config as _config
+from tests.helpers.tiny_llama import calibrated_config as _config
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "mergepipe", *args], capture_output=True, text=True)

@@ -1,9 +1,9 @@
-"""The equivalence rule itself (tests/_equivalence.py) accepts what it should and nothing more."""
+"""The equivalence rule itself (tests/helpers/equivalence.py) accepts what it should and nothing more."""
 from __future__ import annotations
 
 import torch
 
-from tests._equivalence import judge, knife_edges
+from tests.helpers.equivalence import judge, knife_edges
 
 
 def _next_up(x: torch.Tensor, steps: int = 1) -> torch.Tensor:

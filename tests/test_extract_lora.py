@@ -66,7 +66,7 @@ import yaml  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from mergepipe.cli import main  # noqa: E402
-from tests._equivalence import EPS32, ulp  # noqa: E402
+from tests.helpers.equivalence import EPS32, ulp  # noqa: E402
 from tests.helpers import fails_in_one_line, load_model  # noqa: E402
 
 peft = pytest.importorskip("peft")

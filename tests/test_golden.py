@@ -1,6 +1,6 @@
 """Our bytes do not depend on the machine: golden merges under different CPU settings.
 
-tests/golden.py builds a family from integers only and merges it with every method
+tests/helpers/golden.py builds a family from integers only and merges it with every method
 (bf16 and fp32, a sharded base, a partial budget, a dtype change). Each setting below
 runs it in a fresh interpreter; every one must give the committed weight hashes and
 the same manifest bytes, and the manifests (less their version fields) are pinned too.
@@ -31,7 +31,7 @@ import sys
 import pytest
 from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
-from tests.golden import CASES
+from tests.helpers.golden import CASES
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ GOLDEN = {
     "f32-ties": "09fef05b9e28c897285d026d5cb8494f332fa0c958bcc8cdac2e3c01b8425e50",
     "sharded-base-ties": "071ac99db3071ff9cea4e75d5cb723bc20abfb2f1d7c451aa52bed8a509d243a",
 }
-# the manifests without their version fields (tests/golden.py::manifest_digest): plans,
+# the manifests without their version fields (tests/helpers/golden.py::manifest_digest): plans,
 # access sets, byte counts, bounds and output hashes
 PLANS = {
     "bf16-breadcrumbs": "f683768678c1bc569bed8d4f4efb886d6f29f7cdf2d6546bccaeeda8748e5e9d",
@@ -98,7 +98,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, (env, args) in SETTINGS.items():
         root = tmp_path_factory.mktemp(f"golden-{name}")
-        proc = subprocess.run([sys.executable, "-m", "tests.golden", str(root), *args],
+        proc = subprocess.run([sys.executable, "-m", "tests.helpers.golden", str(root), *args],
                               env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"

@@ -1,7 +1,7 @@
 """Joint statistics end to end (methods/joint.py, engine/stats.py, plan/joint_reads.py):
 budgets read each block for all experts or none and stay within the budget; the bytes do
 not depend on threads or on the order experts are listed in; at full budget the output is
-the method applied to whole tensors (tests/_joint.py, same block layout); the statistics
+the method applied to whole tensors (tests/helpers/joint.py, same block layout); the statistics
 artifact is reused from the store and rebuilt when damaged; plans that break the contract
 are refused; explain says what is read."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mergepipe.methods import get_method
 from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
 from mergepipe.plan.planner import plan_hash
 from mergepipe.output.run_record import record_path
-from tests._joint import run_joint
+from tests.helpers.joint import run_joint
 from tests.helpers import load_model, write_config
 
 METHODS = [("model_stock", {}), ("model_stock", {"filter_wise": True}), ("karcher", {}), ("multislerp", {}),

@@ -115,7 +115,7 @@ def test_every_module_says_what_it_owns():
 
 
 def test_no_test_module_imports_another():
-    """Shared fixtures live in conftest.py, shared helpers in plain modules (helpers.py, ...)."""
+    """Shared fixtures live in conftest.py, shared helpers in the tests/helpers/ package."""
     tests = Path(__file__).resolve().parent
     bad = []
     for path in sorted(tests.rglob("*.py")):

@@ -19,7 +19,7 @@ from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_c
 from mergepipe.cli import main
 from mergepipe.errors import ConfigError
 from mergepipe.index.store import Store
-from tests._equivalence import EPS32, RESIDUE_ULPS, merge_scale, ulp
+from tests.helpers.equivalence import EPS32, RESIDUE_ULPS, merge_scale, ulp
 from tests.helpers import load_model
 
 peft = pytest.importorskip("peft")

@@ -18,7 +18,7 @@ import yaml
 
 from mergepipe.cli import main
 from mergepipe.output.manifest import MANIFEST, SIGNATURE, dumps, load_manifest, manifest_hash
-from tests.golden import CASES, run_cases
+from tests.helpers.golden import CASES, run_cases
 from tests.helpers import write_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ test there, one document per configuration it runs). The tiny models are of the 
 weights by the transformers of the mergekit reference venv. mergekit runs each configuration
 with `dtype: float32` and `out_dtype` = the configuration's dtype (the reference of
 docs/design.md, "Equivalence with mergekit": mergepipe always computes in fp32); we run the
-configuration as written. Outputs are equal by the rule of tests/_equivalence.py (one ulp of
+configuration as written. Outputs are equal by the rule of tests/helpers/equivalence.py (one ulp of
 the larger value, cancellation residues) element by element; randomized methods (dare_ties,
 della) by expectation: the share of elements left at the base within 3 sigma and the update
 energy within 5%. A configuration mergekit refuses must be refused by import or run with a
@@ -29,7 +29,7 @@ from mergepipe.cli import main
 from mergepipe.config.mergekit import write_params
 from mergepipe.methods.registry import mergekit_names
 from mergepipe.methods import METHODS
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
 
 DATA = Path(__file__).parent / "data" / "mergekit_basic_merges"

@@ -20,13 +20,13 @@ import sys
 
 import pytest
 import torch
-from _cuts import run_method, top_rank_reference, ulp_distance
+from tests.helpers.cuts import run_method, top_rank_reference, ulp_distance
 from safetensors.torch import load_file, save_file
 
 from mergepipe.methods._common import dare_mask, magnitude_rank
 from mergepipe.methods.base import block_rng
 from mergepipe.methods.slerp import cosine_from_sums
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge, knife_edges, merge_scale
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge, knife_edges, merge_scale
 
 
 pytestmark = pytest.mark.skipif(

@@ -1,8 +1,8 @@
 """The joint-statistics methods (model_stock, karcher, multislerp) against mergekit 0.1.5.
 
-mergekit runs in its own virtualenv (tests/_equivalence.py) on whole tensors; ours run
+mergekit runs in its own virtualenv (tests/helpers/equivalence.py) on whole tensors; ours run
 block by block with the whole-tensor statistics computed over the same blocks
-(tests/_joint.py, as the engine does). Two checks per case:
+(tests/helpers/joint.py, as the engine does). Two checks per case:
 - output in the base's dtype (bf16, what a merge writes by default): equal to mergekit's
   fp32 result rounded to bf16 by the rule of docs/design.md "Equivalence" (one ulp);
 - fp32: within two fp32 roundings (max of one ulp and 2^-24 of the magnitudes summed into
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests._equivalence import EPS32, INSTALL, MERGEKIT_PYTHON, judge, merge_scale, ulp
-from tests._joint import run_joint
+from tests.helpers.equivalence import EPS32, INSTALL, MERGEKIT_PYTHON, judge, merge_scale, ulp
+from tests.helpers.joint import run_joint
 
 pytestmark = pytest.mark.skipif(
     not MERGEKIT_PYTHON.exists(),
@@ -190,7 +190,7 @@ def test_sce_selection_keeps_k_like_mergekit(reference, cid, fam, topk):
     from mergepipe.methods import get_method
     from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
     from mergepipe.methods.sce import block_mask
-    from tests._joint import split
+    from tests.helpers.joint import split
     families, theirs = reference
     base, experts = families[fam]
     deltas = [(w - base).numpy() for w in experts]
@@ -216,7 +216,7 @@ def _fusion_statistics(base: torch.Tensor, delta: torch.Tensor):
 
     from mergepipe.methods import get_method
     from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
-    from tests._joint import split
+    from tests.helpers.joint import split
     m = get_method("arcee_fusion")
     ranges = split(base.shape[0], BOUNDARIES) if base.dim() >= 2 else [(0, base.shape[0])]
     ctx = TensorContext("w", tuple(base.shape), (JointExpert("e0", "00", 1.0),), m.params())

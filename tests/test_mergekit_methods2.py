@@ -6,7 +6,7 @@ ramplus_tl (per-expert shared/unique counts) and nuslerp's flatten and column mo
 As tests/test_mergekit_equivalence.py: a script in the mergekit virtualenv applies
 `mergekit.merge_methods.api.merge_tensors` (dtype float32) to tensors from a safetensors
 file; we run our methods block by block on the same tensors and judge element by element by
-the rule of docs/design.md "Equivalence with mergekit" (tests/_equivalence.py). Experts get
+the rule of docs/design.md "Equivalence with mergekit" (tests/helpers/equivalence.py). Experts get
 content hashes in config order, so both sum in one order.
 
 della is randomized: mergekit draws its mask with torch.bernoulli from the global RNG, ours
@@ -27,13 +27,13 @@ import subprocess
 
 import pytest
 import torch
-from _cuts import run_method
+from tests.helpers.cuts import run_method
 from safetensors.torch import load_file, save_file
 
 from mergepipe.methods._della import keep_probabilities
 from mergepipe.methods.base import block_rng
 from mergepipe.methods.nuslerp import interpolation_t, row_cosines, slerp_rows
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge
 
 pytestmark = pytest.mark.skipif(
     not MERGEKIT_PYTHON.exists(),

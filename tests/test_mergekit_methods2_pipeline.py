@@ -7,7 +7,7 @@ nearswap with the base listed among the models), computed in float32.
 
 This checks the importer's reading of each method's config (which model is the base, what a
 missing base_model means, per-model vs shared parameters, unweighted methods) as well as the
-engine and the method: both outputs, bf16, must be equal by the rule of tests/_equivalence.py,
+engine and the method: both outputs, bf16, must be equal by the rule of tests/helpers/equivalence.py,
 with the bound on magnitudes summed |W0| + sum |W_k| (times 4 for the slerp-type methods,
 whose coefficients exceed 1). All configs run in one mergekit process (its start-up dominates).
 Skipped without `.venv-mergekit`.
@@ -24,7 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mergepipe.cli import main
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge
 
 pytestmark = [
     pytest.mark.slow,

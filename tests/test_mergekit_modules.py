@@ -1,6 +1,6 @@
 """mergekit `modules:` recipes (issue 26 item 3): per-module parameters and per-module model
 settings of a VLM (text decoder, vision tower, projector), through `import-mergekit` + `run`,
-against mergekit 0.1.5's own output (tests/_equivalence.py's ulp rule) on a Qwen2.5-VL-shaped
+against mergekit 0.1.5's own output (tests/helpers/equivalence.py's ulp rule) on a Qwen2.5-VL-shaped
 fp32 family (3 text layers, 2 vision blocks, a projector) and a T5-shaped one (encoder, decoder,
 shared), merged to bf16; all recipes in one mergekit process. mergekit 0.1.5 has one
 merge_method for every module (a module's own is ignored), so the recipes differ per module in
@@ -26,7 +26,7 @@ from mergepipe.config.modules import ModuleConfig, module_of
 from mergepipe.config.params import config_from_dict
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.errors import ConfigError
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, ulp
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, ulp
 
 TEXT_LAYERS, VISION_LAYERS, HIDDEN, INTERMEDIATE, VOCAB, VISION = 3, 2, 16, 24, 40, 8
 MODELS = ("base", "a", "b", "c")

@@ -6,7 +6,7 @@ one KV head, intermediate 97, vocabulary 301), bf16, base and three experts.
 Each recipe runs through `import-mergekit` + `mergepipe run` (block_bytes 4 KiB, so most
 tensors span several blocks and the joint scans add across them) and through mergekit's own
 `run_merge` with `dtype: float32`, `out_dtype: bfloat16` (docs/design.md "Equivalence with
-mergekit"), all in one mergekit process; outputs are compared by tests/_equivalence.py's rule.
+mergekit"), all in one mergekit process; outputs are compared by tests/helpers/equivalence.py's rule.
 - della / della_linear: mergekit's torch.bernoulli (global RNG: no draw of ours can be its) is
   handed our mask for the tensor and model it draws for, and records the keep probabilities it
   asked for. The imported recipe, with mergekit's default rescale, must then give mergekit's
@@ -30,14 +30,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _joint import run_joint
+from tests.helpers.joint import run_joint
 from safetensors.torch import load_file, save_file
 
 from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.cli import main
 from mergepipe.methods._della import della_mask, keep_probabilities
 from mergepipe.methods.arcee_fusion import importance_bits
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge, ulp
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge, ulp
 
 pytestmark = [
     pytest.mark.slow,

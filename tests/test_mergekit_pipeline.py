@@ -2,7 +2,7 @@
 bf16 family (index rank cuts, engine, methods) versus mergekit's
 `merge_tensors(..., dtype=float32, out_dtype=bf16)` on the same checkpoints.
 
-Equal by the rule of tests/_equivalence.py (one ulp of the larger value, cancellation
+Equal by the rule of tests/helpers/equivalence.py (one ulp of the larger value, cancellation
 residues, knife-edge sign elections), on elements where no expert's |delta| equals one of
 its magnitude thresholds (mergekit keeps an arbitrary subset of such ties). Which elements
 are bit-identical depends on the machine mergekit runs on; the rule does not.
@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mergepipe.cli import main
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge, knife_edges, merge_scale
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge, knife_edges, merge_scale
 from tests.helpers import write_config
 
 pytestmark = [

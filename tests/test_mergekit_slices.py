@@ -1,6 +1,6 @@
 """mergekit `slices:` that merge (issue 26 item 2): several slices with other layer ranges per
 source, per-slice and per-source parameters, gradients over a slice, a per-slice base, through
-`import-mergekit` + `run`, against mergekit 0.1.5's own output (tests/_equivalence.py's ulp
+`import-mergekit` + `run`, against mergekit 0.1.5's own output (tests/helpers/equivalence.py's ulp
 rule) on a Llama-shaped fp32 family of 6 layers, untied head, merged to bf16; all recipes in one mergekit
 process. Refusals are one line. Skipped without `.venv-mergekit` (the refusals and the
 config.json checks are not).
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from mergepipe.cli import main
 from mergepipe.commands.stack import build_stack
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, ulp
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, ulp
 
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 6, 16, 24, 40
 MODELS = ("base", "a", "b", "c")

@@ -14,7 +14,7 @@ of models, passthrough slices with per-source `scale`, and per-input filters nam
 (mergekit matches them against the source's tensor name, in the source's layer numbering).
 
 The family is Mistral-shaped (untied head, grouped KV heads, 6 layers), fp32; every recipe runs
-with `dtype: float32`, `out_dtype: bfloat16` and is compared by the rule of tests/_equivalence.py
+with `dtype: float32`, `out_dtype: bfloat16` and is compared by the rule of tests/helpers/equivalence.py
 (one bf16 ulp of the larger value); mergekit runs all recipes in one process. A recipe mergekit
 refuses must be refused in one line. The recipes that differ today are marked (DIFFERS, with
 why). Skipped without the mergekit reference venv.
@@ -33,7 +33,7 @@ import yaml
 from safetensors.torch import save_file
 
 from mergepipe.cli import main
-from tests._equivalence import INSTALL, MERGEKIT_PYTHON, judge
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
 
 pytestmark = [
@@ -179,12 +179,10 @@ RECIPES = {
 }
 
 
-# Recipes that differ today (strict: each turns into a failure once it matches, to be unmarked):
-_NOWHERE = ("a filter in no tensor name ('absent') is refused as a likely typo (params check); mergekit lets it "
-            "match nothing")
-_UNREAD = "a parameter the method does not take (normalize, for nuslerp) is refused; mergekit leaves it unread"
-DIFFERS = {**{name: _UNREAD if "nuslerp" in name else _NOWHERE for name in RECIPES if name.startswith("resolution[")},
-           "precedence[1]": _NOWHERE, "precedence[2]": _NOWHERE}
+# Recipes that differ today (strict: each turns into a failure once it matches, to be unmarked). A
+# filter in no tensor name and a parameter the method does not read are dropped by the import with
+# a warning, as mergekit ignores them (config/mergekit_ignored.py): none differs.
+DIFFERS: dict[str, str] = {}
 
 
 def _ours(recipe: Path, folder: Path, family: Path) -> tuple[Path | None, str]:

@@ -8,7 +8,7 @@ a BPE vocabulary `<unk> <s> </s> _tok_3 ... _tok_63` with `base` (64 rows), `cha
 Each case's mergekit YAML is the configuration that test builds (every model weight 1.0,
 `dtype: float32`). mergekit runs all of them in one process; for each case the outputs must
 agree: the tokenizer's vocabulary (token -> id) and added tokens with their attributes, config.json's
-vocab_size, every tensor by the rule of tests/_equivalence.py (one ulp of the larger value), and the
+vocab_size, every tensor by the rule of tests/helpers/equivalence.py (one ulp of the larger value), and the
 output loads with transformers' AutoTokenizer and AutoModelForCausalLM and encodes a text
 holding the added tokens to mergekit's ids. A case mergekit refuses must be refused by import or run
 in one line. The cases that differ today are marked (DIFFERS, with why). Skipped without the
@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from mergepipe.cli import main
-from tests._equivalence import EPS32, INSTALL, MERGEKIT_PYTHON, judge
+from tests.helpers.equivalence import EPS32, INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
 
 pytestmark = [

@@ -1,5 +1,5 @@
 """Contract and property tests for every registered merge method (no index needed:
-rank cuts come from tests/_cuts.py)."""
+rank cuts come from tests/helpers/cuts.py)."""
 from __future__ import annotations
 
 import importlib
@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 import torch
-from _cuts import bits, cuts_for, run_method, top_rank_reference
+from tests.helpers.cuts import bits, cuts_for, run_method, top_rank_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError

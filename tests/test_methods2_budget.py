@@ -2,7 +2,7 @@
 modes) through `mergepipe run`.
 
 At full budget the output is the method's plain merge of the whole tensors (run block by block
-at the engine's block layout, tests/_cuts.run_method, cast to the output dtype): bit for bit.
+at the engine's block layout, tests/helpers/cuts.run_method, cast to the output dtype): bit for bit.
 At a partial budget the run reads at most the budget, gives the same bytes whatever the expert
 order and thread count, and is exactly the merge of what it read: the plain merge with every
 (expert, block) the plan left out treated as unread.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cuts import run_method
+from tests.helpers.cuts import run_method
 
 from mergepipe.checkpoint.blocks import block_ranges
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, open_checkpoint

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _cuts import run_method
-from _joint import run_joint
+from tests.helpers.cuts import run_method
+from tests.helpers.joint import run_joint
 
 from mergepipe.methods import METHODS
 from mergepipe.methods.arcee_fusion import importance_bits, key_value, order_keys

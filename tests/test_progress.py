@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_config
-from tests.workflow_helpers import MODEL, make_workspace, tool_env
+from tests.helpers.workflow import MODEL, make_workspace, tool_env
 from mergepipe.util import progress
 from mergepipe.util.progress import Progress
 
@@ -113,7 +113,7 @@ def test_a_terminal_shows_a_bar_per_step_with_bytes_of_total_reaching_100_percen
 
 
 def test_calibration_shows_its_sequences_and_each_experts_scoring_scan(llama, tmp_path):
-    from tests.tiny_llama import calibrated_config
+    from tests.helpers.tiny_llama import calibrated_config
     rc, terminal, _ = _cli([sys.executable, "-m", "mergepipe", "run", str(calibrated_config(tmp_path, llama, "30%"))],
                            stderr_tty=True)
     assert rc == 0, terminal

@@ -146,7 +146,7 @@ def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(
     manifest.json): Snakemake deletes a job's existing outputs before running it, so the user's
     weights were gone before `mergepipe merge` refused the folder. rules/common.smk now refuses
     such a folder at parse time (what mergepipe would not replace without --force)."""
-    from tests.workflow_helpers import make_workspace, smk
+    from tests.helpers.workflow import make_workspace, smk
     ws = make_workspace(tmp_path / "ws")
     root = Path(tiny_family["root"])
     cfg = yaml.safe_load((ws / "params.yaml").read_text())

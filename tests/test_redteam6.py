@@ -14,7 +14,7 @@ import pytest
 from mergepipe.cli import main
 from mergepipe.output.run_record import record_path
 from tests.helpers import write_config
-from tests.workflow_helpers import make_workspace, run
+from tests.helpers.workflow import make_workspace, run
 
 GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid",
        "-c", "init.defaultBranch=main"]

@@ -7,7 +7,7 @@ import json
 import shutil
 
 from mergepipe.cli import main
-from tests.tiny_llama import calibrated_config as _config
+from tests.helpers.tiny_llama import calibrated_config as _config
 
 
 def test_another_experts_weighted_energies_copied_under_this_key_are_rebuilt(llama, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from mergepipe.cli import main
 from mergepipe.output.manifest import verify_outputs
-from tests.workflow_helpers import MODEL, REPO, job_counts, make_workspace, output_bytes, smk
+from tests.helpers.workflow import MODEL, REPO, job_counts, make_workspace, output_bytes, smk
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "scripts" / "slurm_localhost.sh"

@@ -13,7 +13,7 @@ from mergepipe.cli import main
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.plan.planner import plan_hash
 from tests.helpers import write_config
-from tests.workflow_helpers import MODEL, make_workspace, manifest, pending_jobs, set_budget, smk
+from tests.helpers.workflow import MODEL, make_workspace, manifest, pending_jobs, set_budget, smk
 
 
 def test_merge_refuses_a_plan_made_before_params_yaml_was_edited(tiny_family, tmp_path, capsys):

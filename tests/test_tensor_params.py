@@ -14,7 +14,7 @@ from mergepipe.config.params import config_from_dict, load_config
 from mergepipe.config.settings import layer_positions, parse_setting
 from mergepipe.config.tensor_params import resolve_tensor_parameters
 from mergepipe.errors import ConfigError
-from tests._equivalence import MERGEKIT_PYTHON
+from tests.helpers.equivalence import MERGEKIT_PYTHON
 from tests.helpers import load_model, write_config
 
 SETTINGS = [

@@ -14,7 +14,7 @@ from mergepipe.checkpoint.treehash import hash_weight_file
 from mergepipe.cli import main
 from mergepipe.engine import merge as engine
 from mergepipe.output.manifest import MANIFEST, dumps, manifest_hash
-from tests.golden import make_golden_family
+from tests.helpers.golden import make_golden_family
 
 AUX = {"config.json": '{"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}\n',
        "generation_config.json": '{"do_sample": false}\n',

@@ -7,7 +7,7 @@ special tokens (65 rows), `pad` the base's tokenizer with its rows padded to 64,
 `<|im_end|>` and a plain `<tool>` (65 rows): `<|im_start|>` then comes from chat alone,
 `<|im_end|>` is the mean of chat's and tool's rows, `<tool>` tool's. mergekit orders its union
 by a set of models (PYTHONHASHSEED), so rows are compared token by token through each output's
-tokenizer.json, by the rule of tests/_equivalence.py (one ulp of the larger value), mergekit
+tokenizer.json, by the rule of tests/helpers/equivalence.py (one ulp of the larger value), mergekit
 run with a PYTHONHASHSEED that gives our ids (a padding row's mean is summed in id order).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mergepipe.checkpoint.vocab import VocabCheckpoint
 from mergepipe.cli import main
 from mergepipe.commands.vocabulary import Recipe, build, in_content_order
 from mergepipe.checkpoint.vocab import open_view
-from tests._equivalence import MERGEKIT_PYTHON, judge, merge_scale
+from tests.helpers.equivalence import MERGEKIT_PYTHON, judge, merge_scale
 from tests.helpers import load_model
 
 BUILD = r'''

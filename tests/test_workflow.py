@@ -18,7 +18,7 @@ from mergepipe.cli import main
 from mergepipe.commands.demo import make_family
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.output.run_record import record_path
-from tests.workflow_helpers import (MODEL, job_counts, make_workspace, manifest, output_bytes, pending_jobs, set_budget,
+from tests.helpers.workflow import (MODEL, job_counts, make_workspace, manifest, output_bytes, pending_jobs, set_budget,
                                     smk)
 
 

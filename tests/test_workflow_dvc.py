@@ -14,7 +14,7 @@ from mergepipe.output.manifest import verify_outputs
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
 from mergepipe.output.run_record import record_path
-from tests.workflow_helpers import MODEL, job_counts, make_workspace, run, set_budget, smk
+from tests.helpers.workflow import MODEL, job_counts, make_workspace, run, set_budget, smk
 
 GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid",
        "-c", "init.defaultBranch=main"]

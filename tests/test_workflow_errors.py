@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workflow_helpers import MODEL, make_workspace, output_bytes, pending_jobs, smk
+from tests.helpers.workflow import MODEL, make_workspace, output_bytes, pending_jobs, smk
 
 EXPERT_2 = "  - {name: expert_2, path: models/demo/expert_2, weight: 0.7}\n"
 

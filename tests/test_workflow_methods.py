@@ -10,7 +10,7 @@ import re
 import pytest
 
 from mergepipe.output.manifest import verify_outputs
-from tests.workflow_helpers import MODEL, job_counts, make_workspace, smk
+from tests.helpers.workflow import MODEL, job_counts, make_workspace, smk
 
 CASES = {"model_stock": "{filter_wise: false}", "della": "{lambda: 1.0, density: 0.5, epsilon: 0.1}"}
 

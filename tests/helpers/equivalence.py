@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MERGEKIT_PYTHON = Path(os.environ.get("MERGEKIT_PYTHON", ROOT / ".venv-mergekit" / "bin" / "python"))
 INSTALL = ("python3 -m venv .venv-mergekit && "
            ".venv-mergekit/bin/pip install torch==2.13.0 mergekit==0.1.5")

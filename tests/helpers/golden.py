@@ -1,6 +1,6 @@
 """Golden merges: a portable seeded family and the output hashes of every method on it.
 
-`python -m tests.golden OUT [--threads N] [--torch-path]` writes the family under OUT,
+`python -m tests.helpers.golden OUT [--threads N] [--torch-path]` writes the family under OUT,
 runs each case of CASES through `mergepipe run` (in process) and prints one JSON object:
 case -> {"weights": blake3 over the output's weight files, "plan": the manifest's
 version-free digest, "manifest": blake3 of its manifest.json}. tests/test_golden.py runs it

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 WORKFLOW_FILES = ["Snakefile", "rules", "profiles", "schemas", "params.yaml", "dvc.yaml", ".dvcignore", ".dvc/config",
                   ".dvc/.gitignore", ".gitignore"]
