@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Regenerate schemas/manifest.schema.json: the JSON Schema of manifest.json (schema 2).
+"""Regenerate schemas/manifest.schema.json: the JSON Schema of manifest.json (schema 2), of a
+merged model or of an adapter (kind peft-lora-adapter: adapters out, extract-lora).
 
-The manifest's own fields are written here, as docs/design.md ("Outputs and manifest")
-lists them (output/manifest.py::build_manifest writes them); its `plan` and `inputs` are the
-plan record's schema, generated from mergepipe.plan.record.PlanRecord (the one source of what
+The manifest's own fields are written here, as docs/design.md ("Outputs and manifest",
+"Adapters out", "LoRA extraction") lists them (output/manifest.py::build_manifest,
+output/adapter_out.py and output/extracted_adapter.py write them); a model manifest's `plan`
+and `inputs` are the plan record's schema, generated from mergepipe.plan.record.PlanRecord (the one source of what
 a plan holds, as `merge` and `verify --replay` check it). A schema checks the shape only:
 hashes are checked by `mergepipe verify` or scripts/check_manifest.py.
 
@@ -46,13 +48,7 @@ def manifest_schema() -> dict:
                                       "base_bytes_read", "base_bytes_copied", "bytes_written")}
     byte_counts |= {k: COUNTS for k in ("planned_by_expert", "skipped_identical_by_expert",
                                         "expert_bytes_read_by_expert")}
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "urn:mergepipe:manifest:2",
-        "title": "mergepipe manifest.json, schema 2",
-        "description": "What a merge read, computed and wrote (docs/design.md, 'Outputs and manifest'). "
-                       "manifest_hash = blake3 of the canonical JSON of every other field.",
-        **_obj({
+    model = _obj({
             "schema": {"const": 2},
             "versions": _obj({k: {"type": "string"} for k in ("mergepipe", "torch", "safetensors")}),
             "plan_hash": HASH,
@@ -67,8 +63,66 @@ def manifest_schema() -> dict:
                 "tensors": {"type": "object", "additionalProperties": HASH},
             }),
             "manifest_hash": HASH,
-        }, {"lineage": _obj({}, {"base": link, "experts": links}, minProperties=1)}),
-        "$defs": {"Plan": plan, **defs},
+        }, {"lineage": _obj({}, {"base": link, "experts": links}, minProperties=1)},
+        description="A merged model (docs/design.md, 'Outputs and manifest')")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "urn:mergepipe:manifest:2",
+        "title": "mergepipe manifest.json, schema 2",
+        "description": "What a merge read, computed and wrote (docs/design.md, 'Outputs and manifest'), or an "
+                       "adapter mergepipe wrote (kind peft-lora-adapter: 'Adapters out', 'LoRA extraction'). "
+                       "manifest_hash = blake3 of the canonical JSON of every other field.",
+        "oneOf": [{"$ref": "#/$defs/ModelManifest"}, {"$ref": "#/$defs/AdapterMergeManifest"},
+                  {"$ref": "#/$defs/ExtractedAdapterManifest"}],
+        "$defs": {"Plan": plan, **defs, "ModelManifest": model, **adapter_manifests(other_file)},
+    }
+
+
+def adapter_manifests(other_file: dict) -> dict:
+    """The two adapter manifests (output/adapter_out.py, output/extracted_adapter.py): recipe and
+    inputs by kind of adapter; no plan, every output file and tensor by plain blake3."""
+    from mergepipe.config.adapter_output import AdapterOutput
+    from mergepipe.methods import METHODS
+    from mergepipe.output.adapter_out import ADAPTER_KIND
+    common = {
+        "schema": {"const": 2}, "kind": {"const": ADAPTER_KIND},
+        "versions": _obj({k: {"type": "string"} for k in ("mergepipe", "torch", "safetensors")}),
+        "recipe_hash": HASH, "manifest_hash": HASH,
+        "outputs": _obj({
+            "files": {"type": "object", "minProperties": 2, "propertyNames": {"pattern": FILE_NAME},
+                      "required": ["adapter_config.json", "adapter_model.safetensors"],
+                      "additionalProperties": other_file},
+            "tensors": {"type": "object", "minProperties": 1, "additionalProperties": HASH}}),
+    }
+    name = {"type": "string", "minLength": 1}
+    scalar = {"type": ["number", "boolean", "string", "null"]}
+    linear = sorted(n for n, m in METHODS.items() if m.delta_coefficients is not None)
+    merge_recipe = _obj({
+        "method": {"enum": linear},
+        "parameters": {"type": "object", "additionalProperties": scalar},
+        "adapter": AdapterOutput.model_json_schema(),
+        "dtype": {"enum": [None, "float32", "bfloat16", "float16"]},
+        "nonfinite": {"enum": ["error", "allow"]},
+        "experts": {"type": "array", "minItems": 1, "items": _obj(
+            {"name": name, "weight": {"type": "number"}, "coefficient": {"type": "number"}})},
+    }, {"seed": COUNT}, description="How the adapters were combined; seed only for dare_* combinations")
+    merge_inputs = _obj({
+        "base": _obj({"path": name, "tensor_table": HASH}),
+        "experts": {"type": "array", "minItems": 1, "items": _obj(
+            {"name": name, "adapter": name, "config_blake3": HASH, "weights_blake3": HASH})},
+    })
+    model_ref = _obj({"path": name, "tensor_table": HASH, "tensors_blake3": HASH})
+    rank_rule = {"oneOf": [_obj({"rank": {"type": "integer", "minimum": 1}}),
+                           _obj({"energy": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}})]}
+    extract_recipe = _obj({"extract": _obj({
+        "format": {"type": "integer", "minimum": 1}, "rank_rule": rank_rule, "embed_lora": {"type": "boolean"},
+        "modules_to_save": {"type": "array", "items": {"type": "string"}}})})
+    return {
+        "AdapterMergeManifest": _obj({**common, "recipe": merge_recipe, "inputs": merge_inputs},
+                                     description="Adapters out: the merge written as one PEFT LoRA adapter"),
+        "ExtractedAdapterManifest": _obj({**common, "recipe": extract_recipe,
+                                          "inputs": _obj({"base": model_ref, "expert": model_ref})},
+                                         description="extract-lora: a dense fine-tune as a PEFT LoRA adapter"),
     }
 
 
