@@ -47,6 +47,7 @@ from numba import njit
 
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
 from mergepipe.errors import IntegrityError
+from mergepipe.index.cache import CacheLayout
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.index.sketch import _TempFile
@@ -120,27 +121,34 @@ def _raw_scales(d: np.ndarray, group: int, bits: int, out: np.ndarray) -> None:
 
 @njit(nogil=True, cache=True)
 def _encode(d: np.ndarray, scales: np.ndarray, group: int, bits: int, codes: np.ndarray) -> float:
-    """Write the codes of d (codes zeroed, code_bytes long) given the groups' fp32 scales (the
-    stored fp16 values); returns ||d - value||^2 in fp64 over 8 fixed lanes."""
+    """Write the codes of d (code_bytes long) given the groups' fp32 scales (the stored fp16
+    values); returns ||d - value||^2 in fp64, element i in lane i % 8 (groups start on a
+    multiple of 8), lanes combined pairwise."""
     levels = 1 << (bits - 1)
-    per = 8 // bits
+    top = np.float32(levels - 1)
     acc = np.zeros(LANES, dtype=np.float64)
-    for i in range(d.size):
-        x = d[i]
-        if not np.isfinite(x):
-            x = np.float32(0.0)
-        s = scales[i // group]
-        j = 0
-        if s > 0 and levels > 1:
-            q = abs(x) / s
-            j = levels - 1 if q >= levels else int(q)
-        neg = 1 if x < 0 else 0
-        codes[i // per] |= np.uint8(((neg << (bits - 1)) | j) << ((i % per) * bits))
-        v = np.float32(j + 0.5) * s
-        if neg:
-            v = -v
-        r = np.float64(x) - np.float64(v)
-        acc[i % LANES] += r * r
+    c = np.empty(codes.size * (8 // bits), dtype=np.uint8)
+    c[d.size:] = 0
+    for gi in range(scales.size):
+        s = scales[gi]
+        lo = gi * group
+        for i in range(lo, min(lo + group, d.size)):
+            x = d[i]
+            x = x if np.isfinite(x) else np.float32(0.0)
+            a = abs(x)
+            # floor(|x| / s), capped at L - 1; 0 where s = 0 or k = 1 (one level)
+            q = min(np.floor(a / s), top) if s > 0 else np.float32(0.0)
+            neg = x < 0
+            c[i] = (np.uint8(neg) << np.uint8(bits - 1)) | np.uint8(q)
+            v = (q + np.float32(0.5)) * s
+            r = np.float64(a) - np.float64(v)  # |x| - |value|: the same magnitude as x - value
+            acc[i % LANES] += r * r
+    per = 8 // bits
+    for j in range(codes.size):
+        byte = np.uint8(0)
+        for p in range(per):
+            byte |= c[j * per + p] << np.uint8(p * bits)
+        codes[j] = byte
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 
 
@@ -181,7 +189,7 @@ def dequantize(payload: bytes, n: int, spec: Spec) -> np.ndarray:
 
 def cache_path(root: Path, expert_hash: str, base_hash: str, layout_key: int | str, spec: Spec) -> Path:
     key = f"{expert_hash}:{base_hash}:{layout_key}:b{spec.bits}:g{spec.group}:v{FORMAT}"
-    return root / "groupquant" / f"{blake3(key.encode()).hexdigest()[:40]}.gq"
+    return CacheLayout(root).groupquant(blake3(key.encode()).hexdigest()[:40])
 
 
 def build(paths: dict[Spec, Path], base: Checkpoint, base_index: ModelIndex, expert: Checkpoint,
