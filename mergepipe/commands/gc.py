@@ -187,7 +187,7 @@ def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = Fal
     victims: list[Path] = []
     for kind in KINDS:
         folder = cache.folder(kind)
-        if not folder.is_dir() or folder.is_symlink():
+        if not kind.pruned or not folder.is_dir() or folder.is_symlink():
             continue
         for p in sorted(folder.iterdir()):
             if _removable(kind, p, keep, indexes=indexes, foreign=foreign):

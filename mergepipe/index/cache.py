@@ -17,6 +17,7 @@ version that goes into the key); this module turns the key into the path. Under 
   weighted/<key40>.json              calibrated block energies               index/weighted.py
   joint/<key64>.stats                joint-method statistics                 engine/stats.py
   sketch/<key40>.sk                  ternary delta sketch                    index/sketch.py
+  groupquant/<key40>.gq              k-bit group-quantized deltas            index/groupquant.py
 
 `<blocks>` is `BlockLayout.key` with "/" as "-" (`16384` or `16384-emb4096`). A writer's temp
 file is `.<entry name>.<random>.tmp` beside the entry (util/fs.atomic_write_bytes).
@@ -38,6 +39,8 @@ class Kind:
     derived: bool = False  # rebuilt from what a plan names: gc keeps those a --keep output or plan references
     index: bool = False  # rebuilt by rereading the models: gc removes them only with --indexes
     folders: bool = False  # each entry is a folder (a stored merge), else a file
+    pruned: bool = True  # gc visits this kind's folder; False: no plan records these entries yet, so no
+    # --keep could name those still needed: gc leaves the folder alone
 
 
 MERGES = Kind("merges", re.compile(r"[0-9a-f]{64}(\.partial-[0-9a-f]{12})?"), folders=True)
@@ -50,8 +53,9 @@ SKETCH = Kind("sketch", re.compile(r"[0-9a-f]{40}\.sk"), derived=True)
 MODELS = Kind("models", re.compile(r"[0-9a-f]{40}\.(?:json\.gz|idx)"), index=True)
 DELTAS = Kind("deltas", re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+(?:-emb\d+)?-v\d+\.(?:json\.gz|idx)"), index=True)
 STAT = Kind("stat", re.compile(r"[0-9a-f]{32}\.json"), index=True)
+GROUPQUANT = Kind("groupquant", re.compile(r"[0-9a-f]{40}\.gq"), derived=True, pruned=False)
 
-KINDS = (MERGES, PARTS, CALIBRATION, WEIGHTED, JOINT, SKETCH, MODELS, DELTAS, STAT)  # the order gc visits them
+KINDS = (MERGES, PARTS, CALIBRATION, WEIGHTED, JOINT, SKETCH, MODELS, DELTAS, STAT, GROUPQUANT)  # gc's order
 
 STORE_MAC = "store.mac"  # in a stored merge's folder: its MAC (index/store_key.entry_mac)
 JOINT_SUFFIX = ".stats"
@@ -111,3 +115,6 @@ class CacheLayout:
 
     def sketch(self, key: str) -> Path:
         return self.folder(SKETCH) / f"{key}.sk"
+
+    def groupquant(self, key: str) -> Path:
+        return self.folder(GROUPQUANT) / f"{key}.gq"
