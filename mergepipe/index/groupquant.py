@@ -8,7 +8,7 @@ group of a block may be shorter), L = 2^(k-1) magnitude levels, and for each gro
 
     raw_G   = max_{i in G} |d_i| / L               (k >= 2: absmax, fp32; exact)
             = 2 * (sum_{i in G} |d_i|) / |G|        (k = 1: the L2-best scale of sign codes;
-                                                     fp64 summed in element order, then fp32)
+                                                     fp64 over 8 fixed lanes, then fp32)
     s_G     = fp16(raw_G)                           (round to nearest even; capped at 65504)
     j_i     = min(L - 1, floor(|d_i| / s_G))        (0 where s_G = 0; fp32 division)
     code_i  = (d_i < 0) << (k - 1) | j_i            (k bits)
@@ -100,22 +100,23 @@ def block_cost(n: int, spec: Spec) -> int:
 def _raw_scales(d: np.ndarray, group: int, bits: int, out: np.ndarray) -> None:
     """Each group's scale before its fp16 rounding (the module docstring's raw_G)."""
     levels = np.float32(1 << (bits - 1))
+    inf = np.float32(np.inf)
+    lanes = np.zeros(LANES, dtype=np.float64)
     for gi in range(out.size):
         lo = gi * group
         hi = min(lo + group, d.size)
         if bits == 1:
-            s = 0.0
+            lanes[:] = 0.0
             for i in range(lo, hi):
-                x = np.float64(d[i])
-                if np.isfinite(x):
-                    s += abs(x)
+                a = abs(d[i])
+                lanes[(i - lo) % LANES] += np.float64(a) if a < inf else 0.0  # NaN and Inf as 0
+            s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
             out[gi] = np.float32(2.0 * s / (hi - lo))
         else:
             m = np.float32(0.0)
             for i in range(lo, hi):
                 a = abs(d[i])
-                if a > m and np.isfinite(a):
-                    m = a
+                m = max(m, a if a < inf else np.float32(0.0))
             out[gi] = m / levels  # levels is a power of 2: exact
 
 
