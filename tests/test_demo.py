@@ -150,3 +150,16 @@ def test_transformers_loads_and_runs(family: dict, tmp_path: Path) -> None:
     tied = make_family(tmp_path, n_experts=1, tied=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tied["base"])
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_demo_never_overwrites_a_users_model_folder(tmp_path):
+    """`mergepipe demo models` where models/base is the user's own model: refused, weights kept;
+    a folder demo wrote before is rewritten as always."""
+    from mergepipe.commands.demo import main as demo_main
+    real = tmp_path / "models" / "base"
+    real.mkdir(parents=True)
+    (real / "model.safetensors").write_bytes(b"the user's weights")
+    assert demo_main([str(tmp_path / "models"), "--quiet", "--experts", "1"]) == 7
+    assert (real / "model.safetensors").read_bytes() == b"the user's weights"
+    assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0
+    assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0  # a rerun rewrites its own

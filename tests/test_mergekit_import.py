@@ -10,6 +10,7 @@ from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError
 from mergepipe.config.mergekit import dump_params, import_mergekit, mergekit_to_params, write_params
 from mergepipe.methods import METHODS
+from mergepipe.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -461,3 +462,16 @@ def test_one_slice_over_every_layer_is_the_models_form(tmp_path):
     (tmp_path / "models" / "b" / "config.json").write_text('{"num_hidden_layers": 6}')
     with pytest.raises(ConfigError, match=r"slices: slices that merge build stacked views first"):
         import_mergekit(path)  # part of b's layers: a merge of stacked views (tests/test_mergekit_slices.py)
+
+
+def test_import_mergekit_does_not_overwrite_an_existing_file(tmp_path):
+    mk = tmp_path / "mergekit.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": "base",
+                                  "models": [{"model": "a", "parameters": {"weight": 1.0}}]}))
+    params = tmp_path / "params.yaml"
+    params.write_text("base: mine\n")
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 7
+    assert params.read_text() == "base: mine\n"
+    assert main(["import-mergekit", str(mk), "-o", str(mk), "-q", "--force"]) == 7  # never the input itself
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 0
+    assert "task_arithmetic" in params.read_text()

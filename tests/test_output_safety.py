@@ -18,6 +18,7 @@ from mergepipe.cli import main
 from mergepipe.commands.stack import SOURCES_FILE, source_stats
 from mergepipe.errors import OutputError
 from mergepipe.output import safety
+from tests.helpers import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mergepipe"
@@ -180,3 +181,38 @@ def test_import_mergekit_does_not_replace_a_symbolic_link_without_force(tiny_fam
     _one_line(capsys, str(link), "exists; refusing to overwrite it")
     assert link.is_symlink() and not (tmp_path / "elsewhere.yaml").exists()
     assert main(["import-mergekit", str(config), "-o", str(link), "-q", "--force"]) == 0
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_plan_never_overwrites_its_config_or_a_users_file(tiny_family, tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_family)
+    text = cfg.read_text()
+    assert main(["plan", str(cfg), "-q", "-o", str(cfg)]) == 7
+    assert cfg.read_text() == text
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    capsys.readouterr()
+    assert main(["plan", str(cfg), "-q", "-o", str(notes)]) == 7
+    err = capsys.readouterr().err
+    assert str(notes) in err and "--force" in err and err.count("\n") == 1
+    assert notes.read_text() == '{"mine": 1}'
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan)]) == 0
+    assert main(["plan", str(cfg), "-q", "-o", str(plan), "--budget", "50%"]) == 0  # a plan replaces a plan
+    assert main(["plan", str(cfg), "-q", "-o", str(notes), "--force"]) == 0
+    assert "plan_hash" in notes.read_text()
+
+
+@pytest.mark.parametrize("argv", [["sweep", "CFG", "-o", ""], ["index", "MODEL", "-o", "MODEL/model.safetensors"]])
+def test_other_outputs_refuse_empty_paths_and_inputs(argv, tiny_family, tmp_path):
+    cfg = write_config(tmp_path, tiny_family)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes((Path(tiny_family["root"]) / "base" / "model.safetensors").read_bytes())
+    before = _tree(tmp_path)
+    argv = [a.replace("CFG", str(cfg)).replace("MODEL", str(model)) for a in argv]
+    assert main([*argv, "-q"]) == 7
+    assert _tree(tmp_path) == before

@@ -219,3 +219,37 @@ def test_files_added_to_the_target_during_the_merge_are_not_deleted(tmp_path):
             pub.commit()
     assert (target / "copied-in.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_publish_killed_between_its_renames_keeps_the_previous_output(tmp_path, monkeypatch):
+    """Without renameat2's exchange (NFS, Lustre), commit renames the previous version away and
+    then the new one in. A kill between the two used to leave only `.out.old-*`, which the next
+    run removed as a leftover: the previous output was lost even if that run then failed."""
+    from mergepipe.output import publish
+    from mergepipe.output.publish import Publisher
+    target = tmp_path / "out"
+    pub = Publisher(target)
+    with pub as tmp:
+        (tmp / "model.safetensors").write_bytes(b"version 1")
+        pub.commit()
+    monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
+    real_rename = publish.os.rename
+
+    def killed_after_first(src, dst):
+        real_rename(src, dst)
+        if ".old-" in str(dst):
+            raise KeyboardInterrupt("killed between the renames")
+
+    monkeypatch.setattr(publish.os, "rename", killed_after_first)
+    pub = Publisher(target, force=True)  # (these folders hold no manifest: ownership is not what is tested)
+    with pytest.raises(KeyboardInterrupt):
+        with pub as tmp:
+            (tmp / "model.safetensors").write_bytes(b"version 2")
+            pub.commit()
+    monkeypatch.setattr(publish.os, "rename", real_rename)
+    assert not target.exists() and [p.name for p in tmp_path.iterdir()][0].startswith(".out.old-")
+    with pytest.raises(RuntimeError):  # the next run fails before publishing: version 1 is back anyway
+        with Publisher(target, force=True):
+            raise RuntimeError("the next merge fails")
+    assert (target / "model.safetensors").read_bytes() == b"version 1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
