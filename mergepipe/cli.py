@@ -398,12 +398,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     out = check_output_path(args.o, what="-o")
     check_file_target(Path(args.o), what="params file", inputs=(args.config,), force=args.force)  # none is ours
     stack_dir = _build_stack(args, out) or _build_slice_views(args, out)
-    params = import_mergekit(args.config, params_path=out, stack_dir=stack_dir, validate=False)
+    warnings: list[str] = []
+    params = import_mergekit(args.config, params_path=out, stack_dir=stack_dir, validate=False, warnings=warnings)
     refs = [params.get("base"), *(e.get("path") for e in params.get("experts", [])),
             (params.get("output") or {}).get("tokenizer_source")]  # relative to the params file's folder
     _refuse_inside_inputs(out, [out.parent / m for m in refs if isinstance(m, str)])
     check_imported(params, source=args.config, params_path=out)
     write_params(params, args.o)
+    for line in warnings:  # after the import succeeded: a refusal stays one line
+        print(line, file=sys.stderr)
     _log(args, f"wrote {args.o}")
     return 0
 

@@ -324,8 +324,9 @@ def slice_views(config: str, params_file: Path) -> tuple[dict[str, list[dict]], 
     """
     from mergepipe.config.mergekit import ModelPaths, merges_slices, resolve_model_ref
     from mergepipe.config.mergekit_slices import sliced_recipe
+    from mergepipe.config.mergekit_ignored import without_ignored
     from mergepipe.config.params import read_yaml
-    data = read_yaml(config)
+    data, _ = without_ignored(read_yaml(config), config)  # the import warns of what it drops
     paths = ModelPaths(Path.cwd(), params_file.parent)
     if not isinstance(data, dict) or data.get("models") or data.get("merge_method") == "passthrough" \
             or not merges_slices(data.get("slices"), paths):

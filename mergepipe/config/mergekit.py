@@ -19,7 +19,9 @@ Semantics carried over from mergekit:
   dtype when `out_dtype` is unset); mergepipe always computes in fp32.
 - Other global parameters (lambda, normalize, density, gamma, t, rescale,
   int8_mask, ...) pass through to `parameters`, where the method's params
-  model accepts or rejects them.
+  model accepts or rejects them. A parameter mergekit's method never reads, and a
+  filter condition in no tensor name, are dropped first, each with a warning
+  (config/mergekit_ignored.py: mergekit ignores them).
 - Gradients and filters (`t: [0, 0.5, 1]`, `weight: [{filter: mlp, value: 0.3}]`)
   become params.yaml's per-tensor settings (config/settings.py), same grammar;
   a model's filtered setting with no catch-all falls back to the global one,
@@ -44,6 +46,7 @@ from typing import Any
 import yaml
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
+from mergepipe.config.mergekit_ignored import without_ignored
 from mergepipe.config.messages import did_you_mean
 from mergepipe.config.models import MAX_MERGEKIT_CONFIG_CHARS
 from mergepipe.config.params import config_from_dict, parse_yaml, read_yaml
@@ -702,7 +705,7 @@ def check_output_unshared(params_file: str | os.PathLike[str], output_dir: str) 
 
 def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathLike[str] | None = None,
                     output_dir: str | None = None, validate: bool = True,
-                    stack_dir: str | None = None) -> dict[str, Any]:
+                    stack_dir: str | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
     """Read a mergekit YAML config and return the equivalent params.yaml dict.
 
     Model paths are looked up as mergekit does (relative to the working directory) and
@@ -718,6 +721,8 @@ def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathL
             parameters accepted by the method, ranges).
         stack_dir: the stacked model folder of a layer-stacking config, relative to the
             params file's folder.
+        warnings: gets one line for each parameter or filter condition mergekit never reads,
+            which the conversion drops (config/mergekit_ignored.py).
     Raises:
         ConfigError: unreadable file, or anything mergepipe cannot reproduce.
     """
@@ -730,11 +735,14 @@ def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathL
     if len(text) > MAX_MERGEKIT_CONFIG_CHARS:
         raise ConfigError(f"{source}: over {MAX_MERGEKIT_CONFIG_CHARS >> 10} KiB of text; the output keeps the "
                           "recipe (output.mergekit_config), and a mergekit config is a few KiB")
-    params = mergekit_to_params(parse_yaml(text, source=source), source=source,
+    data, ignored = without_ignored(parse_yaml(text, source=source), source, cwd)
+    params = mergekit_to_params(data, source=source,
                                 output_dir=recipe_output_dir(params_file) if output_dir is None else output_dir,
                                 paths=ModelPaths(cwd, params_file.parent), stack_dir=stack_dir, recipe=text)
     if validate:
         check_imported(params, source=source, params_path=params_file)
+    if warnings is not None:
+        warnings.extend(ignored)
     return params
 
 

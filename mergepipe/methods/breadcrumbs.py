@@ -22,7 +22,7 @@ from pydantic import Field
 
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import Mergekit, register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class BreadcrumbsParams(MagnitudeParams):
@@ -30,7 +30,10 @@ class BreadcrumbsParams(MagnitudeParams):
                          description="default outlier fraction, resolved onto ExpertBlock.gamma like density")
 
 
-@register("breadcrumbs", sketchable=True, mergekit=Mergekit(aliases=("model_breadcrumbs",)),
+@register("breadcrumbs", sketchable=True,
+          mergekit=Mergekit(aliases=("model_breadcrumbs",),
+                            shared=GTA_SHARED,
+                            per_input=("weight", "density", "gamma")),
           params=BreadcrumbsParams, additive=False, magnitude=True,
           paper="Davari & Belilovsky 2023, Model Breadcrumbs: Scaling Multi-Task Model Merging "
                 "with Sparse Masks, arXiv:2312.06795")

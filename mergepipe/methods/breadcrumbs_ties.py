@@ -22,14 +22,17 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.breadcrumbs import BreadcrumbsParams
-from mergepipe.methods.registry import Mergekit, register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class BreadcrumbsTiesParams(BreadcrumbsParams):
     pass
 
 
-@register("breadcrumbs_ties", sketchable=True, mergekit=Mergekit(aliases=("model_breadcrumbs_ties",)),
+@register("breadcrumbs_ties", sketchable=True,
+          mergekit=Mergekit(aliases=("model_breadcrumbs_ties",),
+                            shared=GTA_SHARED,
+                            per_input=("weight", "density", "gamma")),
           params=BreadcrumbsTiesParams, additive=False, magnitude=True,
           paper="Davari & Belilovsky 2023, Model Breadcrumbs: Scaling Multi-Task Model Merging "
                 "with Sparse Masks, arXiv:2312.06795")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from mergepipe.util.lazy import torch
 from mergepipe.methods._common import DensityParams, canonical, combine, sparsify_dare
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class DareLinearParams(DensityParams):
@@ -28,7 +28,7 @@ class DareLinearParams(DensityParams):
     rescale: bool = True
 
 
-@register("dare_linear", sketchable=True,
+@register("dare_linear", mergekit=Mergekit(shared=GTA_SHARED, per_input=("weight", "density")), sketchable=True,
           params=DareLinearParams, additive=False,
           paper="Yu et al. 2024, Language Models are Super Mario: Absorbing Abilities from "
                 "Homologous Models as a Free Lunch, arXiv:2311.03099")

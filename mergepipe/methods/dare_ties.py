@@ -22,14 +22,14 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import canonical, combine, sparsify_dare
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.dare_linear import DareLinearParams
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class DareTiesParams(DareLinearParams):
     pass
 
 
-@register("dare_ties", sketchable=True,
+@register("dare_ties", mergekit=Mergekit(shared=GTA_SHARED, per_input=("weight", "density")), sketchable=True,
           params=DareTiesParams, additive=False,
           paper="Yu et al. 2024, Language Models are Super Mario: Absorbing Abilities from "
                 "Homologous Models as a Free Lunch, arXiv:2311.03099")

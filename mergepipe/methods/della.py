@@ -18,14 +18,17 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import combine
 from mergepipe.methods._della import L1_SUMS, MagPruneParams, pruned_deltas
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import Mergekit, register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class DellaParams(MagPruneParams):
     normalize: bool = True
 
 
-@register("della", mergekit=Mergekit(shared_model_keys=("epsilon",)),
+@register("della",
+          mergekit=Mergekit(shared_model_keys=("epsilon",),
+                            shared=GTA_SHARED,
+                            per_input=("weight", "density", "epsilon")),
           params=DellaParams, additive=False, joint=L1_SUMS,
           paper="Deep et al. 2024, DELLA-Merging: Reducing Interference in Model Merging through "
                 "Magnitude-Based Sampling, arXiv:2406.11617")

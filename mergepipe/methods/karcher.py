@@ -100,7 +100,7 @@ def karcher_coefficients(gram: np.ndarray, max_iter: int, tol: float) -> np.ndar
     return out
 
 
-@register("karcher", mergekit=Mergekit(no_base="member", unweighted=True),
+@register("karcher", mergekit=Mergekit(no_base="member", unweighted=True, shared=("max_iter", "tol")),
           params=KarcherParams, additive=False, joint=gram_spec(), rewrites_base=lambda p: True,
           effective_weights=lambda params, weights: {name: 1.0 / max(1, len(weights) + bool(
               params.get("include_base", True))) for name in weights},

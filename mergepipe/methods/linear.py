@@ -51,7 +51,8 @@ def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, flo
     return dict(weights)
 
 
-@register("linear", sketchable=True, sketch_by_default=True, mergekit=Mergekit(no_base="first"),
+@register("linear", sketchable=True, sketch_by_default=True,
+          mergekit=Mergekit(no_base="first", shared=("normalize",), per_input=("weight",)),
           params=LinearParams, additive=True, effective_weights=effective_weights,
           delta_coefficients=delta_coefficients,
           paper="Wortsman et al. 2022, Model soups: averaging weights of multiple fine-tuned "

@@ -68,7 +68,7 @@ def _row_gram(block: BlockInputs) -> np.ndarray:
     return dd
 
 
-@register("model_stock", mergekit=Mergekit(unweighted=True),
+@register("model_stock", mergekit=Mergekit(unweighted=True, shared=("filter_wise",)),
           params=ModelStockParams, additive=False, joint=gram_spec(lambda p: not p.filter_wise),
           paper="Jang et al. 2024, Model Stock: All we need is just a few fine-tuned models, arXiv:2403.19522")
 def merge(block: BlockInputs, p: ModelStockParams) -> torch.Tensor:

@@ -26,7 +26,7 @@ from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods._gram import canonical_block, dot, gram_spec, matvec, quad, tensor_gram, weighted_sum
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 
 class MultislerpParams(BaseModel):
@@ -74,7 +74,9 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(w / total) if total else abs(w) for name, w in weights.items()}
 
 
-@register("multislerp", params=MultislerpParams, additive=False, joint=gram_spec(),
+@register("multislerp",
+          mergekit=Mergekit(shared=("normalize_weights", "eps"),
+                            per_input=("weight",)), params=MultislerpParams, additive=False, joint=gram_spec(),
           effective_weights=effective_weights,
           paper="Goddard 2025, Multislerp (goddard.blog/posts/multislerp-wow-what-a-cool-idea); mergekit 0.1.5")
 def merge(block: BlockInputs, p: MultislerpParams) -> torch.Tensor:

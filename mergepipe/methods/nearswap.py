@@ -36,7 +36,7 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: w for name in weights}
 
 
-@register("nearswap", mergekit=Mergekit(unweighted=True),
+@register("nearswap", mergekit=Mergekit(unweighted=True, shared=("t",)),
           params=NearswapParams, additive=False, max_experts=1,
           effective_weights=effective_weights,
           paper="alchemonaut 2024, QuartetAnemoi-70B-t0.0001 (NearSwap), "

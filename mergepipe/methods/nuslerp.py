@@ -179,7 +179,8 @@ def rewrites_base(p: NuslerpParams) -> bool:
     return p.base_weight is not None and (p.nuslerp_flatten or p.nuslerp_row_wise)
 
 
-@register("nuslerp", mergekit=Mergekit(no_base="first"),
+@register("nuslerp",
+          mergekit=Mergekit(no_base="first", shared=("nuslerp_row_wise", "nuslerp_flatten"), per_input=("weight",)),
           params=NuslerpParams, additive=False, max_experts=2, joint=NUSLERP_SUMS,
           effective_weights=effective_weights, rewrites_base=rewrites_base,
           paper="Shoemake 1985 (slerp); mergekit nuslerp (Goddard et al. 2024, arXiv:2403.13257)")

@@ -51,7 +51,8 @@ def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, flo
     return {name: 1.0 for name in weights}
 
 
-@register("passthrough", mergekit=Mergekit(no_base="self", unweighted=True, shared_model_keys=("scale",)),
+@register("passthrough",
+          mergekit=Mergekit(no_base="self", unweighted=True, shared_model_keys=("scale",), per_input=("scale",)),
           params=PassthroughParams, additive=True, max_experts=1,
           effective_weights=effective_weights, delta_coefficients=delta_coefficients, rewrites_base=rewrites_base,
           paper="mergekit passthrough (Goddard et al. 2024, Arcee's MergeKit, arXiv:2403.13257)")

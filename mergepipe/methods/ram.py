@@ -48,7 +48,7 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: 1.0 for name in weights}
 
 
-@register("ram", mergekit=Mergekit(unweighted=True),
+@register("ram", mergekit=Mergekit(unweighted=True, shared=("epsilon",)),
           params=RamParams, additive=False, effective_weights=effective_weights,
           paper="Reinforced Agent Merging 2026, arXiv:2601.13572")
 def merge(block: BlockInputs, p: RamParams) -> torch.Tensor:

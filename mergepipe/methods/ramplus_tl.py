@@ -74,7 +74,7 @@ def _counts(block: BlockInputs, experts, p: RamplusTlParams) -> np.ndarray:
     return shared_unique_counts(deltas, p.epsilon)
 
 
-@register("ramplus_tl", mergekit=Mergekit(unweighted=True),
+@register("ramplus_tl", mergekit=Mergekit(unweighted=True, shared=("r", "alpha", "epsilon")),
           params=RamplusTlParams, additive=False, effective_weights=ram_weights, joint=COUNTS,
           paper="Reinforced Agent Merging 2026 (RAM+), arXiv:2601.13572")
 def merge(block: BlockInputs, p: RamplusTlParams) -> torch.Tensor:

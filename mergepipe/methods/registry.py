@@ -52,6 +52,15 @@ class Mergekit:
     unweighted: bool = False  # its models take no weight (1.0 unless one is given)
     # per-model parameters that are method parameters here: every model must give the same value
     shared_model_keys: tuple[str, ...] = ()
+    # the parameters mergekit's method reads: `shared` one value per tensor (from the slice, module
+    # and global scopes), `per_input` one per model (its own scope first); a recipe's other
+    # parameters are never read by mergekit, and import drops them (config/mergekit_ignored.py)
+    shared: tuple[str, ...] = ()
+    per_input: tuple[str, ...] = ()
+
+
+# mergekit's generalized task arithmetic methods (task_arithmetic, ties, dare_*, breadcrumbs*, della*)
+GTA_SHARED = ("int8_mask", "normalize", "rescale", "lambda")
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,7 +176,7 @@ def block_mask(deltas: np.ndarray, stats: np.ndarray, row_start: int) -> np.ndar
     return _mask(deltas, stats[:HEAD], stats[HEAD + k + row_start] if stats[0] >= 0 else None)
 
 
-@register("sce", mergekit=Mergekit(unweighted=True),
+@register("sce", mergekit=Mergekit(unweighted=True, shared=("int8_mask", "select_topk")),
           params=SceParams, additive=False, joint=SPEC,
           paper="Wan et al. 2024, FuseChat: Knowledge Fusion of Chat Models, arXiv:2408.07990")
 def merge(block: BlockInputs, p: SceParams) -> torch.Tensor:

@@ -33,7 +33,7 @@ from mergepipe.checkpoint.blocks import num_rows
 from mergepipe.errors import MethodError
 from mergepipe.methods._common import PARAMS_CONFIG
 from mergepipe.methods.base import BlockInputs
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import Mergekit, register
 
 DOT_THRESHOLD = 0.9995
 NORM_EPS = 1e-8
@@ -95,7 +95,7 @@ def effective_weights(params: dict, weights: dict[str, float]) -> dict[str, floa
     return {name: abs(float(w if t is None else t)) for name, w in weights.items()}
 
 
-@register("slerp", params=SlerpParams, additive=False, max_experts=1, cosine=True,
+@register("slerp", mergekit=Mergekit(shared=("t",)), params=SlerpParams, additive=False, max_experts=1, cosine=True,
           effective_weights=effective_weights,
           paper="Shoemake 1985, Animating Rotation with Quaternion Curves, SIGGRAPH '85")
 def merge(block: BlockInputs, p: SlerpParams) -> torch.Tensor:

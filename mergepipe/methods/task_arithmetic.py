@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from mergepipe.methods._common import PARAMS_CONFIG, canonical, combine
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods._compiled import task_arithmetic_kernel
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class TaskArithmeticParams(BaseModel):
@@ -32,7 +32,9 @@ def delta_coefficients(params: dict, weights: dict[str, float]) -> dict[str, flo
     return {name: lam * w / divisor for name, w in weights.items()}
 
 
-@register("task_arithmetic", sketchable=True, sketch_by_default=True,
+@register("task_arithmetic",
+          mergekit=Mergekit(shared=GTA_SHARED,
+                            per_input=("weight", "density")), sketchable=True, sketch_by_default=True,
           params=TaskArithmeticParams, additive=True, delta_coefficients=delta_coefficients,
           compiled=task_arithmetic_kernel,
           paper="Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089")

@@ -20,14 +20,16 @@ from mergepipe.util.lazy import torch
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_magnitude
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods._compiled import ties_kernel
-from mergepipe.methods.registry import register
+from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
 
 
 class TiesParams(MagnitudeParams):
     normalize: bool = True
 
 
-@register("ties", sketchable=True, sketch_by_default=True,
+@register("ties",
+          mergekit=Mergekit(shared=GTA_SHARED,
+                            per_input=("weight", "density")), sketchable=True, sketch_by_default=True,
           params=TiesParams, additive=False, magnitude=True, compiled=ties_kernel,
           paper="Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
                 "arXiv:2306.01708")
