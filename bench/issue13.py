@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import measure  # noqa: E402
+from mergepipe.index.cache import MERGES, CacheLayout
 
 WEIGHTS = [1.0, 0.5, 0.7, 0.3, 0.9, 0.6, 0.8, 0.4, 1.0, 0.5, 0.7, 0.3, 0.9, 0.6, 0.8, 0.4]
 MP = [str(ROOT / ".venv" / "bin" / "python"), "-m", "mergepipe"]
@@ -113,7 +114,7 @@ def main() -> int:  # noqa: PLR0915
     def one(name: str, cfg: Path, cache: str, rnd: int) -> None:
         target = out / "runs" / Path(cfg).stem
         shutil.rmtree(target, ignore_errors=True)
-        shutil.rmtree(out / "cache" / "merges", ignore_errors=True)
+        shutil.rmtree(CacheLayout(out / "cache").folder(MERGES), ignore_errors=True)
         if cache == "warm":
             measure.warm(files)
             bw = measure.read_bandwidth(files[:2], cold=False)

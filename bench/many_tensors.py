@@ -28,6 +28,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import run_measured  # noqa: E402
+from mergepipe.index.cache import MERGES, CacheLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -81,7 +82,8 @@ def main() -> int:
             m = run_measured([PY, "-m", "mergepipe", "plan", "params.yaml", "-q", "-o", "plan.json"], cwd=work,
                              log=work / "log.txt")
             assert m.returncode == 0, m.stderr_tail
-            shutil.rmtree(work / ".mergepipe" / "merges", ignore_errors=True)  # no restore: merge for real
+            # no restore: merge for real
+            shutil.rmtree(CacheLayout(work / ".mergepipe").folder(MERGES), ignore_errors=True)
             m = run_measured([PY, "-m", "mergepipe", "merge", "plan.json", "-o", "out2", "-q"], cwd=work,
                              log=work / "log.txt")
             assert m.returncode == 0, m.stderr_tail

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import measure  # noqa: E402
 
 from mergepipe.methods import METHODS  # noqa: E402
+from mergepipe.index.cache import MERGES, CacheLayout
 
 # what a method needs besides its defaults (per-expert knobs go to every expert)
 PARAMS = {"slerp": {"t": 0.5}, "nearswap": {"t": 0.01}, "passthrough": {"scale": 1.0},
@@ -67,7 +68,7 @@ def main() -> None:
         rows = []
         for attempt in ("first", "merge"):  # first: indexes/statistics may be built; then the merge alone
             shutil.rmtree(args.out / "runs" / name, ignore_errors=True)
-            shutil.rmtree(args.out / "cache" / "merges", ignore_errors=True)
+            shutil.rmtree(CacheLayout(args.out / "cache").folder(MERGES), ignore_errors=True)
             r = measure.run_measured(argv, log=args.out / f"{name}.log")
             rows.append({"attempt": attempt, "rc": r.returncode, "wall_s": round(r.wall_s, 2),
                          "max_rss_mib": round(r.max_rss_bytes / 2**20, 1),

@@ -34,6 +34,7 @@ from mergepipe.config.params import load_config  # noqa: E402
 from mergepipe.methods import _compiled as compiled, registry  # noqa: E402
 from mergepipe.checkpoint.safetensors import SafetensorsWriter  # noqa: E402
 from mergepipe.index.store import Store  # noqa: E402
+from mergepipe.index.cache import MERGES, CacheLayout
 
 IMPORT_S = time.perf_counter() - T0
 spent: dict[str, float] = defaultdict(float)
@@ -112,7 +113,7 @@ def main() -> int:  # noqa: PLR0915
     out = Path(tempfile.mkdtemp(prefix="mergepipe-phases-"))
     try:
         store = Store(cfg.cache_dir)
-        shutil.rmtree(Path(cfg.cache_dir) / "merges", ignore_errors=True)
+        shutil.rmtree(CacheLayout(cfg.cache_dir).folder(MERGES), ignore_errors=True)
         t = time.perf_counter()
         plan, inputs = pipeline.plan_config(cfg, store, threads=args.threads)
         spent["plan (index from cache)"] = time.perf_counter() - t
@@ -123,7 +124,7 @@ def main() -> int:  # noqa: PLR0915
         t = time.perf_counter()
         manifest.verify_outputs(out / "merged")
         spent["verify (rehash output)"] = time.perf_counter() - t
-        shutil.rmtree(Path(cfg.cache_dir) / "merges", ignore_errors=True)
+        shutil.rmtree(CacheLayout(cfg.cache_dir).folder(MERGES), ignore_errors=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     spent["hash output files"] = hash_in_merge  # verify's own rehash is in its row

@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import measure  # noqa: E402
 import report  # noqa: E402
+from mergepipe.index.cache import MERGES, CacheLayout
 
 WEIGHTS = [1.0, 0.5, 0.7, 0.3, 0.8, 0.4, 0.6, 0.9]
 DENSITY = 0.5
@@ -271,7 +272,7 @@ def probe_limit(env: Env, k: int) -> dict | None:
 def run_contender(env: Env, c: Contender, *, cache: str, section: str, round_: int) -> dict:
     out_dir = env.out / "runs" / c.slug
     shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.rmtree(env.cache / "merges", ignore_errors=True)  # else the store restores an earlier merge
+    shutil.rmtree(CacheLayout(env.cache).folder(MERGES), ignore_errors=True)  # else the store restores an earlier merge
     base_files, expert_files = files_of(env, c.k)
     model = base_files + expert_files
     probe = None
@@ -420,7 +421,7 @@ def section_sweep(env: Env) -> None:
     for method in s.methods:
         sweep_dir = env.out / "runs" / f"sweep-{method}"
         shutil.rmtree(sweep_dir, ignore_errors=True)
-        shutil.rmtree(env.cache / "merges", ignore_errors=True)
+        shutil.rmtree(CacheLayout(env.cache).folder(MERGES), ignore_errors=True)
         measure.warm(base_files + expert_files)
         argv = [*env.mp, "sweep", str(mp_config(env, method, k)), "--budgets", ",".join(s.budgets),
                 "-o", str(sweep_dir), "-q"]

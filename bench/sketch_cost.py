@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import measure  # noqa: E402
+from mergepipe.index.cache import MERGES, SKETCH, CacheLayout
 
 WEIGHTS = [1.0, 0.5, 0.7, 0.3, 0.9, 0.6, 0.8, 0.4]
 MP = [str(ROOT / ".venv" / "bin" / "python"), "-m", "mergepipe"]
@@ -79,7 +80,7 @@ def main() -> int:
         for name, plan in plans.items():  # alternated: every configuration once per round
             dest = out / "runs" / f"{name}_{r}"
             if args.cold:
-                measure.evict(inputs + sorted((out / "cache" / "sketch").glob("*.sk")))
+                measure.evict(inputs + sorted(CacheLayout(out / "cache").folder(SKETCH).glob("*.sk")))
             m = measure.run_measured([*MP, "merge", str(plan), "-o", str(dest), "--cache-dir", str(out / "cache"),
                                       "-q"], log=out / "log.txt")
             if m.returncode != 0:
@@ -90,7 +91,8 @@ def main() -> int:
                                                        "base_bytes_copied", "bytes_written")}
             info[name]["peak_rss_mib"] = round(m.max_rss_bytes / 2**20)
             shutil.rmtree(dest)
-            shutil.rmtree(out / "cache" / "merges", ignore_errors=True)  # never restored from the store
+            # never restored from the store
+            shutil.rmtree(CacheLayout(out / "cache").folder(MERGES), ignore_errors=True)
     rows = []
     print("| strategy, budget | wall s (median, min-max) | expert MiB | sketch MiB | base read MiB | base copied MiB | "
           "first plan s |")
