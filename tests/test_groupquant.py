@@ -245,3 +245,38 @@ def test_a_cache_that_cannot_take_the_file_leaves_nothing(tiny_family, tmp_path)
     with pytest.raises(OutputError):
         _build(tmp_path, inputs, [gq.Spec(4, 64)], 2, "ro")
     assert blocked.read_text().startswith("a file")
+
+
+def test_the_distortion_bench_orders_the_kinds_and_a_full_budget_is_the_plain_merge(tiny_family, tmp_path):
+    """bench/representation_distortion.py on the tiny family: more bits, less error; the
+    sketch strategy's selection with any representation's residuals reads every block in full
+    at the full budget (zero error), and stays within every smaller budget."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import representation_distortion as rd
+    root = tiny_family["root"]
+    _, base, base_index, experts = rd._inputs(tmp_path / "cache", root / "base",
+                                              [root / f"expert_{k}" for k in range(3)], 64 << 10)
+    reps, _ = rd.build_representations(tmp_path / "reps", base, base_index, experts)
+    cands, residual = rd.candidates(base, base_index, experts, reps)
+    full = sum(c.cost for c in cands)
+    budgets = {"25%": full // 4, "100%": full}
+    sels = rd.selections(cands, residual, budgets, list(experts))
+    delta_err, errs = rd.measure(base, base_index, experts, reps, sels)
+    for g in gq.GROUPS:
+        chain = [delta_err[gq.Spec(b, g).name] for b in gq.BITS]
+        assert chain == sorted(chain, reverse=True) and chain[-1] < 0.01
+    assert delta_err["gq2g64"] < delta_err["sketch"]
+    cost = {(c.expert, c.tensor, c.block): c.cost for c in cands}
+    for (label, rep), sel in sels.items():
+        spent = sum(cost[k] if v == "full" else residual[rep][k][1] for k, v in sel.items())
+        assert spent <= budgets[label]
+        if label == "100%":
+            assert set(sel.values()) == {"full"} and len(sel) == len(cands)
+            assert errs.rel((label, rep), "ta") == 0 and errs.rel((label, rep), "ties") == 0
+        else:
+            assert 0 < errs.rel((label, rep), "ta") < 1
+    for opened in reps.values():
+        for r in opened.values():
+            r.close()
