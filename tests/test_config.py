@@ -495,3 +495,19 @@ def test_schema_agrees_with_models_on_accepted_spellings():
         data["budget"] = budget
         assert _validator().is_valid(data), budget
         config_from_dict(data)
+
+
+@pytest.mark.parametrize("ref", ["..", ".", "", "../../x"])
+def test_a_damaged_hub_ref_never_names_a_folder_outside_snapshots(ref, tmp_path, monkeypatch):
+    """refs/main holding ".." resolved the model to `snapshots/..`, the repo folder itself."""
+    from mergepipe.config.hf_cache import hub_snapshot
+    from mergepipe.errors import ConfigError
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--m"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(ref)
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    assert hub_snapshot("org/m") == repo / "snapshots" / ("a" * 40)  # the only snapshot
+    (repo / "snapshots" / ("b" * 40)).mkdir()
+    with pytest.raises(ConfigError, match="2 cached snapshots"):
+        hub_snapshot("org/m")

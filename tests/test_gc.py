@@ -30,3 +30,24 @@ def test_gc_on_a_project_folder_removes_only_mergepipe_entries(tiny_family, tmp_
     after = _tree(project)
     assert {k: v for k, v in after.items() if k in before} == before  # every file of the user's kept
     assert not set(after) - set(before)  # every cache entry of ours removed
+
+
+def test_two_gcs_at_once_on_a_shared_cache(tmp_path):
+    """Two people run `mergepipe gc` on one shared cache folder: the slower one met entries the
+    other had removed mid-walk (a FileNotFoundError traceback from rmtree). Now removed is removed."""
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    for _ in range(3):
+        for i in range(150):
+            entry = cache / "merges" / f"{i:064x}"
+            entry.mkdir(parents=True)
+            for j in range(20):
+                (entry / f"model-{j}.safetensors").write_bytes(b"x")
+        argv = [sys.executable, "-m", "mergepipe", "gc", "--cache-dir", str(cache), "-q"]
+        procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        for p in procs:
+            err = p.communicate(timeout=120)[1]
+            assert p.returncode == 0 and err == "", err
+        assert list((cache / "merges").iterdir()) == []

@@ -216,3 +216,29 @@ def test_other_outputs_refuse_empty_paths_and_inputs(argv, tiny_family, tmp_path
     argv = [a.replace("CFG", str(cfg)).replace("MODEL", str(model)) for a in argv]
     assert main([*argv, "-q"]) == 7
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["plan", "import-mergekit"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json"])
+def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, victim, tiny_family, tmp_path,
+                                                                   monkeypatch):
+    """`plan cfg -o models/base/model.safetensors --force` (a slip of -o; --force to get past
+    "not a mergepipe plan") replaced the base's weights with the plan's JSON; `import-mergekit
+    ... -o models/base/config.json --force` its config with params.yaml."""
+    import shutil
+    import yaml
+    base = tmp_path / "models" / "base"
+    shutil.copytree(Path(tiny_family["root"]) / "base", base)
+    expert = Path(tiny_family["root"]) / "expert_1"
+    if command == "plan":
+        argv = ["plan", str(write_config(tmp_path, tiny_family, base=str(base)))]
+    else:
+        mk = tmp_path / "mk.yml"
+        monkeypatch.chdir(tmp_path)  # where mergekit (and the import) reads models/base from
+        mk.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": "models/base",
+                                      "models": [{"model": str(expert), "parameters": {"weight": 1.0}}]}))
+        argv = ["import-mergekit", str(mk)]
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    assert main([*argv, "-o", str(base / victim), "--force", "-q"]) == 7
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    assert main([*argv, "-o", str(tmp_path / "elsewhere.out"), "--force", "-q"]) == 0

@@ -11,6 +11,7 @@ from mergepipe.cli import main
 from mergepipe.commands.stack import STACK_FILE, build_stack
 from mergepipe.errors import ConfigError, OutputError
 from tests.helpers import load_model
+from pathlib import Path
 
 
 def _slices(root):
@@ -83,3 +84,35 @@ def test_stacking_refusals(tmp_path):
                   "  - sources: [{model: a, layer_range: [2, 4]}]\n")
     assert main(["import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml"), "-q"]) == 2
     assert not (tmp_path / "p.yaml").exists() and not (tmp_path / "p.stacked").exists()
+
+
+def test_two_imports_of_one_stacking_config_at_once(tiny_family, tmp_path):
+    """Two `import-mergekit` of a stacking config at once (a shared folder, two terminals): both
+    removed and renamed the stacked folder unlocked (a FileNotFoundError/ENOTEMPTY traceback,
+    or no folder left). Now one builds, the other waits its turn or is refused by the lock."""
+    import subprocess
+    import sys
+    import yaml
+    root = Path(tiny_family["root"])
+    mk = tmp_path / "mk.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": str(root / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(root / "expert_1"), "layer_range": [2, 4]}]}]}))
+    argv = [sys.executable, "-m", "mergepipe", "import-mergekit", str(mk), "-o", str(tmp_path / "p.yaml"),
+            "--force", "-q"]
+    assert main(argv[3:]) == 0
+
+    def files() -> dict:  # stack-sources.json's stats are the written files' own stat keys: new each build
+        got = {p.name: p.read_bytes() for p in (tmp_path / "p.stacked").iterdir()}
+        record = json.loads(got.pop("stack-sources.json"))
+        assert sorted(record.pop("stats")) == sorted(record["files"])
+        return {**got, "stack-sources.json": record}
+    want = files()
+    for _ in range(3):
+        procs = [subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for p in procs:
+            err = p.communicate(timeout=120)[1]
+            assert p.returncode in (0, 7), err
+            assert "Traceback" not in err and (p.returncode == 0 or "locked by another" in err), err
+        assert files() == want
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml", "p.stacked", "p.yaml"]

@@ -19,6 +19,7 @@ from mergepipe.commands import uptodate
 from mergepipe.output.manifest import load_manifest
 from mergepipe.output.run_record import record_path
 from tests.corpus.procs import params
+from tests.helpers import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +105,42 @@ def test_garbage_run_json_is_a_miss_not_a_crash(setup):
         record_path(out).write_bytes(garbage)
         assert _fast(cfg) is None
     assert main(["run", str(cfg), "-q"]) == 0
+
+
+def _plan_hash(out: Path) -> str:
+    return json.loads((out / "manifest.json").read_text())["plan_hash"]
+
+
+@pytest.mark.parametrize("edit", ["tokenizer_file", "tokenizer_link_target", "calibration_text"])
+def test_run_is_not_a_noop_after_an_input_outside_the_models_changed(edit, tiny_family, tmp_path):
+    """run's no-op record keyed only the model folders: after an edit of the tokenizer source's
+    files (or the blob its HF-style link points at) or of the calibration text, `run` said
+    "up to date" and kept the stale output, which verify calls OK."""
+    base = Path(tiny_family["root"]) / "base"
+    tok, blobs = tmp_path / "tok", tmp_path / "blobs"
+    tok.mkdir()
+    blobs.mkdir()
+    (tok / "config.json").write_bytes((base / "config.json").read_bytes())
+    (blobs / "abc").write_bytes((base / "tokenizer.json").read_bytes())
+    (tok / "tokenizer.json").symlink_to(blobs / "abc")
+    (tok / "tokenizer_config.json").write_bytes((base / "tokenizer_config.json").read_bytes())
+    (tmp_path / "calib.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    extra = {"plan": {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}} \
+        if edit == "calibration_text" else {}
+    cfg = write_config(tmp_path, tiny_family, budget="50%", **extra,
+                       output={"dir": str(tmp_path / "out"), "tokenizer_source": "tok"})
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "-q"]) == 0
+    before = _plan_hash(out)
+    if edit == "tokenizer_file":
+        (tok / "tokenizer_config.json").write_text('{"model_max_length": 7}')
+    elif edit == "tokenizer_link_target":
+        (blobs / "abc").write_text('{"version": "edited"}')
+    else:
+        (tmp_path / "calib.txt").write_text("0 1 2 3 4 5 6 7 8 9 zzz qqq xxx " * 20)
+    assert main(["run", str(cfg), "-q"]) == 0
+    assert _plan_hash(out) != before
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tok / name).read_bytes()
+    assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["plan_hash"] == _plan_hash(out)

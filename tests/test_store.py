@@ -1,0 +1,91 @@
+"""The cache (index/store.py and the derived entries: indexes, sketches, calibration artifacts,
+weighted energies) as untrusted input: an entry truncated, edited in place or copied under another
+key is rebuilt, never used, and the rebuilt entry gives the same plan as a fresh cache's; a cache
+that cannot be written is a one-line error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mergepipe.cli import main
+from tests.helpers import write_config
+
+
+_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
+
+
+def _calibrated_plan(family, work: Path, cache: Path, text: str) -> bytes:
+    work.mkdir(exist_ok=True)
+    (work / "calib.txt").write_text(text)
+    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
+    return (work / "plan.json").read_bytes()
+
+
+def _damage_weighted(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["tensors"].pop(sorted(data["tensors"])[0])
+    path.write_text(json.dumps(data))
+
+
+def _reverse_artifact_rows(path: Path) -> None:
+    """Every rows vector reversed in place: still well-formed, finite and >= 0, other importance."""
+    import numpy as np
+    from mergepipe.checkpoint.safetensors import parse_header
+    data = bytearray(path.read_bytes())
+    for t in parse_header(path).tensors:
+        if t.name.endswith("::rows"):
+            span = slice(t.begin, t.begin + t.nbytes)
+            data[span] = np.frombuffer(bytes(data[span]), "<f4")[::-1].tobytes()
+    path.write_bytes(bytes(data))
+
+
+def _reverse_energies(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["tensors"] = {k: v[::-1] for k, v in data["tensors"].items()}
+    path.write_text(json.dumps(data))
+
+
+_CACHE_DAMAGE = {
+    "artifact_values_edited_in_place": ("calibration", lambda p, other: _reverse_artifact_rows(p)),
+    "energies_values_edited_in_place": ("weighted", lambda p, other: _reverse_energies(p)),
+    "artifact_truncated": ("calibration", lambda p, other: p.write_bytes(p.read_bytes()[:1000])),
+    "artifact_of_another_text": ("calibration", lambda p, other: p.write_bytes(other.read_bytes())),
+    "energies_not_json": ("weighted", lambda p, other: p.write_text('{"format": 1, "tens')),
+    "energies_without_tensors": ("weighted", lambda p, other: p.write_text('{"format": 1, "tensors": {}}')),
+    "energies_missing_one_tensor": ("weighted", lambda p, other: _damage_weighted(p)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_CACHE_DAMAGE))
+def test_damaged_calibration_cache_entries_are_rebuilt(damage, tiny_family, tmp_path):
+    """The calibrated strategy's cache entries are untrusted like the rest of the store: a
+    truncated or unparsable one was a hard error ("delete it"), one made from another text was
+    used, and an energies entry missing tensors was taken as "not covered", silently ranking
+    those blocks last (another plan). Now each is rebuilt: the plan is the fresh cache's."""
+    fresh = _calibrated_plan(tiny_family, tmp_path / "fresh", tmp_path / "c0", "the quick brown fox. " * 30)
+    other = tmp_path / "c1"
+    _calibrated_plan(tiny_family, tmp_path / "other", other, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
+    folder, edit = _CACHE_DAMAGE[damage]
+    cache = tmp_path / "c0"
+    for p in sorted((cache / folder).iterdir()):
+        edit(p, next((other / folder).iterdir()))
+    assert _calibrated_plan(tiny_family, tmp_path / "fresh", cache, "the quick brown fox. " * 30) == fresh
+
+
+def test_a_rebuilt_calibration_artifact_gives_the_same_plan(tiny_family, tmp_path, monkeypatch):
+    """The artifact's blake3 is in the plan: two calibration passes on the same inputs must
+    write the same bytes, however long each took (its wall time once went into the file, so a
+    rebuilt artifact changed the plan hash)."""
+    import itertools
+    from mergepipe.calibrate import fisher
+    text = "the quick brown fox. " * 30
+    plans = []
+    for run, step in (("a", 7.3), ("b", 1.1)):  # a slow pass, then a fast one
+        clock = itertools.count(0.0, step)
+        monkeypatch.setattr(fisher.time, "monotonic", lambda: next(clock))
+        plans.append(_calibrated_plan(tiny_family, tmp_path / run, tmp_path / f"c{run}", text))
+    first, second = plans
+    assert json.loads(first)["strategy"] == json.loads(second)["strategy"]
