@@ -21,6 +21,10 @@ version that goes into the key); this module turns the key into the path. Under 
 
 `<blocks>` is `BlockLayout.key` with "/" as "-" (`16384` or `16384-emb4096`). A writer's temp
 file is `.<entry name>.<random>.tmp` beside the entry (util/fs.atomic_write_bytes).
+
+A new entry kind: a `Kind` here, added to `KINDS`, and a path method on `CacheLayout`; if gc
+prunes it (a derived kind), its content check and its reference check in commands/gc.py
+(`WRITTEN_BY_US`, `REFERENCED`). tests/test_cache_layout.py fails until each is there.
 """
 from __future__ import annotations
 
