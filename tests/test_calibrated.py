@@ -22,6 +22,8 @@ from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.plan.strategies import STRATEGIES, Candidate, PlanContext
 from mergepipe.plan.strategies.calibrated import CalibratedParams
 from tests.helpers.tiny_llama import calibrated_config as _config
+from mergepipe.cli import main
+from tests.helpers import write_config
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "mergepipe", *args], capture_output=True, text=True)
@@ -162,3 +164,79 @@ def test_bad_text_is_a_one_line_error_and_a_tampered_artifact_is_rebuilt(llama, 
         assert man["plan"]["strategy"]["calibration"]["artifact"] == blake3(art.read_bytes()).hexdigest()
     finally:
         art.write_bytes(saved)
+
+
+_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
+
+
+def _calibrated_plan(family, work: Path, cache: Path, text: str) -> Path:
+    work.mkdir(exist_ok=True)
+    (work / "calib.txt").write_text(text)
+    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
+    return work / "plan.json"
+
+
+def _warn_on_load(monkeypatch):
+    """transformers warning while loading the base (as it does for unused config keys, a
+    deprecated argument...): through its logger and through the warnings module."""
+    import warnings
+    import transformers
+    from transformers.utils import logging as hf_logging
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def noisy(*args, **kwargs):
+        hf_logging.get_logger("transformers.test").warning("a transformers warning")
+        warnings.warn("a library warning", FutureWarning)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", noisy)
+
+
+_NOISE = {
+    "text_longer_than_the_context": lambda monkeypatch: None,  # 9000 chars > the tiny tokenizer's 2048
+    "library_warning_while_loading": _warn_on_load,
+}
+
+
+@pytest.mark.parametrize("noise", sorted(_NOISE))
+def test_calibration_under_q_prints_nothing(noise, tiny_family, tmp_path, capfd, monkeypatch):
+    """`mergepipe plan -q` of a calibrated config printed transformers' "Token indices sequence
+    length is longer than the specified maximum" (the text is cut into seq_len sequences on
+    purpose) and whatever else it logs while loading. -q is quiet now; transformers' own
+    verbosity is left as it was."""
+    from transformers.utils import logging as hf_logging
+    _NOISE[noise](monkeypatch)
+    level = hf_logging.get_verbosity()
+    capfd.readouterr()
+    _calibrated_plan(tiny_family, tmp_path, tmp_path / "cache", "the quick brown fox jumps. " * 340)
+    assert capfd.readouterr().err == ""
+    assert hf_logging.get_verbosity() == level
+
+
+def test_a_corpus_sized_calibration_text_is_read_only_as_far_as_max_tokens_needs(tiny_family, tmp_path, monkeypatch):
+    """`plan.text` pointing at a whole corpus (an ordinary slip: the training set, not a sample):
+    the calibration pass read and tokenized all of it to keep `max_tokens` tokens (a 30 MB
+    text took 108 s and 13 GB for 64 tokens; a GB-sized one is killed for memory). Now only
+    a prefix that holds `max_tokens` tokens and a margin is tokenized, with the same tokens
+    (so the same importance), while the text's hash still covers every byte."""
+    import transformers
+    seen: list[int] = []
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        tok = original(*args, **kwargs)
+        call = type(tok).__call__
+        monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: (seen.append(len(text)),
+                                                                                  call(self, text, *a, **k))[1])
+        return tok
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    line = "the quick brown fox jumps over the lazy dog; 0123456789\n"
+    big = line * (5_000_000 // len(line))
+    plans = {}
+    for name, text in (("big", big), ("small", big[:5000])):
+        plan_path = _calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text)
+        plans[name] = json.loads(plan_path.read_text())
+    assert max(seen) < 1_000_000, seen
+    assert plans["big"]["reads"] == plans["small"]["reads"]
+    from blake3 import blake3
+    assert plans["big"]["strategy"]["calibration"]["text"] == blake3(big.encode()).hexdigest()

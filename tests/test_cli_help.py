@@ -67,3 +67,14 @@ def test_the_cli_does_not_import_torch_to_parse():
     code = "import sys; from mergepipe.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("argv", [["demo", "--", "--help"], ["demo", "--", "-h"]])
+def test_demo_help_as_the_cli_help_says_prints_help(argv, tmp_path, monkeypatch, capsys):
+    """`mergepipe --help` says "see `mergepipe demo -- --help`": that wrote a demo family into
+    a folder named `--help` (argparse kept the `--`, so `--help` became the output folder)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and "--preset" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

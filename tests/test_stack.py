@@ -12,6 +12,7 @@ from mergepipe.commands.stack import STACK_FILE, build_stack
 from mergepipe.errors import ConfigError, OutputError
 from tests.helpers import load_model
 from pathlib import Path
+import os
 
 
 def _slices(root):
@@ -116,3 +117,86 @@ def test_two_imports_of_one_stacking_config_at_once(tiny_family, tmp_path):
             assert "Traceback" not in err and (p.returncode == 0 or "locked by another" in err), err
         assert files() == want
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mk.yml", "p.stacked", "p.yaml"]
+
+
+def _flip_in_place(path: Path) -> None:
+    """One byte flipped near the end (tensor data), size and mtime restored."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 10)
+        b = f.read(1)
+        f.seek(st.st_size - 10)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _replace_with_other(path: Path) -> None:
+    other = path.with_name("x.tmp")
+    other.write_bytes(path.read_bytes())  # same bytes, another inode and ctime
+    os.replace(other, path)
+
+
+_SOURCE_EDITS = {
+    "weights_flipped_mtime_restored": lambda m: _flip_in_place(m / "model.safetensors"),
+    "config_replaced_by_a_copy": lambda m: _replace_with_other(m / "config.json"),
+    "weights_gone": lambda m: (m / "model.safetensors").unlink(),
+}
+
+
+def _stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
+    """base and expert_1 copied into tmp_path, a slices config stacking them, imported as p.yaml."""
+    import shutil
+    import yaml
+    root = Path(family["root"])
+    for m in ("base", "expert_1"):
+        shutil.copytree(root / m, tmp_path / m)
+    mk = tmp_path / "mk.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [  # mergekit reads them from the cwd
+        {"sources": [{"model": str(tmp_path / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(tmp_path / "expert_1"), "layer_range": [2, 4]}]}]}))
+    params = tmp_path / "p.yaml"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    return mk, params
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "merge"])
+@pytest.mark.parametrize("edit", sorted(_SOURCE_EDITS))
+def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_family, tmp_path, capsys):
+    """`import-mergekit` of a slices config builds P.stacked once; a source model changed
+    afterwards (retrained, re-downloaded, edited in place with its mtime restored) left the
+    stacked folder stale, and `run` said "up to date", `plan`/`merge` merged the old layers:
+    a model that is not the config's. Now each refuses (exit 6) naming the changed file and
+    the import to rerun, and after the rerun the merge has the new bytes."""
+    mk, params = _stacked_project(tiny_family, tmp_path)
+    assert main(["run", str(params), "-q"]) == 0
+    assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
+    out = tmp_path / "merged-p"  # named after p.yaml
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _SOURCE_EDITS[edit](tmp_path / "expert_1")
+    capsys.readouterr()
+    argv = {"run": ["run", str(params)], "plan": ["plan", str(params), "-o", str(tmp_path / "plan2.json")],
+            "merge": ["merge", str(tmp_path / "plan.json"), "-o", str(out), "--root", str(tmp_path)]}[command]
+    assert main([*argv, "-q"]) == 6
+    err = capsys.readouterr().err
+    assert "stale stacked model" in err and "expert_1" in err and "import-mergekit" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not (tmp_path / "plan2.json").exists()
+    if edit != "weights_gone":
+        assert main(["import-mergekit", str(mk), "-o", str(params), "--force", "-q"]) == 0
+        assert main(["run", str(params), "-q"]) == 0
+        assert (out / "model.safetensors").read_bytes() != before["model.safetensors"] or edit.startswith("config")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_a_mapping", "sources_not_a_mapping"])
+def test_a_damaged_record_of_a_stacks_sources_is_a_one_line_error(damage, tiny_family, tmp_path, capsys):
+    """stack-sources.json half-written or edited: refused in one line (exit 6), never a traceback
+    and never taken as "fresh"."""
+    _, params = _stacked_project(tiny_family, tmp_path)
+    record = tmp_path / "p.stacked" / "stack-sources.json"
+    record.write_text({"truncated": '{"sources": ', "not_a_mapping": "[1, 2]",
+                       "sources_not_a_mapping": '{"sources": [1], "rerun": "x"}'}[damage])
+    capsys.readouterr()
+    assert main(["run", str(params), "-q"]) == 6
+    err = capsys.readouterr().err
+    assert "stack-sources.json" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

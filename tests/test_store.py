@@ -89,3 +89,46 @@ def test_a_rebuilt_calibration_artifact_gives_the_same_plan(tiny_family, tmp_pat
         plans.append(_calibrated_plan(tiny_family, tmp_path / run, tmp_path / f"c{run}", text))
     first, second = plans
     assert json.loads(first)["strategy"] == json.loads(second)["strategy"]
+
+
+def _fsize_limit(nbytes: int):
+    def preexec() -> None:
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills us; ignored: EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return preexec
+
+
+_CACHE_WRITE_FAILURES = {  # (folder made a file, file-size limit)
+    "calibration_folder_is_a_file": ("calibration", None),
+    "weighted_folder_is_a_file": ("weighted", None),
+    "artifact_over_the_file_size_limit": (None, 50_000),  # the artifact is ~110 KB, the energies ~6 KB
+}
+
+
+@pytest.mark.parametrize("failure", sorted(_CACHE_WRITE_FAILURES))
+def test_a_calibration_cache_that_cannot_be_written_is_a_one_line_error(failure, tiny_family, tmp_path):
+    """A full disk, a file-size limit or a damaged cache (calibration/ or weighted/ a file)
+    while the calibrated strategy stores its artifact or energies: a FileExistsError/OSError
+    traceback. Now one line naming the cache file (exit 7, as the index store's)."""
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    (tmp_path / "calib.txt").write_text("the quick brown fox. " * 30)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    plain_cfg = write_config(plain, tiny_family, budget="40%", cache_dir=str(cache))
+    assert main(["plan", str(plain_cfg), "-q", "-o", str(plain / "p.json")]) == 0  # indexes in the cache
+    folder, limit = _CACHE_WRITE_FAILURES[failure]
+    if folder is not None:
+        cache.mkdir(exist_ok=True)
+        (cache / folder).write_text("")
+    proc = subprocess.run([sys.executable, "-m", "mergepipe", "plan", str(cfg), "-q", "-o", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=_fsize_limit(limit) if limit else None)
+    assert proc.returncode == 7, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot write" in proc.stderr and str(cache) in proc.stderr
+    assert not (tmp_path / "p.json").exists()
