@@ -278,3 +278,48 @@ def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, targ
     assert main([*argv, str(path), "--force", "-q", *(["--root", str(tmp_path)] if command == "merge" else [])]) == 7
     assert {m: _tree(tmp_path / m) for m in ("base", "expert_1")} == before
     assert not (tmp_path / "base" / "sub").exists() and not (tmp_path / "expert_1" / "merged").exists()
+
+
+def _one_line_error(capsys, *want: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
+    for w in want:
+        assert w in err, (w, err)
+    return err
+
+
+@pytest.mark.parametrize("argv", [["index", "M", "-o", "M/model.safetensors", "--force"],
+                                  ["index", "M/model.safetensors", "-o", "M/model.safetensors", "--force"],
+                                  ["index", "E", "--base", "M", "-o", "M/config.json", "--force"]])
+def test_index_o_never_replaces_a_file_of_the_models_it_indexes(argv, tiny_family, tmp_path, capsys):
+    """`index M -o M/model.safetensors --force` wrote the JSON record over the model's weights
+    (plan -o and import-mergekit -o already refused an input even with --force)."""
+    root = Path(tiny_family["root"])
+    model = tmp_path / "M"
+    shutil.copytree(root / "expert_1", model)
+    before = _tree(tmp_path)
+    argv = [a.replace("M", str(model), 1) if a.startswith("M") else a for a in argv]
+    argv = [str(root / "expert_2") if a == "E" else a for a in argv]
+    capsys.readouterr()
+    assert main([*argv, "-q", "--cache-dir", str(tmp_path / "cache")]) == 7
+    _one_line_error(capsys, "-o is", "even with --force")
+    assert {k: v for k, v in _tree(tmp_path).items() if not k.startswith("cache")} == before
+
+
+@pytest.mark.parametrize("where", ["out_is_a_file", "parent_is_a_file", "base_is_a_file", "out_dangling_link"])
+def test_demo_where_a_folder_must_go_is_a_one_line_error(where, tmp_path, capsys):
+    """`mergepipe demo FILE` (or one under a file, or with base/ a file) ended in mkdir's traceback."""
+    user = tmp_path / "notes.txt"
+    user.write_text("mine")
+    target = {"out_is_a_file": user, "parent_is_a_file": user / "demo", "base_is_a_file": tmp_path / "d",
+              "out_dangling_link": tmp_path / "link"}[where]
+    if where == "base_is_a_file":
+        target.mkdir()
+        (target / "base").write_text("mine")
+    if where == "out_dangling_link":
+        os.symlink(tmp_path / "nowhere", target)
+    before = _tree(tmp_path)
+    capsys.readouterr()
+    assert main(["demo", str(target), "--experts", "1", "--quiet"]) == 7
+    _one_line_error(capsys, str(target))
+    assert _tree(tmp_path) == before
