@@ -61,3 +61,16 @@ def test_a_plan_edited_past_float32_is_refused(tiny_family, tmp_path, capsys):
     assert main(["merge", str(plan_file), "-o", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "cache"), "-q"]) == 2
     _one_line_error(capsys, str(plan_file), "weight", "float32")
     assert not (tmp_path / "m").exists()
+
+
+def test_a_merge_past_float16s_range_is_refused_not_published_as_inf(tiny_family, tmp_path, capsys):
+    """float16 tops out at 65504: a merge into `output.dtype: float16` whose values exceed it
+    (finite in float32) published a model of inf that `verify` called OK."""
+    cfg = write_config(tmp_path, tiny_family, parameters={"lambda": 1e8}, output={"dir": str(tmp_path / "out"),
+                                                                                   "dtype": "float16"})
+    capsys.readouterr()
+    assert main(["run", str(cfg), "-q"]) == 5
+    assert "float16's range" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    ok = write_config(tmp_path, tiny_family, output={"dir": str(tmp_path / "out"), "dtype": "float16"})
+    assert main(["run", str(ok), "-q"]) == 0  # an ordinary float16 merge is not refused

@@ -19,6 +19,7 @@ from mergepipe.commands.stack import SOURCES_FILE, source_stats
 from mergepipe.errors import OutputError
 from mergepipe.output import safety
 from tests.helpers import write_config
+from mergepipe.output.run_record import record_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mergepipe"
@@ -323,3 +324,43 @@ def test_demo_where_a_folder_must_go_is_a_one_line_error(where, tmp_path, capsys
     assert main(["demo", str(target), "--experts", "1", "--quiet"]) == 7
     _one_line_error(capsys, str(target))
     assert _tree(tmp_path) == before
+
+
+def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, tmp_path, capsys):
+    """A folder holding a user's model.safetensors and a manifest.json copied from another
+    output (`cp -r merged mine` and then new weights moved in, or the manifest copied over)
+    passed as a complete mergepipe output: `run` replaced it, weights lost. A weight file is
+    ours only at the inode and size the run record holds, or if it matches the manifest."""
+    def config(name: str, out: Path, **kw) -> Path:
+        (tmp_path / name).mkdir()
+        return write_config(tmp_path / name, tiny_family, output={"dir": str(out)},
+                            cache_dir=str(tmp_path / "cache"), **kw)
+    out = tmp_path / "out"
+    cfg = config("c", out)
+    assert main(["run", str(cfg), "-q"]) == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"my fine-tune")
+    shutil.copy(out / "manifest.json", mine)
+    shutil.copytree(out, tmp_path / "mine2")  # a whole copy, then a fine-tune moved over its weights
+    (tmp_path / "ft.safetensors").write_bytes(b"my other fine-tune")
+    os.replace(tmp_path / "ft.safetensors", tmp_path / "mine2" / "model.safetensors")
+    for folder in (mine, tmp_path / "mine2"):
+        before = _tree(folder)
+        other = config(f"c-{folder.name}", folder)
+        capsys.readouterr()
+        assert main(["run", str(other), "-q"]) == 7
+        assert "not the weight file mergepipe published" in capsys.readouterr().err
+        assert _tree(folder) == before
+    # what stays replaceable: a flipped byte in place (damage) and the same bytes under a new
+    # inode without its run record (a folder DVC restored)
+    weights = out / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert main(["run", str(cfg), "-q"]) == 0 and weights.read_bytes() == good
+    record_path(out).unlink()
+    weights.unlink()
+    weights.write_bytes(good)
+    lam = config("c-lambda", out, parameters={"lambda": 0.9})
+    assert main(["run", str(lam), "-q"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["plan"]["parameters"]["lambda"] == 0.9

@@ -23,6 +23,7 @@ from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.index.store import Store
 from mergepipe.output.run_record import record_path
 from tests.corpus.procs import leftovers, params
+from tests.helpers import write_config
 
 BB = 16 << 10
 
@@ -478,3 +479,53 @@ def test_copied_base_region_is_trusted_by_stat_and_caught_by_verify_deep(fam, tm
 def _stat(path: Path) -> tuple[int, ...]:
     st = os.stat(path, follow_symlinks=False)
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["kernel-copy", "direct-writes"])
+def test_a_base_edited_while_the_merge_runs_is_not_published(tiny_family, tmp_path, capsys, monkeypatch, direct):
+    """The base's unmerged regions are copied file to file (or, with direct writes, read and
+    appended) and their hashes taken from its index: a base rewritten in place while a merge
+    ran (a shared folder, `cp` over a shard) published other bytes under the index's hashes,
+    and plain `verify` (and `run`) called it OK. The inputs' stat keys are now checked again
+    before publishing."""
+    import mergepipe.engine.merge as engine
+    import mergepipe.util.fs as fs
+    monkeypatch.setenv("MERGEPIPE_DIRECT_WRITES", "1" if direct else "0")
+    fam = tmp_path / "fam"
+    shutil.copytree(tiny_family["root"], fam)
+    cfg = write_config(tmp_path, {**tiny_family, "root": fam}, budget="10%")
+    base = fam / "base" / "model.safetensors"
+    def edit(offset: int) -> None:  # a user's in-place edit, now
+        with open(base, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0x5A]))
+
+    if direct and not fs.shares_extents(tmp_path):
+        module, attr = engine, "CheckpointReader"  # the engine's own reader: the copied runs' reads
+        real = engine.CheckpointReader
+
+        class racing(real):
+            def read_range(self, t, begin, end):
+                if engine.CheckpointReader is not real:
+                    edit(begin)
+                    monkeypatch.setattr(module, attr, real)
+                return super().read_range(t, begin, end)
+    else:
+        module, attr = fs, "copy_range"  # the kernel copy's entry point
+        real = fs.copy_range
+
+        def racing(src_fd, src_offset, *args, **kw):
+            if os.fstat(src_fd).st_ino == base.stat().st_ino:
+                edit(src_offset)
+                monkeypatch.setattr(module, attr, real)
+            return real(src_fd, src_offset, *args, **kw)
+    monkeypatch.setattr(module, attr, racing)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "-q"]) == 3
+    assert "changed while the merge ran" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert getattr(module, attr) is real  # the edit happened
+    assert main(["run", str(cfg), "-q"]) == 0  # the next run indexes the edited base
+    assert main(["verify", str(tmp_path / "out"), "--deep", "-q"]) == 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+import subprocess
+from tests.helpers.workflow import make_workspace, run
 
 
 def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(tiny_family, tmp_path):
@@ -30,3 +32,58 @@ def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(
     assert proc.returncode != 0 and "output.dir 'mine'" in proc.stdout + proc.stderr
     assert (mine / "model.safetensors").read_bytes() == b"the user's weights"
     assert (mine / "manifest.json").read_text() == '{"mine": 1}'
+
+
+GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.invalid",
+       "-c", "init.defaultBranch=main"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_dvc_repro_never_deletes_a_users_folder_at_output_dir(tmp_path):
+    """DVC deletes a stage's outputs before running it: `dvc repro` after params.yaml's
+    output.dir was pointed at a user's folder deleted the whole folder (notes, weights), then
+    published the merge there. The output is now `persist`, so the workflow's own check refuses."""
+    ws = make_workspace(tmp_path / "ws", with_source=True)
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "workflow"]):
+        subprocess.run([*GIT, *args], cwd=ws, capture_output=True, check=True)
+    run(ws, "dvc", "repro", "demo")  # the models (its Snakemake call would refuse the folder too)
+    mine = ws / "mywork"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a week of results\n")
+    (mine / "model.safetensors").write_bytes(b"my fine-tune")
+    params = ws / "params.yaml"
+    params.write_text(params.read_text().replace("dir: merged", "dir: mywork"))
+    before = _tree(mine)
+    proc = run(ws, "dvc", "repro", check=False)
+    assert proc.returncode != 0
+    assert "output.dir 'mywork'" in proc.stdout + proc.stderr
+    assert _tree(mine) == before
+
+
+def test_a_model_put_in_the_demo_folder_is_not_deleted_with_it(tmp_path):
+    """The demo rule's output (and DVC's demo stage's) is the whole demo folder, which both
+    tools delete before regenerating it: a model the user put there went with it, under DVC as
+    soon as the folder changed, under Snakemake when params.yaml named one more demo expert.
+    DVC's demo output is now `persist` and the workflow refuses a demo folder holding a
+    file `mergepipe demo` did not write."""
+    ws = make_workspace(tmp_path / "ws", with_source=True)
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "workflow"]):
+        subprocess.run([*GIT, *args], cwd=ws, capture_output=True, check=True)
+    run(ws, "dvc", "repro", "demo")
+    mine = ws / "models" / "demo" / "my_expert"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"my fine-tune")
+    proc = run(ws, "dvc", "repro", "demo", check=False)
+    assert proc.returncode != 0 and "'my_expert'" in proc.stdout + proc.stderr
+    assert (mine / "model.safetensors").read_bytes() == b"my fine-tune"
+    params = ws / "params.yaml"
+    text = params.read_text()
+    last = "  - {name: expert_2, path: models/demo/expert_2, weight: 0.7}\n"
+    assert last in text
+    params.write_text(text.replace(last, last + "  - {name: expert_3, path: models/demo/expert_3, weight: 0.3}\n"))
+    proc = run(ws, "snakemake", "merged/manifest.json", check=False)
+    assert proc.returncode != 0 and "'my_expert'" in proc.stdout + proc.stderr
+    assert (mine / "model.safetensors").read_bytes() == b"my fine-tune"
