@@ -121,36 +121,36 @@ def _raw_scales(d: np.ndarray, group: int, bits: int, out: np.ndarray) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _encode(d: np.ndarray, scales: np.ndarray, group: int, bits: int, codes: np.ndarray) -> float:
-    """Write the codes of d (code_bytes long) given the groups' fp32 scales (the stored fp16
-    values); returns ||d - value||^2 in fp64, element i in lane i % 8 (groups start on a
-    multiple of 8), lanes combined pairwise."""
-    levels = 1 << (bits - 1)
-    top = np.float32(levels - 1)
+def _encode(d: np.ndarray, scales: np.ndarray, group: int, bits: int, c: np.ndarray) -> float:
+    """Write each element's k-bit code to c (one uint8 per element) given the groups' fp32
+    scales (the stored fp16 values); returns ||d - value||^2 in fp64, element i in lane i % 8
+    (groups start on a multiple of 8), lanes combined pairwise."""
+    top = np.float32((1 << (bits - 1)) - 1)
+    inf = np.float32(np.inf)
     acc = np.zeros(LANES, dtype=np.float64)
-    c = np.empty(codes.size * (8 // bits), dtype=np.uint8)
-    c[d.size:] = 0
     for gi in range(scales.size):
         s = scales[gi]
         lo = gi * group
         for i in range(lo, min(lo + group, d.size)):
             x = d[i]
-            x = x if np.isfinite(x) else np.float32(0.0)
             a = abs(x)
+            a = a if a < inf else np.float32(0.0)  # NaN and Inf as 0
             # floor(|x| / s), capped at L - 1; 0 where s = 0 or k = 1 (one level)
             q = min(np.floor(a / s), top) if s > 0 else np.float32(0.0)
-            neg = x < 0
-            c[i] = (np.uint8(neg) << np.uint8(bits - 1)) | np.uint8(q)
-            v = (q + np.float32(0.5)) * s
-            r = np.float64(a) - np.float64(v)  # |x| - |value|: the same magnitude as x - value
+            c[i] = (np.uint8(x < 0 and a > 0) << np.uint8(bits - 1)) | np.uint8(q)
+            r = np.float64(a) - np.float64((q + np.float32(0.5)) * s)  # |x| - |value|: x - value up to sign
             acc[i % LANES] += r * r
-    per = 8 // bits
-    for j in range(codes.size):
-        byte = np.uint8(0)
-        for p in range(per):
-            byte |= c[j * per + p] << np.uint8(p * bits)
-        codes[j] = byte
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+
+def _pack(c: np.ndarray, bits: int) -> bytes:
+    """Codes (one per uint8, zero-padded to a whole byte's worth) packed 8/k to a byte, element
+    i at bits k * (i mod 8/k)."""
+    per = 8 // bits
+    out = c[0::per].copy()
+    for p in range(1, per):
+        out |= c[p::per] << np.uint8(p * bits)
+    return out.tobytes()
 
 
 def _make_lut(bits: int) -> np.ndarray:
@@ -174,9 +174,9 @@ def quantize(d: np.ndarray, spec: Spec) -> tuple[bytes, float]:
     raw = np.empty(n_groups(d.size, spec.group), np.float32)
     _raw_scales(d, spec.group, spec.bits, raw)
     half = np.minimum(raw, np.float32(FP16_MAX)).astype("<f2")  # RNE; finite
-    codes = np.zeros(code_bytes(d.size, spec.bits), np.uint8)
-    r2 = _encode(d, half.astype(np.float32), spec.group, spec.bits, codes)
-    return half.tobytes() + codes.tobytes(), float(r2)
+    c = np.zeros(code_bytes(d.size, spec.bits) * (8 // spec.bits), np.uint8)
+    r2 = _encode(d, half.astype(np.float32), spec.group, spec.bits, c)
+    return half.tobytes() + _pack(c, spec.bits), float(r2)
 
 
 def dequantize(payload: bytes, n: int, spec: Spec) -> np.ndarray:
