@@ -180,3 +180,26 @@ def test_gc_removes_temp_files_a_killed_writer_left_once_they_are_old(folder, tm
         os.utime(p, (day_ago, day_ago))
     assert main(["gc", "--cache-dir", str(cache), "-q"]) == 0
     assert not old.exists() and fresh.exists() and mine.exists()
+
+
+def test_gc_keeps_a_users_part_named_files(tiny_family, tmp_path, capsys):
+    """`gc --cache-dir` on a project folder removed a user's parts/part-1-of-2.safetensors (any
+    file with a part's name). A part file is now removed only beside its sidecar (which
+    records the .safetensors' size); the part jobs' own files still go."""
+    project = tmp_path / "project"
+    (project / "parts").mkdir(parents=True)
+    mine = {"part-1-of-2.safetensors": (Path(tiny_family["root"]) / "expert_1" / "model.safetensors").read_bytes(),
+            "part-2-of-2.json": b'{"notes": 1}\n', "part-2-of-2.safetensors": b"x"}
+    for name, data in mine.items():
+        (project / "parts" / name).write_bytes(data)
+    assert main(["gc", "--cache-dir", str(project), "-q"]) == 0
+    assert {p.name: p.read_bytes() for p in (project / "parts").iterdir()} == mine
+    cfg = write_config(tmp_path, tiny_family)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan)]) == 0
+    parts = tmp_path / "cache" / "parts"
+    for i in (1, 2):
+        assert main(["merge", str(plan), "--part", f"{i}/2", "-o", str(parts), "-q"]) == 0
+    assert len(list(parts.iterdir())) == 4
+    assert main(["gc", "--cache-dir", str(tmp_path / "cache"), "-q"]) == 0
+    assert not list(parts.iterdir())

@@ -364,3 +364,31 @@ def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, t
     lam = config("c-lambda", out, parameters={"lambda": 0.9})
     assert main(["run", str(lam), "-q"]) == 0
     assert json.loads((out / "manifest.json").read_text())["plan"]["parameters"]["lambda"] == 0.9
+
+
+def test_merge_part_never_replaces_a_users_file_of_a_parts_name(tiny_family, tmp_path, capsys):
+    """`merge --part 1/2 -o FOLDER` replaced FOLDER's part-1-of-2.safetensors (a user's download)
+    and part-2-of-2.json whatever they were. Now refused (exit 7) unless --force; a part job's
+    own files are still replaced by a rerun."""
+    cfg = write_config(tmp_path, tiny_family)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "-q", "-o", str(plan)]) == 0
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    mine = {"part-1-of-2.safetensors": (Path(tiny_family["root"]) / "expert_1" / "model.safetensors").read_bytes(),
+            "part-2-of-2.json": b'{"notes": 1}\n'}
+    for name, data in mine.items():
+        (folder / name).write_bytes(data)
+    capsys.readouterr()
+    for i in (1, 2):
+        assert main(["merge", str(plan), "--part", f"{i}/2", "-o", str(folder), "-q"]) == 7
+        err = capsys.readouterr().err
+        assert "not a part file mergepipe wrote" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == mine
+    parts = tmp_path / "parts"
+    for _ in range(2):  # a rerun replaces the part job's own files
+        for i in (1, 2):
+            assert main(["merge", str(plan), "--part", f"{i}/2", "-o", str(parts), "-q"]) == 0
+    assert main(["gather", str(plan), str(parts), "--parts", "2", "-o", str(tmp_path / "out"), "-q"]) == 0
+    assert main(["verify", str(tmp_path / "out")]) == 0
+    assert main(["merge", str(plan), "--part", "1/2", "-o", str(folder), "-q", "--force"]) == 0

@@ -13,6 +13,7 @@ from mergepipe.errors import ConfigError, OutputError
 from tests.helpers import load_model
 from pathlib import Path
 import os
+import shutil
 
 
 def _slices(root):
@@ -200,3 +201,32 @@ def test_a_damaged_record_of_a_stacks_sources_is_a_one_line_error(damage, tiny_f
     assert main(["run", str(params), "-q"]) == 6
     err = capsys.readouterr().err
     assert "stack-sources.json" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_reimporting_never_replaces_a_fine_tune_saved_into_the_stacked_folder(tiny_family, tmp_path, capsys):
+    """A stacked folder (`params.stacked/`, from import-mergekit) was replaced whole by the next
+    import as long as it held stack.json: a fine-tune saved into it (`save_pretrained` there)
+    and the user's notes were lost. A previous stack is now replaced only while it holds only
+    a stack's files and its model.safetensors holds the bytes the import wrote (their blake3)."""
+    import yaml
+    root = Path(tiny_family["root"])
+    mk = tmp_path / "frankenmerge.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "dtype": "float32", "slices": [
+        {"sources": [{"model": str(root / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(root / "expert_1"), "layer_range": [2, 4]}]}]}))
+    params = tmp_path / "params.yaml"
+    stacked = tmp_path / "params.stacked"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 0  # a stack replaces a stack
+    weights = stacked / "model.safetensors"
+    fine_tune = weights.read_bytes()[:-4] + b"\x01\x02\x03\x04"  # the same size, written in place
+    with open(weights, "r+b") as f:
+        f.write(fine_tune)
+    capsys.readouterr()
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 7
+    assert weights.read_bytes() == fine_tune and "model.safetensors" in capsys.readouterr().err
+    shutil.rmtree(stacked)
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 0
+    (stacked / "notes.md").write_text("mine")
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q", "--force"]) == 7
+    assert (stacked / "notes.md").read_text() == "mine"

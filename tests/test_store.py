@@ -11,6 +11,11 @@ import pytest
 
 from mergepipe.cli import main
 from tests.helpers import write_config
+import shutil
+import struct
+from mergepipe.index import binfmt, sketch
+from mergepipe.output.run_record import record_path
+from mergepipe.util.fs import canonical_json
 
 
 _CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
@@ -132,3 +137,50 @@ def test_a_calibration_cache_that_cannot_be_written_is_a_one_line_error(failure,
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot write" in proc.stderr and str(cache) in proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def _merge(cfg: Path, out: Path) -> bytes:
+    assert main(["run", str(cfg), "-q"]) == 0
+    assert main(["verify", str(out)]) == 0
+    return (out / "model.safetensors").read_bytes()
+
+
+def test_another_models_index_copied_under_this_key_is_rebuilt(tiny_family, tmp_path):
+    """A model index (.idx) of another expert of the same shapes copied over this expert's
+    entry is self-consistent (its block hashes give its content hash): at a budget where
+    every block is sketched nothing was read to catch it, and a model of the other
+    expert's sketches was published that plain verify called OK. The recorded file
+    fingerprints are now checked against the index's block hashes: it is rebuilt."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path, tiny_family, budget="3%")
+    want = _merge(cfg, out)
+    plan = json.loads((out / "manifest.json").read_text())["plan"]
+    by_name = {e["name"]: e["content_hash"] for e in plan["experts"]}
+    idx = {binfmt.decode_model(p.read_bytes()).content_hash: p for p in (tmp_path / "cache" / "models").glob("*.idx")}
+    shutil.copyfile(idx[by_name["e2"]], idx[by_name["e1"]])  # two single-file experts, same shapes
+    shutil.rmtree(out)
+    shutil.rmtree(tmp_path / "cache" / "merges")
+    assert _merge(cfg, out) == want
+    assert json.loads(record_path(out).read_text())["index_builds"] >= 1
+
+
+def test_a_sketch_scale_edited_alone_is_rebuilt(tiny_family, tmp_path):
+    """A sketch header's scales (alpha) are not covered by the codes' blake3: halved in place,
+    the file passed every check and the merge used them. alpha must be float32(s1 / nnz)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path, tiny_family, budget="3%")
+    want = _merge(cfg, out)
+    for f in (tmp_path / "cache" / "sketch").glob("*.sk"):
+        raw = f.read_bytes()
+        with open(f, "rb") as fh:
+            off, hlen = sketch._trailer(fh, len(raw))
+        head = json.loads(raw[off:off + hlen])
+        for rows in head["tensors"].values():
+            for r in rows:
+                if r:
+                    r[2] = r[2] / 2
+        new = canonical_json(head)
+        f.write_bytes(raw[:off] + new + struct.pack("<Q", len(new)) + sketch.MAGIC)
+    shutil.rmtree(out)
+    shutil.rmtree(tmp_path / "cache" / "merges")
+    assert _merge(cfg, out) == want
