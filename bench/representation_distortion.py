@@ -14,7 +14,9 @@ Two measurements, both against the full read (every expert's exact delta):
 2. At matched bytes: for each budget (a share of the full read, as `budget: 25%`), the `sketch`
    strategy's selection (plan/strategies/sketch.py: skip, representation or full read per
    block, greedy by energy per byte) with that representation's residuals and bytes in place of
-   the sketch's, and `energy` (whole blocks only); the merged update's relative error.
+   the sketch's, and `energy` (whole blocks only); the merged update's relative error, and what
+   the plan predicts of it before any merge (the certified bound and the uncorrelated estimate
+   from the blocks' residual norms, issue 29 item 4).
 
 TIES on a representation: each expert's delta is trimmed by its tensor's magnitude cut of the
 exact delta (the index's rank cut: the top density share of |d|), applied to the decoded values;
@@ -229,6 +231,24 @@ def measure(base, base_index, experts, reps, sels: dict) -> tuple[dict, dict]:
     return {r: (v / delta_ref) ** 0.5 for r, v in delta_sq.items()}, errs
 
 
+def predicted(cands: list[Candidate], residual: dict, sel: dict, rep: str) -> tuple[float, float]:
+    """What the plan alone predicts of a selection's task-arithmetic error, relative to the
+    estimate sqrt(sum_kb l2^2) of the merged update (weights 1): the certified bound
+    sqrt(sum_b (sum_k r_kb)^2) and the uncorrelated estimate sqrt(sum_kb r_kb^2), r_kb the norm
+    an expert's block leaves out (0 read in full, its representation's residual, l2 skipped)."""
+    per_block: dict[tuple[str, int], float] = {}
+    sq = ref = 0.0
+    for c in cands:
+        key = (c.expert, c.tensor, c.block)
+        how = sel.get(key)
+        r2 = 0.0 if how == "full" else c.l2 * c.l2 if how is None else residual[how][key][0]
+        per_block[(c.tensor, c.row_start)] = per_block.get((c.tensor, c.row_start), 0.0) + r2 ** 0.5
+        sq += r2
+        ref += c.l2 * c.l2
+    bound = sum(v * v for v in per_block.values()) ** 0.5
+    return bound / ref ** 0.5, (sq / ref) ** 0.5
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -250,7 +270,8 @@ def report(args, base, base_index, experts, cands, residual, sels, delta_err, er
     budgets: dict = {}
     for (label, rep), sel in sels.items():
         n_full = sum(1 for v in sel.values() if v == "full")
-        budgets.setdefault(label, {})[rep] = {
+        bound, rms = predicted(cands, residual, sel, rep)
+        budgets.setdefault(label, {})[rep] = {"predicted_ta_bound": round(bound, 5), "predicted_ta_rms": round(rms, 5),
             "ta_rel_err": round(errs.rel((label, rep), "ta"), 5),
             "ties_rel_err": round(errs.rel((label, rep), "ties"), 5),
             "blocks_full": n_full, "blocks_as_representation": len(sel) - n_full}
