@@ -163,3 +163,26 @@ def test_demo_never_overwrites_a_users_model_folder(tmp_path):
     assert (real / "model.safetensors").read_bytes() == b"the user's weights"
     assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0
     assert demo_main([str(tmp_path / "demo"), "--quiet", "--experts", "1"]) == 0  # a rerun rewrites its own
+
+
+def test_a_demo_rerun_keeps_a_users_model_in_the_demo_folder(tmp_path):
+    """Once a folder held demo's marker, a rerun rewrote base/ and expert_*/ whatever they held:
+    a user's model put at expert_2/ (then `demo --experts 3`) or a fine-tune saved over
+    expert_0/'s weights was replaced. The marker now records the blake3 of every file demo
+    wrote; a file of demo's names with other bytes is refused, kept."""
+    from mergepipe.commands.demo import make_family
+    from mergepipe.errors import OutputError
+    import pytest
+    out = tmp_path / "demo"
+    make_family(out, preset="tiny", n_experts=2, shard_expert=None)
+    make_family(out, preset="tiny", n_experts=2, shard_expert=None)  # its own files: rewritten
+    (out / "expert_2").mkdir()
+    (out / "expert_2" / "model.safetensors").write_bytes(b"a user's model")
+    with pytest.raises(OutputError, match="expert_2/model.safetensors"):
+        make_family(out, preset="tiny", n_experts=3, shard_expert=None)
+    assert (out / "expert_2" / "model.safetensors").read_bytes() == b"a user's model"
+    (out / "expert_2" / "model.safetensors").unlink()
+    (out / "expert_0" / "model.safetensors").write_bytes(b"a fine-tune")
+    with pytest.raises(OutputError, match="expert_0/model.safetensors"):
+        make_family(out, preset="tiny", n_experts=3, shard_expert=None, seed=1)
+    assert (out / "expert_0" / "model.safetensors").read_bytes() == b"a fine-tune"
