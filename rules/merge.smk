@@ -1,9 +1,32 @@
 # The merge, as one job or (merge_parts > 1) as independent part jobs plus a gather;
-# both publish the same bytes. A plan merged before is restored from CACHE/merges.
+# both publish the same bytes; an adapter output (output.adapter) is one `mergepipe run`. A plan merged before is restored from CACHE/merges.
 # --params: a plan made from other bytes of params.yaml (edited while the plan job ran)
 # is refused, never merged under the edited file.
 
-if PARTS <= 1:
+if ADAPTER_OUT:
+    if PARTS > 1:
+        raise WorkflowError(f"{PARAMS}: output.adapter is combined in one job; merge_parts={PARTS} splits a model "
+                            "merge only: drop --config merge_parts")
+
+    # The adapters combined into one adapter of the base: `mergepipe run` reads the adapters and
+    # the base's headers (its weight files are inputs: a changed tensor table reruns it).
+    rule merge:
+        input:
+            params=PARAMS,
+            base=lambda wildcards: model_files(BASE),
+            adapters=lambda wildcards: [f for a in ADAPTERS for f in model_files(a)],
+        output:
+            files=OUT_WEIGHTS,
+            manifest=OUT_MANIFEST,
+        params:
+            version=VERSION,
+            out=OUT,
+        log:
+            "logs/merge.log",
+        shell:
+            "mergepipe run {input.params:q} -o {params.out:q} 2>&1 | tee {log:q}"
+
+elif PARTS <= 1:
 
     rule merge:
         input:

@@ -55,7 +55,9 @@ class ExpertConfig(BaseModel):
     model_config = {**MODEL_CONFIG, "json_schema_extra": {"oneOf": [{"required": ["path"]},
                                                                    {"required": ["adapter"]}]}}
     name: Name = Field(description="unique, filename-safe label (letters, digits, . _ -)")
-    path: ConfigPath = Field(None, validate_default=False,
+    # no default in the schema: a validator that fills defaults (Snakemake's) would give an
+    # adapter expert `path: null`, which the schema's string type refuses
+    path: ConfigPath = Field(None, validate_default=False, json_schema_extra=lambda s: s.pop("default", None),
                              description="Hugging Face model folder, relative to params.yaml")
     adapter: ConfigPath | None = Field(
         None, description="instead of path: a PEFT LoRA adapter folder (adapter_config.json, "
