@@ -288,7 +288,7 @@ class GroupQuant:
     """An opened group-quantized file: its header checked; payloads read (and checked) per block."""
 
     def __init__(self, path: Path, *, expert: str, base: str, base_index: ModelIndex, spec: Spec):
-        self.path, self.spec = path, spec
+        self.path, self.spec = path, spec.check()
         try:
             with open(path, "rb") as f:
                 found = _trailer(f, os.fstat(f.fileno()).st_size)
