@@ -70,6 +70,8 @@ def build_representations(root: Path, base, base_index, experts) -> tuple[dict, 
     from mergepipe.methods import _ckernels
     bf16_scan = getattr(_ckernels.load(), "sketch_bf16", None)
     times = {"sketch": 0.0, "gq4g128_alone": 0.0, "gq_all8_one_scan": 0.0}
+    for s in SPECS:  # load the compiled kernels (numba's cache) before timing: once per process
+        gq.quantize(np.ones(8, np.float32), s)
     opened: dict[str, dict] = {}
     for name, (ckpt, index, delta) in experts.items():
         args = (base, base_index, ckpt, index, delta)
