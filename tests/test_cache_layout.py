@@ -14,14 +14,12 @@ from mergepipe.index import cache as layout
 from mergepipe.index.cache import KINDS, CacheLayout, temp_of
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mergepipe"
-BENCH = PACKAGE.parent / "bench"  # the benchmarks empty the store too: through the layout
 OWNER = PACKAGE / "index" / "cache.py"
 FOLDERS = {k.folder for k in KINDS}
 # joins of a kind's word that are not the cache: (module, the join's source text)
 NOT_THE_CACHE = {
     ("mergepipe/commands/sweep.py", 'out_dir / "models"'),  # a sweep's output folder, <out>/models/<budget>
     ("mergepipe/cli.py", "out / 'models'"),  # the same folder, named in sweep's last line
-    ("bench/run.py", 'sweep_dir / "models"'),  # a sweep's output folder
 }
 H32, H40, H64 = "a" * 32, "b" * 40, "c" * 64
 
@@ -69,7 +67,7 @@ def hand_built_cache_paths(source: str) -> list[tuple[int, str]]:
 
 def test_no_module_outside_the_owner_builds_a_cache_path():
     found = []
-    for path in sorted([*PACKAGE.rglob("*.py"), *BENCH.rglob("*.py")]):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path == OWNER:
             continue
         module = path.relative_to(PACKAGE.parent).as_posix()
