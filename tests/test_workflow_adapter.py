@@ -71,3 +71,25 @@ def test_merge_parts_is_refused_for_an_adapter_output(ws):
     proc = smk(ws, "-n", "--config", "merge_parts=2", check=False)
     assert proc.returncode != 0
     assert "output.adapter is combined in one job" in proc.stdout + proc.stderr
+
+
+def test_adapter_experts_of_a_model_output_are_indexed_from_their_files(tmp_path_factory):
+    """Adapters as experts of a model output: each is indexed (`mergepipe index ADAPTER --base`),
+    planned and merged as a model; a second call is a no-op, a touched adapter file reindexes it."""
+    ws = make_workspace(tmp_path_factory.mktemp("smk-adapter-experts"))
+    _family(ws / "models")
+    params = {"base": "models/base", "method": "task_arithmetic", "parameters": {"lambda": 1.0},
+              "experts": [{"name": "a", "adapter": "models/a", "weight": 1.0},
+                          {"name": "b", "adapter": "models/b", "weight": 0.5}],
+              "seed": 0, "budget": "full", "block_bytes": "1MiB",
+              "output": {"dir": "merged"}, "cache_dir": ".mergepipe"}
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert pending_jobs(ws) == {"index_base": 1, "index_expert": 2, "plan": 1, "merge": 1, "verify": 1, "all": 1}
+    smk(ws)
+    assert (ws / "merged" / "model.safetensors").is_file()
+    assert (ws / "logs" / "verify.txt").read_text().startswith("merged: OK")
+    assert job_counts(smk(ws)) == {}
+    config = ws / "models" / "b" / "adapter_config.json"
+    stamp = os.stat(ws / "merged" / "manifest.json").st_mtime_ns + 10**9
+    os.utime(config, ns=(stamp, stamp))
+    assert pending_jobs(ws).get("index_expert") == 1
