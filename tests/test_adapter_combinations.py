@@ -268,3 +268,15 @@ def test_verify_replays_a_seeded_combination(fam, tmp_path, capsys):
 def test_bad_settings_are_refused_in_one_line(fam, tmp_path, capsys, adapter, fragments):
     fails_in_one_line(capsys, ["run", str(_params(tmp_path, fam, [("a", "a", 1.0)], adapter))], 2, *fragments)
     assert not (tmp_path / "out").exists()
+
+
+def test_peft_loads_the_output_and_merges_b_times_a(fam, tmp_path):
+    out = _run(tmp_path, fam, [("a", "a", 1.0), ("c", "c", 0.7)],
+               {"combination": "dare_ties_svd", "rank": 3, "density": 0.7, "majority_sign_method": "frequency"})
+    merged = peft.PeftModel.from_pretrained(_model(fam["base"]), out).merge_and_unload().state_dict()
+    base = _model(fam["base"]).state_dict()
+    products = _products(out)
+    assert products
+    for module, ba in products.items():
+        name = f"{module}.weight"
+        assert torch.allclose(merged[name].double() - base[name].double(), ba, rtol=0, atol=1e-6), module
