@@ -42,9 +42,9 @@ from mergepipe.engine.packs import (Pack, PackBuilder, PackRead, block_digests, 
 from mergepipe.engine.tensor_variants import TensorVariants
 from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
+from mergepipe.engine.sketched import Represented
 from mergepipe.engine.stats import JointStatistics, joint_statistics
 from mergepipe.index.columns import ModelColumns
-from mergepipe.index.sketch import sketch_cost, unpack
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -161,14 +161,9 @@ class _Merge:
     rewrites: bool = False
     # per-tensor parameters (plan `tensor_parameters`): the state for each tensor's group
     variants: TensorVariants | None = None
-    # tensor -> expert -> blocks read as sketches (plan `strategy.sketch`): bf16 task arithmetic
-    # merges them in C, other methods on the torch path; sketch_read[0] counts their bytes
-    # (shared by variants' copies)
-    sketched: dict[str, dict[str, frozenset[int]]] = field(default_factory=dict)
-    sketch_read: list[int] = field(default_factory=lambda: [0])
-    # (expert, tensor, block) -> (codes, alpha) read and checked by a reader thread with the
-    # unit (shared by variants' copies); taken by the block that uses it
-    sketch_codes: dict[tuple[str, str, int], tuple[bytes, float]] = field(default_factory=dict)
+    # blocks read as sketches (plan `strategy.sketch`; engine/sketched.py), shared by variants'
+    # copies: bf16 task arithmetic and TIES merge them in C, other methods on the torch path
+    sketched: Represented = field(default_factory=lambda: Represented({}, {}))
 
 
 def run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int = 2, progress: bool = False,
@@ -215,8 +210,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     rewrites = method.rewrites_base is not None and method.rewrites_base(params)
     rewrites_at = _group_rewrites(plan, method, rewrites)
     per_expert = list(reads.values())
-    sketched = _sketched_by_tensor(plan)
-    work = _work_list(plan, base, inputs.base_index, layout, writers, out_of, per_expert, sketched,
+    sketched = Represented(plan, inputs.sketches)
+    work = _work_list(plan, base, inputs.base_index, layout, writers, out_of, per_expert, sketched.by_tensor,
                       rewrites, rewrites_at, copy_bytes=UNIT_BYTES if direct else COPY_BYTES)
     hasher: OutputHasher | None = None
     copies: BackgroundCopies | None = None
@@ -247,7 +242,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                                  reader.expert_indexes, reader.readers, reader.reads)
             if kind == COPY:  # direct writes only
                 return copy_reader.read_rows(name, *rows(name, blocks))
-            return (*reader.load(name, blocks), _read_sketches(m, name, blocks))
+            base_buf, got = reader.load(name, blocks)
+            return base_buf, got, sketched.read_unit(base.tensors[name], inputs.base_index.tensors[name].ranges, blocks)
 
         def copy_run(name: str, blocks: list[int]) -> tuple[int, int]:
             t, (r0, r1) = base.tensors[name], rows(name, blocks)
@@ -282,8 +278,8 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
                     continue
                 entry = inputs.base_index.tensors[name]
                 if kind == MERGE:
-                    base_buf, got, codes = next(loaded)[1]
-                    m.sketch_codes.update(codes)
+                    base_buf, got, payloads = next(loaded)[1]
+                    sketched.arrived(payloads)
                     fname, out_t = out_of[name]
                     _merge_unit(m, base.tensors[name], out_t, blocks, base_buf, got, writers[fname])
                     prog.step(len(base_buf))
@@ -330,7 +326,7 @@ def _run_merge(plan: dict, inputs: Inputs, out_dir: Path, *, threads: int, progr
     record_outputs(out_dir, layout, writers, realized, block_bytes=BlockLayout.of_plan(plan), file_hashes=file_hashes)
     realized.base_bytes_read = reader.base_counter.total
     realized.expert_bytes_read = {name: c.total for name, c in sorted(reader.counters.items())}
-    realized.sketch_bytes_read = m.sketch_read[0]
+    realized.sketch_bytes_read = sketched.bytes_read
     realized.seconds = time.monotonic() - t_start
     return realized
 
@@ -453,16 +449,16 @@ def _block_bytes(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
     shape = (r1 - r0, *t.shape[1:]) if t.shape else ()
     if m.variants is not None:
         m = m.variants.get(m, t.name)
-    sketched = m.sketched.get(t.name)
+    sketched = m.sketched.of(t.name)
     if t.dtype not in FLOAT_DTYPES or (not m.rewrites and not any(b in got.get(e.name, {}) for e in m.experts)
-                                       and not (sketched and any(b in bs for bs in sketched.values()))):
+                                       and not m.sketched.touches(t.name, b)):
         # nothing to merge here: the base rows, cast if the output dtype differs
         return raw if out_t.dtype == t.dtype else _cast(m, raw, t.dtype, shape, out_t.dtype, t.name)
     if m.kernel is not None and t.dtype == "BF16" and out_t.dtype == "BF16" and t.name not in m.scales:
         if not sketched:
             return m.kernel(_raw_block(m, t, b, raw, got))
         if getattr(m.kernel, "sketches", False):  # task arithmetic's C loop reads the codes itself
-            return m.kernel(_raw_block(m, t, b, raw, got, sketched))
+            return m.kernel(_raw_block(m, t, b, raw, got, sketches=True))
     return _merge_block(m, t, out_t, b, r0, r1, shape, raw, got)
 
 
@@ -540,27 +536,22 @@ def _elementwise(m: _Merge, pack: Pack, result: PackRead) -> bool:
     if m.kernel is None or not getattr(m.kernel, "elementwise", False) or result.got.keys() != result.whole.keys():
         return False
     return set(pack.dtypes()) == {"BF16"} and not any(map(m.scales.__contains__, pack.names)) \
-        and not any(map(m.sketched.__contains__, pack.names))
+        and not any(map(m.sketched.by_tensor.__contains__, pack.names))
 
 
 def _no_cut(expert: str, rank: int):
     raise MethodError(f"expert {expert!r}: a rank cut was asked of an elementwise kernel merging a pack")
 
 
-def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got,
-               sketched: dict[str, frozenset[int]] | None = None) -> RawBlock:
+def _raw_block(m: _Merge, t: TensorInfo, b: int, raw: memoryview, got: Got, *, sketches: bool = False) -> RawBlock:
     n = len(raw) // t.itemsize
-    sketches = ()
-    if sketched:
-        sketches = tuple((e.name, *_codes(m, e.name, t.name, b, n)) for e in m.experts
-                         if b in sketched.get(e.name, ()) and b not in got.get(e.name, {}))
-        m.sketch_read[0] += len(sketches) * sketch_cost(n)
+    entries = m.sketched.kernel_entries(t.name, b, n, m.experts, got) if sketches else ()
 
     def cut(expert: str, rank: int):
         return m.cuts.get(expert, t.name).for_block(b, n)(rank)
 
     present = tuple((e.name, got[e.name][b]) for e in m.experts if b in got.get(e.name, {}))
-    return RawBlock(t.name, t.numel, raw, present, cut, sketches)
+    return RawBlock(t.name, t.numel, raw, present, cut, entries)
 
 
 def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1: int,
@@ -574,12 +565,8 @@ def _merge_block(m: _Merge, t: TensorInfo, out_t: OutTensor, b: int, r0: int, r1
         delta, sketched = None, False
         if buf is not None:
             delta = as_tensor(buf, t.dtype, shape).float() - base_block
-        elif b in m.sketched.get(t.name, {}).get(e.name, ()):  # alpha * code (index/sketch.py)
-            n = base_block.numel()
-            codes, alpha = _codes(m, e.name, t.name, b, n)
-            delta = torch.from_numpy(unpack(codes, n, alpha)).reshape(shape)
-            m.sketch_read[0] += sketch_cost(n)
-            sketched = True
+        elif (rep := m.sketched.delta(e.name, t.name, b, base_block.numel())) is not None:  # alpha * code
+            delta, sketched = torch.from_numpy(rep).reshape(shape), True
         cut = m.cuts.get(e.name, t.name).for_block(b, base_block.numel()) if m.method.magnitude else None
         cosine = None
         if m.method.cosine:
@@ -611,34 +598,6 @@ def block_counts(index: ModelIndex, names) -> list[int]:
         s = cols.starts
         return [s[i + 1] - s[i] for i in cols.rows_of(names)]
     return [len(cols[n].ranges) for n in names]
-
-
-def _read_sketches(m: _Merge, name: str, unit: list[int]) -> dict[tuple[str, str, int], tuple[bytes, float]]:
-    """The codes of the unit's sketched blocks, read and checked on a reader thread (a plan
-    never both sketches a block and reads it in full: plan/record.py)."""
-    sketched = m.sketched.get(name)
-    if not sketched:
-        return {}
-    t, ranges = m.inputs.base.tensors[name], m.inputs.base_index.tensors[name].ranges
-    per_row = t.numel // t.shape[0] if t.shape else 1
-    return {(e, name, b): m.inputs.sketches[e].codes(name, b, (ranges[b][1] - ranges[b][0]) * per_row)
-            for e, bs in sketched.items() for b in unit if b in bs}
-
-
-def _codes(m: _Merge, expert: str, tensor: str, b: int, n: int) -> tuple[bytes, float]:
-    """A sketched block's (codes, alpha): as its unit's reader thread read them, else read now."""
-    got = m.sketch_codes.pop((expert, tensor, b), None)
-    return got if got is not None else m.inputs.sketches[expert].codes(tensor, b, n)
-
-
-def _sketched_by_tensor(plan: dict) -> dict[str, dict[str, frozenset[int]]]:
-    """The plan's sketched blocks (`strategy.sketch.blocks`: expert -> tensor -> blocks), by tensor."""
-    out: dict[str, dict[str, frozenset[int]]] = {}
-    for expert, per in (((plan.get("strategy") or {}).get("sketch") or {}).get("blocks") or {}).items():
-        for tensor, blocks in per.items():
-            if blocks:
-                out.setdefault(tensor, {})[expert] = frozenset(blocks)
-    return out
 
 
 def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:
