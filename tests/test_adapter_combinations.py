@@ -88,7 +88,7 @@ def _peft_deltas(fam: dict, order: list[str]) -> dict[str, list[torch.Tensor]]:
         model.load_adapter(fam[name], adapter_name=name)
     out = {}
     for module, layer in model.base_model.model.named_modules():
-        if hasattr(layer, "lora_A") and order[0] in layer.lora_A:
+        if hasattr(layer, "lora_A") and (order[0] in layer.lora_A or order[0] in layer.lora_embedding_A):
             with torch.no_grad():
                 out[module] = [layer.get_delta_weight(n).detach().clone() for n in order]
     return out
@@ -280,3 +280,27 @@ def test_peft_loads_the_output_and_merges_b_times_a(fam, tmp_path):
     for module, ba in products.items():
         name = f"{module}.weight"
         assert torch.allclose(merged[name].double() - base[name].double(), ba, rtol=0, atol=1e-6), module
+
+
+def test_an_embedding_lora_is_merged_in_the_weight_s_layout_and_factored_as_peft_s(tmp_path_factory, fam):
+    """lora_embedding_A/B hold Δᵀ (PEFT's (B·A)ᵀ): the pruning sees Δ as the embedding weight
+    (vocab × dim), the written factors hold its transpose, and PEFT merges them back to Δ."""
+    root = tmp_path_factory.mktemp("embedding-combinations")
+    emb = {n: _adapter(fam["base"], root / n, seed=s, r=4, lora_alpha=8, target_modules=["embed_tokens"])
+           for n, s in (("e1", 11), ("e2", 12))}
+    both = {**fam, **emb}
+    out = _run(tmp_path_factory.mktemp("emb-out"), both, [("e1", "e1", 1.0), ("e2", "e2", -0.5)],
+               {"combination": "magnitude_prune_svd", "rank": 32, "density": 0.4})
+    order = _report(out)["experts"]
+    ws = [{"e1": 1.0, "e2": -0.5}[n] for n in order]
+    deltas = _peft_deltas(both, order)["model.embed_tokens"]
+    assert deltas[0].shape == (40, 32)  # the weight's layout
+    dense = merge_utils.magnitude_prune(deltas, torch.tensor(ws), 0.4).double()
+    t = load_file(out / "adapter_model.safetensors")
+    key = f"{PREFIX}model.embed_tokens.lora_embedding_"
+    ba = t[key + "B"].double() @ t[key + "A"].double()
+    assert torch.allclose(ba, dense.T, rtol=0, atol=1e-5)  # full rank (32 = the smaller side): Δ itself
+    merged = peft.PeftModel.from_pretrained(_model(fam["base"]), out).merge_and_unload().state_dict()
+    base = _model(fam["base"]).state_dict()
+    change = merged["model.embed_tokens.weight"].double() - base["model.embed_tokens.weight"].double()
+    assert torch.allclose(change, dense, rtol=0, atol=1e-5)
