@@ -162,7 +162,7 @@ def test_imported_config_runs_like_mergekit(merges, name):
 
 def test_basic_merges_della_imports_and_runs_and_bad_epsilon_is_refused(tmp_path, tiny_family):
     """test_basic_merges' della configs: the valid one imports and runs (a randomized mask, so
-    compared with mergekit in tests/test_mergekit_methods2.py, not here); density 0.66 with
+    compared with mergekit in tests/test_mergekit_equivalence_della_nuslerp_ram.py, not here); density 0.66 with
     epsilon 1.35 is refused at import, as mergekit raises ValueError."""
     from mergepipe.config.mergekit import import_mergekit
     from mergepipe.errors import ConfigError

@@ -376,7 +376,7 @@ def test_flipped_byte_in_a_published_output_is_rebuilt_by_run(tiny_family, tiny_
     assert rc == 0 and "up to date" in err
     weights = out / "model.safetensors"
     # in place: damage keeps the file (a new file with other bytes would be a user's, which
-    # replacing loses: refused, tests/test_redteam6.py); the store's hard link is damaged too,
+    # replacing loses: refused, tests/test_output_safety.py); the store's hard link is damaged too,
     # and the rebuild's deep check of it finds that and merges afresh
     flip(weights, weights.stat().st_size - 100, hide=hide)
     rc, err = _run(["run", str(cfg)], capsys)
