@@ -81,7 +81,8 @@ def test_ties():
         "parameters": {"normalize": True, "int8_mask": True, "lambda": 0.9},
         "seed": 0,
         "budget": "full",
-        "output": {"dir": "merged-mk", "dtype": "bfloat16"},  # named after the recipe
+        # named after the recipe; tokenizer_source base: every model's embeddings in the base's vocabulary
+        "output": {"dir": "merged-mk", "dtype": "bfloat16", "align_vocabulary": True},
     }
 
 
@@ -413,9 +414,10 @@ models:
 def test_tokenizer_source_model_and_base(tmp_path):
     text = "merge_method: ties\nbase_model: b\nmodels:\n  - {model: e, parameters: {weight: 1}}\n"
     params = import_mergekit(_write(tmp_path, text + "tokenizer_source: e\n"))
-    assert params["output"]["tokenizer_source"] == "e"
+    assert params["output"]["tokenizer_source"] == "e" and params["output"]["align_vocabulary"] is True
     params = import_mergekit(_write(tmp_path, text + "tokenizer_source: base\n"))
-    assert "tokenizer_source" not in params["output"]
+    assert "tokenizer_source" not in params["output"] and params["output"]["align_vocabulary"] is True
+    assert "align_vocabulary" not in import_mergekit(_write(tmp_path, text))["output"]  # mergekit: no alignment
     # union, and tokenizer: (whose source is union by default): the output vocabulary (tests/test_vocab.py)
     imported = import_mergekit(_write(tmp_path, text + "tokenizer_source: union\n"))
     assert imported["output"]["tokenizer_source"] == "union"
@@ -494,3 +496,14 @@ def test_import_mergekit_of_an_empty_or_non_mapping_file(text, tmp_path, capsys)
     assert main(["import-mergekit", str(mk), "-o", str(tmp_path / "params.yaml"), "-q"]) == 2
     _one_line_error(capsys, str(mk), "mapping")
     assert not (tmp_path / "params.yaml").exists()
+
+
+@pytest.mark.parametrize("key,value", [("tokenizer_source", "union"), ("tokenizer_source", "e"),
+                                       ("tokenizer", {"source": "base", "pad_to_multiple_of": 8})])
+def test_modules_with_another_vocabulary_are_refused_naming_the_key(key, value):
+    data = {"merge_method": "linear", "base_model": "b", key: value,
+            "modules": {"text_decoder": {"models": [{"model": "b", "parameters": {"weight": 1}},
+                                                    {"model": "e", "parameters": {"weight": 1}}]}}}
+    with pytest.raises(ConfigError, match=rf"^mk.yml: {key}: a vocabulary other than the base's .* not built with "
+                                          "modules"):
+        mergekit_to_params(data, source="mk.yml")

@@ -83,19 +83,32 @@ def build(recipe: Recipe) -> tuple[Vocabulary, dict[str, TokenizerVocab]]:
 
 def config_recipe(cfg) -> Recipe | None:
     """The vocabulary recipe of a validated config, or None when the output keeps the base's
-    vocabulary (no union, tokens or padding asked for)."""
+    vocabulary: no union, tokens or padding asked for, and no `align_vocabulary` or every model
+    already has the output vocabulary (its own rows, in order, all of them: nothing to rebuild)."""
     out = cfg.output
     if not out.aligns_vocabulary:
         return None
-    for e in cfg.experts:
-        if getattr(e, "adapter", None) is not None:
-            raise ConfigError(f"experts[{e.name!r}].adapter: a LoRA adapter has the base's vocabulary; "
-                              "output.tokenizer_source union, tokens and pad_to_multiple_of take model folders only")
+    only_align = out.tokenizer_source != "union" and out.tokens is None and out.pad_to_multiple_of is None
+    folders = {BASE: cfg.base, **{e.name: e.path for e in cfg.experts if getattr(e, "adapter", None) is None}}
     norm = cfg.normalized()["output"]
     source = "union" if out.tokenizer_source == "union" else "base" if out.tokenizer_dir is None else \
         norm["tokenizer_source"]
-    return Recipe(source, out.tokenizer_dir, norm.get("tokens", {}), out.pad_to_multiple_of,
-                  {BASE: cfg.base, **{e.name: e.path for e in cfg.experts}})
+    recipe = Recipe(source, out.tokenizer_dir, norm.get("tokens", {}), out.pad_to_multiple_of, folders)
+    if only_align and _maps_to_itself(recipe):
+        return None  # an adapter expert has the base's vocabulary, which is the output's here
+    for e in cfg.experts:
+        if getattr(e, "adapter", None) is not None:
+            raise ConfigError(f"experts[{e.name!r}].adapter: a LoRA adapter has the base's vocabulary; "
+                              "output.tokenizer_source union, tokens, pad_to_multiple_of and a vocabulary other "
+                              "than the base's (align_vocabulary) take model folders only")
+    return recipe
+
+
+def _maps_to_itself(recipe: Recipe) -> bool:
+    """Whether every model of `recipe` has exactly the output vocabulary's rows."""
+    vocab, _ = build(recipe)
+    return all(vocab.is_identity(name, vocabulary_rows(open_checkpoint(folder)))
+               for name, folder in recipe.models.items())
 
 
 def config_vocabulary(cfg) -> Vocabulary | None:

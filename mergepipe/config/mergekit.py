@@ -27,7 +27,8 @@ Semantics carried over from mergekit:
   a model's filtered setting with no catch-all falls back to the global one,
   which is appended as its last condition.
 - `tokenizer_source: base` keeps the base's tokenizer; a model copies that
-  model's tokenizer files (`output.tokenizer_source`); `union` and `tokenizer: {source,
+  model's tokenizer files (`output.tokenizer_source`); both with `output.align_vocabulary`,
+  every model's embeddings rebuilt in that vocabulary where it differs; `union` and `tokenizer: {source,
   tokens, pad_to_multiple_of}` (source union by default, as mergekit's) become
   `output.tokenizer_source: union`, `output.tokens` (models named as params.yaml names
   them) and `output.pad_to_multiple_of` (checkpoint/vocab.py rebuilds the embeddings).
@@ -309,6 +310,8 @@ def _tokenizer_output(data: dict[str, Any], source: str, paths: ModelPaths | Non
             out["tokens"] = _token_rules(tokenizer["tokens"], source, paths, names)
         if tokenizer.get("pad_to_multiple_of") is not None:
             out["pad_to_multiple_of"] = tokenizer["pad_to_multiple_of"]
+    if token_source not in (None, "union") and "tokens" not in out and "pad_to_multiple_of" not in out:
+        out["align_vocabulary"] = True  # mergekit rebuilds every model's embeddings in that vocabulary
     return out
 
 

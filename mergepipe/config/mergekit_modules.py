@@ -387,6 +387,12 @@ def modules_params(data: dict[str, Any], source: str, paths: ModelPaths | None, 
     for key in ("models", "slices"):
         if data.get(key):
             raise _fail(source, key, "give one of models, slices or modules (mergekit refuses several)")
+    for key in ("tokenizer", "tokenizer_source"):
+        if data.get(key) not in (None, "base"):
+            raise _fail(source, key, "a vocabulary other than the base's (union, a model's, tokens, padding) is "
+                                     "not built with modules: remove it or merge without modules")
+    if data.get("tokenizer_source") == "base":  # the base's vocabulary, every model's the same (not rebuilt)
+        data = {k: v for k, v in data.items() if k != "tokenizer_source"}
     facts = _module_facts(data, modules, source, paths)
     subs = {name: _module_data(data, name, m, facts and facts[name], source, paths) for name, m in modules.items()}
     converted = {name: _convert_module(name, sub, subs, source, paths, output_dir=output_dir, recipe=recipe)

@@ -103,6 +103,10 @@ class OutputConfig(BaseModel):
         "a token not in the vocabulary is added")
     pad_to_multiple_of: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] | None = Field(
         None, description="embedding rows rounded up to a multiple of this (padding rows: each model's mean row)")
+    align_vocabulary: Annotated[bool, Field(strict=True)] = Field(
+        False, description="rebuild every model's embeddings in the output vocabulary (the base's, or "
+        "tokenizer_source's) where they differ, as mergekit's tokenizer_source base or <model> does; false: "
+        "every model must have that vocabulary")
     adapter: AdapterOutput | None = Field(
         None, description="write the merge as one PEFT LoRA adapter of the base into output.dir (every expert an "
         "adapter, a method linear in the deltas; config/adapter_output.py); null: a model")
@@ -115,7 +119,8 @@ class OutputConfig(BaseModel):
     @property
     def aligns_vocabulary(self) -> bool:
         """Whether embeddings are rebuilt in an output vocabulary (docs/design.md, "Vocabularies")."""
-        return self.tokenizer_source == "union" or self.tokens is not None or self.pad_to_multiple_of is not None
+        return self.tokenizer_source == "union" or self.tokens is not None or self.pad_to_multiple_of is not None \
+            or self.align_vocabulary
     mergekit_config: Annotated[str, Field(strict=True, max_length=MAX_MERGEKIT_CONFIG_CHARS)] | None = Field(
         None, description="the mergekit YAML this config was imported from (set by import-mergekit), as "
         "text, for the output to carry; null: not imported")
@@ -386,6 +391,7 @@ class MergeConfig(BaseModel):
                                for t, c in self.output.tokens.items()}}),
                 **({} if self.output.pad_to_multiple_of is None else
                    {"pad_to_multiple_of": self.output.pad_to_multiple_of}),
+                **({} if not self.output.align_vocabulary else {"align_vocabulary": True}),
                 **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),
                 **({} if self.output.adapter is None else {"adapter": self.output.adapter.normalized()}),
             },
