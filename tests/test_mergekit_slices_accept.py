@@ -176,6 +176,16 @@ RECIPES = {
                    {"sources": [_src("base", 2, 4), _src("a", 3, 5, weight=[{"filter": "layers.4.mlp", "value": 0.1},
                                                                               {"value": 0.7}])]},
                    {"sources": [_src("base", 4, 6), _src("a", 4, 6)]}]},
+    # a source's knob set in slice 0 only: the other slices take the method's default (mergekit's
+    # scopes are the source's, its slice's and the global ones), filtered or not set at all there
+    "slice_default[unset]": {
+        "merge_method": "ties", "base_model": "base", "parameters": {"weight": 1.0},
+        "slices": [{"sources": [_src("base", 0, 3), _src("a", 0, 3, density=0.3)]},
+                   {"sources": [_src("base", 3, 6), _src("a", 3, 6)]}]},
+    "slice_default[filtered]": {
+        "merge_method": "ties", "base_model": "base", "parameters": {"weight": 1.0},
+        "slices": [{"sources": [_src("base", 0, 3), _src("a", 0, 3, density=0.3)]},
+                   {"sources": [_src("base", 3, 6), _src("a", 3, 6, density=[{"filter": "mlp", "value": 0.5}])]}]},
 }
 
 

@@ -318,6 +318,9 @@ def sliced_params(data: dict[str, Any], source: str, paths: ModelPaths | None, v
         own = [*params["experts"], *[{"weight": 0.0}] * (len(sliced.names) - len(params["experts"]))]
         settings = {name: {**knobs, **{k: e[k] for k in ("weight", "density", "gamma") if k in e}}
                     for name, e in zip(sliced.names, own)}
+        for name, top in zip(sliced.names, firsts):  # slice 0's own knob is no other slice's fallback
+            settings[name].update({k: defaults[k] for k in ("density", "gamma")
+                                   if k in top and k not in settings[name] and k in defaults})
         out_slices.append({"layers": [start, start + n], "parameters": dict(params["parameters"]),
                            "experts": settings})
         start += n
