@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,8 @@ import yaml
 from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.checkpoint.vocab import VocabCheckpoint
 from mergepipe.cli import main
-from mergepipe.commands.vocabulary import Recipe, build, in_content_order
+from mergepipe.commands.vocabulary import Recipe, build, config_recipe, in_content_order
+from mergepipe.config.params import load_config
 from mergepipe.checkpoint.vocab import open_view
 from tests.helpers.equivalence import MERGEKIT_PYTHON, judge, merge_scale
 from tests.helpers import load_model
@@ -311,3 +313,22 @@ def test_union_order_is_content_order(family):
     assert build(a)[0].tokens[63:] == ["<|im_start|>", "<|im_end|>", "<tool>"]
     b = in_content_order(recipe, {"base": "0", "tool": "1", "chat": "2"})
     assert build(b)[0].tokens[63:] == ["<|im_end|>", "<tool>", "<|im_start|>"]
+
+
+def test_align_vocabulary_rebuilds_only_where_a_vocabulary_differs(family, tmp_path):
+    """output.align_vocabulary (mergekit's tokenizer_source base): a family in the base's
+    vocabulary needs no view (the plan is the one without it); `pad` (64 rows for the base's 63
+    tokens) is rebuilt in the base's 63."""
+    shutil.copytree(family / "base", tmp_path / "twin")
+
+    def recipe(expert: Path):
+        params = {"base": str(family / "base"), "method": "task_arithmetic", "parameters": {},
+                  "experts": [{"name": "e", "path": str(expert), "weight": 0.5}],
+                  "output": {"dir": str(tmp_path / "out"), "align_vocabulary": True}}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        return config_recipe(load_config(tmp_path / "params.yaml"))
+    assert recipe(tmp_path / "twin") is None
+    aligned = recipe(family / "pad")
+    assert aligned is not None and aligned.source == "base"
+    vocab, _ = build(aligned)
+    assert vocab.rows == len(vocab.tokens) == 63 and not vocab.is_identity("e", 64)
