@@ -70,6 +70,20 @@ def test_a_model_filter_in_no_tensor_name_is_dropped_with_one_warning(tmp_path, 
     assert "filter 'mlp.gate' is in no tensor name of the base" in capsys.readouterr().err
 
 
+def test_check_of_a_mergekit_recipe_reports_what_import_drops(tmp_path, capsys, monkeypatch):
+    root = _family(tmp_path)
+    monkeypatch.chdir(root)
+    (root / "recipe.yml").write_text(yaml.safe_dump({
+        "merge_method": "linear", "models": [{"model": "a", "parameters": {"weight": [{"filter": "absent", "value": 3},
+                                                                                      {"value": 1.0}]}},
+                                             {"model": "b", "parameters": {"weight": 1.0}}]}))
+    capsys.readouterr()
+    assert main(["check", "recipe.yml", "--no-probe"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("WARN  recipe.yml: models[0].parameters.weight: filter 'absent' matches no tensor of a; "
+                      "mergekit ignores it, dropped")
+
+
 def test_a_parameter_the_method_does_not_read_is_dropped_with_one_warning(tmp_path, capsys, monkeypatch):
     root = _family(tmp_path)
     recipe = {"merge_method": "nuslerp", "base_model": "base", "parameters": {"normalize": False, "weight": 1.0},

@@ -81,9 +81,11 @@ class Report:
             raise self.error
 
 
-def load_recipe(path: Path, *, budget: str | None = None, output: str | None = None) -> MergeConfig:
+def load_recipe(path: Path, *, budget: str | None = None, output: str | None = None,
+                warnings: list[str] | None = None) -> MergeConfig:
     """params.yaml, or a mergekit YAML as import-mergekit reads it (model paths relative to the
-    working directory), with the command line's --budget and --output.
+    working directory; `warnings` gets its lines for what mergekit never reads, which it drops),
+    with the command line's --budget and --output.
 
     Raises:
         ConfigError: as `load_config` and `import_mergekit` do.
@@ -97,7 +99,7 @@ def load_recipe(path: Path, *, budget: str | None = None, output: str | None = N
     data = read_yaml(path)
     if isinstance(data, dict) and "experts" not in data and any(k in data for k in MERGEKIT_KEYS):
         from mergepipe.config.mergekit import import_mergekit
-        params = import_mergekit(path, validate=False)
+        params = import_mergekit(path, validate=False, warnings=warnings)
         return config_from_dict(params, source=f"{path} (converted to mergepipe params)", root=Path.cwd(),
                                 overrides=overrides or None)
     return load_config(path, overrides=overrides or None)
@@ -106,13 +108,16 @@ def load_recipe(path: Path, *, budget: str | None = None, output: str | None = N
 def check_file(path: Path, *, budget: str | None = None, output: str | None = None, force: bool = False,
                threads: int = 2, probe: bool = True) -> Report:
     """`mergepipe check PATH`: the report of `check`, or of the recipe that does not load."""
+    ignored: list[str] = []
     try:
-        cfg = load_recipe(path, budget=budget, output=output)
+        cfg = load_recipe(path, budget=budget, output=output, warnings=ignored)
     except MergepipeError as e:
         report = Report()
         report.fail(e)
         return report
-    return check(cfg, config_file=path, force=force, threads=threads, probe=probe)
+    report = check(cfg, config_file=path, force=force, threads=threads, probe=probe)
+    report.lines[:0] = [f"WARN  {line.removeprefix('warning: ')}" for line in ignored]  # as import-mergekit
+    return report
 
 
 def _check_adapter_output(report: Report, cfg: MergeConfig, config_file: Path | None, force: bool) -> Report:
