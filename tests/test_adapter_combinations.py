@@ -1,5 +1,5 @@
 """Adapters out with PEFT's dense combinations (output.adapter.combination ties_svd,
-magnitude_prune_svd, dare_linear_svd, dare_ties_svd; checkpoint/lora_dense.py) against PEFT
+magnitude_prune_svd, dare_linear_svd, dare_ties_svd; methods/_lora_dense.py) against PEFT
 0.21.2: the merged dense Δ before the SVD bit for bit where PEFT's definition is deterministic
 (magnitude pruning, sign election, weights; DARE at density 1), DARE's seeded masks (ours, not
 PEFT's Bernoulli draws) by their statistics and the truncation error; negative weights;
@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mergepipe.checkpoint.lora_dense import DenseSpec, DenseTerm, merge_dense
+from mergepipe.methods._lora_dense import DenseSpec, DenseTerm, merge_dense
 from mergepipe.cli import main
 from tests.helpers import fails_in_one_line
 

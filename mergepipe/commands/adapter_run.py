@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mergepipe.checkpoint.lora import ADAPTER_WEIGHTS, AdapterCheckpoint, open_adapter
 from mergepipe.checkpoint.lora_combine import Term, combine
-from mergepipe.checkpoint.lora_dense import DENSE_COMBINATIONS, DenseSpec, DenseTerm, combine_dense
+from mergepipe.methods._lora_dense import DENSE_COMBINATIONS, DenseSpec, DenseTerm, combine_dense
 from mergepipe.checkpoint.json_files import parse_json, read_bounded
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
@@ -117,7 +117,7 @@ def combined_modules(sources: list[Source], spec, seed: int = 0) -> list[OutModu
 
 
 def _dense(triples: list, spec, seed: int):
-    """PEFT's dense combination of the module's Δs (checkpoint/lora_dense.py); each DARE mask
+    """PEFT's dense combination of the module's Δs (methods/_lora_dense.py); each DARE mask
     drawn from the generator of (seed, the adapter's identity, the tensor), as a DARE merge's
     block generator (methods/base.block_rng) with the whole tensor one block."""
     from mergepipe.methods.base import block_rng

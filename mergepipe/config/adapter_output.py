@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from mergepipe.checkpoint.lora_config import MAX_RANK
-from mergepipe.checkpoint.lora_dense import DENSE_COMBINATIONS
+from mergepipe.methods._lora_dense import DENSE_COMBINATIONS
 from mergepipe.config.fields import MODEL_CONFIG
 from mergepipe.errors import ConfigError
 from mergepipe.methods import METHODS
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class AdapterOutput(BaseModel):
     """How the experts' adapters become one: concatenated ranks (exact), a truncated SVD of
     their weighted sum, or one of PEFT's sparsifying combinations of their dense deltas,
-    truncated (checkpoint/lora_dense.py)."""
+    truncated (methods/_lora_dense.py)."""
 
     model_config = MODEL_CONFIG
     combination: Literal["cat", "svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd"] = Field(
