@@ -39,6 +39,10 @@ def test_demo_through_the_slurm_profile(slurm, tmp_path):
                "--slurm-init-seconds-before-status-checks", "2", "--default-resources", "mem_mb=500", "runtime=10",
                # small enough for a node sized from MemAvailable/2 on a busy machine
                "--set-resources", "merge_part:mem_mb=500",
+               # one CPU per parallel job, so two share this node at a time: the plugin backs off 10 s
+               # more on each status check that finds no job finished, so every round of jobs the
+               # node runs one after another costs ~12 s (the bytes do not depend on the threads)
+               "--set-threads", "index_expert=1", "merge_part=1",
                "--config", "merge_parts=3", "--", MODEL, timeout=1500)
     print(f"\nsnakemake --profile profiles/slurm on the tiny demo: {time.monotonic() - t0:.0f} s")
     counts = job_counts(proc)
