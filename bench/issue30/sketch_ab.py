@@ -95,7 +95,8 @@ def main() -> int:
     for (name, label), rs in runs.items():
         ws = [x["wall_s"] for x in rs]
         last = rs[-1]
-        rows.append({"name": name, "kernel": label, "walls": ws, "cpu_s": [x["cpu_s"] for x in rs], **last})
+        rows.append({**last, "name": name, "kernel": label, "walls": ws, "cpu_s": [x["cpu_s"] for x in rs],
+                     "wall_s": statistics.median(ws)})
         mib = [last[c] / 2**20 for c in COUNTERS[:4]]
         print(f"| {name} | {label} | {statistics.median(ws):.2f} ({min(ws):.2f}-{max(ws):.2f}) | "
               f"{statistics.median(x['cpu_s'] for x in rs):.2f} | " + " | ".join(f"{v:,.0f}" for v in mib) + " |")
