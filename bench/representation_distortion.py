@@ -20,7 +20,8 @@ Two measurements, both against the full read (every expert's exact delta):
 
 TIES on a representation: each expert's delta is trimmed by its tensor's magnitude cut of the
 exact delta (the index's rank cut: the top density share of |d|), applied to the decoded values;
-a ternary sketch is left untrimmed as the engine does (its elements share one magnitude); then
+a ternary sketch is left untrimmed as the engine does (its elements share one magnitude; with
+--untrimmed every representation is); then
 sign election by the weighted sum and the disjoint mean, as methods/ties.py. Also times the scans
 (sketch build against group-quantized builds) on the same inputs.
 """
@@ -53,6 +54,7 @@ from mergepipe.units import parse_bytes  # noqa: E402
 SPECS = [gq.Spec(b, g) for b in gq.BITS for g in gq.GROUPS]
 DENSITY = 0.5
 SKETCH = "sketch"
+UNTRIMMED = {SKETCH}  # kinds TIES leaves untrimmed (--untrimmed: every kind)
 
 
 def _inputs(cache: Path, base_dir: Path, expert_dirs: list[Path], block_bytes: int):
@@ -181,7 +183,7 @@ def _merge_block(deltas: dict, decoded: dict, cuts: dict, pick: dict | None, rep
             continue
         x = d if how == "full" else decoded[name][how]
         ta.append(x)
-        untrimmed = how == SKETCH
+        untrimmed = how in UNTRIMMED
         ties.append(x if untrimmed else np.where(np.abs(x) >= cuts[name], x, np.float32(0)))
     if not ta:
         return None, None
@@ -281,7 +283,8 @@ def report(args, base, base_index, experts, cands, residual, sels, delta_err, er
             "base": str(args.base), "experts": [str(p) for p in args.experts], "block_bytes": args.block_bytes,
             "dtypes": sorted({base.tensors[c.tensor].dtype for c in cands}), "candidates": len(cands),
             "elements": elements, "full_read_bytes": full_bytes,
-            "ties": {"density": DENSITY, "lambda": 1.0}, "ta": {"lambda": 1.0}, "weights": 1.0,
+            "ties": {"density": DENSITY, "lambda": 1.0, "untrimmed": sorted(UNTRIMMED)},
+            "ta": {"lambda": 1.0}, "weights": 1.0,
             "scan_seconds": times, "representations": reps, "budgets": budgets}
 
 
@@ -292,7 +295,11 @@ def main() -> int:
     ap.add_argument("--block-bytes", default="1MiB")
     ap.add_argument("--budgets", default="10%,25%,50%")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--untrimmed", action="store_true",
+                    help="TIES leaves every representation untrimmed (default: only the sketch, as the engine)")
     args = ap.parse_args()
+    if args.untrimmed:
+        UNTRIMMED.update(s.name for s in SPECS)
     args.block_bytes = parse_bytes(args.block_bytes)
     with tempfile.TemporaryDirectory(prefix="repr-distortion-") as tmp:
         root = Path(tmp)
