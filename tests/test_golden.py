@@ -95,15 +95,26 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    out = {}
+    """Each setting in its own interpreter, all started at once: they share nothing (own folder,
+    own output files), so running them side by side changes only the wall time, never a byte."""
+    procs = {}
     for name, (env, args) in SETTINGS.items():
-        root = tmp_path_factory.mktemp(f"golden-{name}")
-        proc = subprocess.run([sys.executable, "-m", "tests.helpers.golden", str(root), *args],
-                              env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
-        out[name] = json.loads(proc.stdout)
-    return out
+        root, logs = tmp_path_factory.mktemp(f"golden-{name}"), tmp_path_factory.mktemp(f"golden-{name}-logs")
+        argv = [sys.executable, "-m", "tests.helpers.golden", str(root), *args]
+        with open(logs / "stdout.json", "wb") as out, open(logs / "stderr.txt", "wb") as err:
+            procs[name] = (logs, subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=err,
+                                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    results = {}
+    try:
+        for name, (logs, proc) in procs.items():
+            assert proc.wait(timeout=600) == 0, f"{name}: {(logs / 'stderr.txt').read_text()[-3000:]}"
+            results[name] = json.loads((logs / "stdout.json").read_text())
+    finally:  # a failed setting leaves no interpreter of the others running
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def test_cases_have_golden_hashes():
