@@ -330,3 +330,24 @@ def test_sketch_report_renders_the_committed_results(tmp_path):
     assert "| 0 | ta_l1.0 | 25% | sketch |" in text and "![sketch vs energy](sketch.png)" in text
     sr.plot(smollm, mean, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_check_sketch_blocks_counts_bytes_and_refuses_an_identical_or_outside_block():
+    """Per expert, the sketch bytes of its sketched blocks; a block identical to the base, or
+    past its tensor, is refused naming the plan key (each block of a tensor checked)."""
+    from types import SimpleNamespace as NS
+
+    from mergepipe.plan.sketch_reads import check_sketch_blocks
+    entry = NS(shape=(8, 4), dtype="BF16", ranges=[(0, 4), (4, 8)])
+    indexes = {"e": NS(tensors={"w": entry})}
+    deltas = {"e": NS(tensors={"w": NS(identical=[False, False])})}
+
+    def plan(blocks):
+        return {"experts": [{"name": "e"}], "strategy": {"sketch": {"blocks": {"e": {"w": blocks}}}}}
+    assert check_sketch_blocks(plan([0, 1]), indexes, deltas, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
+    deltas["e"].tensors["w"].identical[1] = True
+    with pytest.raises(ConfigError, match=r"strategy\.sketch\.blocks\.e\.w: block 1 is identical"):
+        check_sketch_blocks(plan([0, 1]), indexes, deltas, "p.json")
+    assert check_sketch_blocks(plan([0, 1]), indexes, None, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
+    with pytest.raises(ConfigError, match="block 2 is outside tensor 'w'"):
+        check_sketch_blocks(plan([2]), indexes, deltas, "p.json")

@@ -61,11 +61,13 @@ def check_sketch_blocks(plan: dict, expert_indexes: dict, deltas: dict | None, w
                 raise ConfigError(f"{where}: plan key strategy.sketch.blocks.{name}.{tensor}: the model has no "
                                   f"tensor {tensor!r}")
             row = row_bytes(entry.shape, ITEMSIZE[entry.dtype]) // ITEMSIZE[entry.dtype]
+            # one delta entry per tensor: a columnar index builds an entry at each lookup
+            identical = deltas[name].tensors[tensor].identical if deltas is not None else None
             for b in bs:
                 if not 0 <= b < len(entry.ranges):
                     raise ConfigError(f"{where}: plan key strategy.sketch.blocks.{name}.{tensor}: block {b} is "
                                       f"outside tensor {tensor!r} ({len(entry.ranges)} blocks)")
-                if deltas is not None and deltas[name].tensors[tensor].identical[b]:
+                if identical is not None and identical[b]:
                     raise ConfigError(f"{where}: plan key strategy.sketch.blocks.{name}.{tensor}: block {b} is "
                                       "identical to the base; a plan never sketches it")
                 r0, r1 = entry.ranges[b]
