@@ -9,15 +9,7 @@ import pytest
 import yaml
 
 from mergepipe.cli import main
-from tests.helpers import write_config
-
-
-def _one_line_error(capsys, *want: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
-    for w in want:
-        assert w in err, (w, err)
-    return err
+from tests.helpers import one_line_error, write_config
 
 
 _HUGE = {  # (method, expert weights, parameters): each past float32's range, as written or combined
@@ -42,7 +34,7 @@ def test_weights_past_float32_are_refused_not_merged_to_nan(name, tiny_family, t
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     capsys.readouterr()
     assert main(["run", str(cfg), "-q"]) == 2
-    _one_line_error(capsys, "lambda" if name == "lambda_1e39" else "weight")
+    one_line_error(capsys, "lambda" if name == "lambda_1e39" else "weight")
     assert not (tmp_path / "out").exists()
 
 
@@ -59,7 +51,7 @@ def test_a_plan_edited_past_float32_is_refused(tiny_family, tmp_path, capsys):
     plan_file.write_text(json.dumps(plan))
     capsys.readouterr()
     assert main(["merge", str(plan_file), "-o", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "cache"), "-q"]) == 2
-    _one_line_error(capsys, str(plan_file), "weight", "float32")
+    one_line_error(capsys, str(plan_file), "weight", "float32")
     assert not (tmp_path / "m").exists()
 
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from mergepipe.cli import main
-from tests.helpers import write_config
+from tests.helpers import file_tree, write_config
 import json
 import os
 import pytest
-
-
-def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_gc_on_a_project_folder_removes_only_mergepipe_entries(tiny_family, tmp_path):
@@ -24,13 +20,13 @@ def test_gc_on_a_project_folder_removes_only_mergepipe_entries(tiny_family, tmp_
                       "stat/data.csv": b"1,2", "deltas/x.json.gz": b"z"}.items():
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
         (project / rel).write_bytes(data)
-    before = _tree(project)
+    before = file_tree(project)
     cfg = write_config(tmp_path, tiny_family, cache_dir=str(project), budget="50%")
     assert main(["run", str(cfg), "-q"]) == 0
-    ours = set(_tree(project)) - set(before)
+    ours = set(file_tree(project)) - set(before)
     assert any(p.startswith("merges/") for p in ours) and any(p.startswith("models/") for p in ours)
     assert main(["gc", "--cache-dir", str(project), "--indexes", "-q"]) == 0
-    after = _tree(project)
+    after = file_tree(project)
     assert {k: v for k, v in after.items() if k in before} == before  # every file of the user's kept
     assert not set(after) - set(before)  # every cache entry of ours removed
 

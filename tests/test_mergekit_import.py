@@ -11,6 +11,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.config.mergekit import dump_params, import_mergekit, mergekit_to_params, write_params
 from mergepipe.methods import METHODS
 from mergepipe.cli import main
+from tests.helpers import one_line_error
 
 
 @pytest.fixture(autouse=True)
@@ -479,14 +480,6 @@ def test_import_mergekit_does_not_overwrite_an_existing_file(tmp_path):
     assert "task_arithmetic" in params.read_text()
 
 
-def _one_line_error(capsys, *want: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
-    for w in want:
-        assert w in err, (w, err)
-    return err
-
-
 @pytest.mark.parametrize("text", ["", "[1, 2]\n", "just a string\n"])
 def test_import_mergekit_of_an_empty_or_non_mapping_file(text, tmp_path, capsys):
     """An empty mergekit YAML (or a list) ended in AttributeError's traceback."""
@@ -494,7 +487,7 @@ def test_import_mergekit_of_an_empty_or_non_mapping_file(text, tmp_path, capsys)
     mk.write_text(text)
     capsys.readouterr()
     assert main(["import-mergekit", str(mk), "-o", str(tmp_path / "params.yaml"), "-q"]) == 2
-    _one_line_error(capsys, str(mk), "mapping")
+    one_line_error(capsys, str(mk), "mapping")
     assert not (tmp_path / "params.yaml").exists()
 
 

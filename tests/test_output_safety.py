@@ -18,7 +18,7 @@ from mergepipe.cli import main
 from mergepipe.commands.stack import SOURCES_FILE, source_stats
 from mergepipe.errors import OutputError
 from mergepipe.output import safety
-from tests.helpers import write_config
+from tests.helpers import file_tree, one_line_error, write_config
 from mergepipe.output.run_record import record_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,10 +184,6 @@ def test_import_mergekit_does_not_replace_a_symbolic_link_without_force(tiny_fam
     assert main(["import-mergekit", str(config), "-o", str(link), "-q", "--force"]) == 0
 
 
-def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_plan_never_overwrites_its_config_or_a_users_file(tiny_family, tmp_path, capsys):
     cfg = write_config(tmp_path, tiny_family)
     text = cfg.read_text()
@@ -213,10 +209,10 @@ def test_other_outputs_refuse_empty_paths_and_inputs(argv, tiny_family, tmp_path
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.safetensors").write_bytes((Path(tiny_family["root"]) / "base" / "model.safetensors").read_bytes())
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     argv = [a.replace("CFG", str(cfg)).replace("MODEL", str(model)) for a in argv]
     assert main([*argv, "-q"]) == 7
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
 
 
 @pytest.mark.parametrize("command", ["plan", "import-mergekit"])
@@ -270,23 +266,15 @@ def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, targ
     and wrote p.yaml inside the base. Now every one is refused (exit 7), even with --force."""
     mk, params = _stacked_project(tiny_family, tmp_path)
     assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
-    before = {m: _tree(tmp_path / m) for m in ("base", "expert_1")}
+    before = {m: file_tree(tmp_path / m) for m in ("base", "expert_1")}
     argv = {"run": ["run", str(params), "-o"], "merge": ["merge", str(tmp_path / "plan.json"), "-o"],
             "import-mergekit": ["import-mergekit", str(mk), "-o"]}[command]
     path = tmp_path / target
     if command == "import-mergekit" and not target.endswith(".yaml"):
         path = path / "p.yaml"
     assert main([*argv, str(path), "--force", "-q", *(["--root", str(tmp_path)] if command == "merge" else [])]) == 7
-    assert {m: _tree(tmp_path / m) for m in ("base", "expert_1")} == before
+    assert {m: file_tree(tmp_path / m) for m in ("base", "expert_1")} == before
     assert not (tmp_path / "base" / "sub").exists() and not (tmp_path / "expert_1" / "merged").exists()
-
-
-def _one_line_error(capsys, *want: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
-    for w in want:
-        assert w in err, (w, err)
-    return err
 
 
 @pytest.mark.parametrize("argv", [["index", "M", "-o", "M/model.safetensors", "--force"],
@@ -298,13 +286,13 @@ def test_index_o_never_replaces_a_file_of_the_models_it_indexes(argv, tiny_famil
     root = Path(tiny_family["root"])
     model = tmp_path / "M"
     shutil.copytree(root / "expert_1", model)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     argv = [a.replace("M", str(model), 1) if a.startswith("M") else a for a in argv]
     argv = [str(root / "expert_2") if a == "E" else a for a in argv]
     capsys.readouterr()
     assert main([*argv, "-q", "--cache-dir", str(tmp_path / "cache")]) == 7
-    _one_line_error(capsys, "-o is", "even with --force")
-    assert {k: v for k, v in _tree(tmp_path).items() if not k.startswith("cache")} == before
+    one_line_error(capsys, "-o is", "even with --force")
+    assert {k: v for k, v in file_tree(tmp_path).items() if not k.startswith("cache")} == before
 
 
 @pytest.mark.parametrize("where", ["out_is_a_file", "parent_is_a_file", "base_is_a_file", "out_dangling_link"])
@@ -319,11 +307,11 @@ def test_demo_where_a_folder_must_go_is_a_one_line_error(where, tmp_path, capsys
         (target / "base").write_text("mine")
     if where == "out_dangling_link":
         os.symlink(tmp_path / "nowhere", target)
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     capsys.readouterr()
     assert main(["demo", str(target), "--experts", "1", "--quiet"]) == 7
-    _one_line_error(capsys, str(target))
-    assert _tree(tmp_path) == before
+    one_line_error(capsys, str(target))
+    assert file_tree(tmp_path) == before
 
 
 def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, tmp_path, capsys):
@@ -346,12 +334,12 @@ def test_a_users_weights_under_a_copied_manifest_are_not_replaced(tiny_family, t
     (tmp_path / "ft.safetensors").write_bytes(b"my other fine-tune")
     os.replace(tmp_path / "ft.safetensors", tmp_path / "mine2" / "model.safetensors")
     for folder in (mine, tmp_path / "mine2"):
-        before = _tree(folder)
+        before = file_tree(folder)
         other = config(f"c-{folder.name}", folder)
         capsys.readouterr()
         assert main(["run", str(other), "-q"]) == 7
         assert "not the weight file mergepipe published" in capsys.readouterr().err
-        assert _tree(folder) == before
+        assert file_tree(folder) == before
     # what stays replaceable: a flipped byte in place (damage) and the same bytes under a new
     # inode without its run record (a folder DVC restored)
     weights = out / "model.safetensors"

@@ -3,23 +3,10 @@ read whole (a config is read up to 16 MiB, a JSON file only past its first bytes
 like an object)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mergepipe.cli import main
-
-
-def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _one_line_error(capsys, *want: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
-    for w in want:
-        assert w in err, (w, err)
-    return err
+from tests.helpers import file_tree, one_line_error
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -37,8 +24,8 @@ def test_a_model_file_or_dev_zero_given_as_config_or_plan_is_not_read_whole(argv
     with open(big, "wb") as f:  # sparse: 17 MiB of zero bytes, like /dev/zero or a header's length
         f.truncate(17 << 20)
     argv = [a.replace("BIG", str(big)).replace("OUT", str(tmp_path)) for a in argv]
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     capsys.readouterr()
     assert main([*argv, "-q"]) == 2
-    _one_line_error(capsys, str(big), want)
-    assert _tree(tmp_path) == before
+    one_line_error(capsys, str(big), want)
+    assert file_tree(tmp_path) == before

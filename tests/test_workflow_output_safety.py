@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 import subprocess
 from tests.helpers.workflow import make_workspace, run
+from tests.helpers import file_tree
 
 
 def test_the_workflow_never_lets_snakemake_delete_a_users_weights_at_output_dir(tiny_family, tmp_path):
@@ -38,10 +39,6 @@ GIT = ["git", "-c", "user.name=mergepipe-test", "-c", "user.email=test@example.i
        "-c", "init.defaultBranch=main"]
 
 
-def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_dvc_repro_never_deletes_a_users_folder_at_output_dir(tmp_path):
     """DVC deletes a stage's outputs before running it: `dvc repro` after params.yaml's
     output.dir was pointed at a user's folder deleted the whole folder (notes, weights), then
@@ -56,11 +53,11 @@ def test_dvc_repro_never_deletes_a_users_folder_at_output_dir(tmp_path):
     (mine / "model.safetensors").write_bytes(b"my fine-tune")
     params = ws / "params.yaml"
     params.write_text(params.read_text().replace("dir: merged", "dir: mywork"))
-    before = _tree(mine)
+    before = file_tree(mine)
     proc = run(ws, "dvc", "repro", check=False)
     assert proc.returncode != 0
     assert "output.dir 'mywork'" in proc.stdout + proc.stderr
-    assert _tree(mine) == before
+    assert file_tree(mine) == before
 
 
 def test_a_model_put_in_the_demo_folder_is_not_deleted_with_it(tmp_path):

@@ -98,3 +98,17 @@ def fails_in_one_line(capsys, argv: list[str], code: int, *fragments: str) -> No
     assert len(err.splitlines()) == 1, err
     for fragment in fragments:
         assert fragment in err, err
+
+
+def file_tree(root: Path) -> dict[str, bytes]:
+    """Every file under root, relative path -> bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_error(capsys, *want: str) -> str:
+    """The captured stderr is one `error: ` line, no traceback, holding every fragment of `want`."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
+    for w in want:
+        assert w in err, (w, err)
+    return err
