@@ -3,11 +3,13 @@ tiny family. Benchmarks are not tests; this only checks the machinery works."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -67,3 +69,31 @@ def test_smoke_suite_on_the_tiny_family(tmp_path, tiny_family):
     for heading in ("## Read bandwidth", "## Head-to-head", "## mergepipe at budgets", "## Targets"):
         assert heading in report
     assert not (out / "runs").exists()  # merged outputs are deleted unless --keep-outputs
+
+
+@pytest.mark.slow
+def test_adapter_bench_on_the_tiny_family(tmp_path, tiny_family):
+    """bench/adapters.py writes PEFT adapters mergepipe reads, times cp and mergepipe alternated."""
+    import adapters
+    from mergepipe.checkpoint.lora_config import parse_settings
+
+    family = tmp_path / "fam"
+    shutil.copytree(tiny_family["root"] / "base", family / "base")
+    out = tmp_path / "adapters.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "adapters.py"), "--family", str(family), "--ks", "2",
+                        "--mergekit-ks", "", "--rounds", "2", "--rank", "4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert sorted((x["tool"], x["k"], x["round"]) for x in res["runs"]) == [
+        ("cp", 0, 1), ("cp", 0, 2), ("mergepipe", 2, 0), ("mergepipe", 2, 1), ("mergepipe", 2, 2)]
+    assert all(x["returncode"] == 0 and x["output_bytes"] > 0 for x in res["runs"])
+    assert {(x["tool"], x["n"]) for x in res["summary"]} == {("cp", 2), ("mergepipe", 2)}
+    folder = family / "adapter_r4_0"
+    settings = parse_settings(json.loads((folder / "adapter_config.json").read_text()), "adapter_config.json")
+    assert settings.r == 4
+    with safe_open(folder / "adapter_model.safetensors", "pt") as st:
+        keys = set(st.keys())
+    assert {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") for k in keys
+            if k.endswith("lora_A.weight")} == set(adapters.linear_shapes(family / "base"))
+    assert not (family / "adapter-bench" / "runs" / "mergepipe-k2").exists()  # outputs removed after each run

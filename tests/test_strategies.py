@@ -127,7 +127,7 @@ def test_default_strategy_adds_no_key_and_keeps_the_hash():
 
 
 def test_a_config_without_plan_gets_sketch_below_full_for_the_measured_methods(tmp_path, tiny_family):
-    """plan/default_strategy.py: no `plan:` gives `sketch` for task arithmetic, linear and TIES
+    """plan/strategies/default.py: no `plan:` gives `sketch` for task arithmetic, linear and TIES
     below the full budget, and `energy` (no plan key) at the full budget and for other
     methods; a config that names `energy` gets it."""
     def planned(name, **over):

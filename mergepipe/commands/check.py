@@ -33,7 +33,7 @@ from mergepipe.index.sketch import sketch_cost
 from mergepipe.methods import get_method
 from mergepipe.plan import joint_reads, sketch_reads
 from mergepipe.plan.budget_floor import check_budget_floor, smallest_read
-from mergepipe.plan.default_strategy import default_options
+from mergepipe.plan.strategies.default import default_options
 from mergepipe.plan.planner import check_float32_range
 from mergepipe.plan.strategies import Candidate, normalized_options, strategy_options
 from mergepipe.units import Budget, format_bytes, parse_budget, short_repr

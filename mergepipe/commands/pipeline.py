@@ -37,7 +37,7 @@ from mergepipe.output.manifest import (MANIFEST, SIGNATURE, build_manifest, load
                                       manifest_hash, verify_outputs, write_manifest)
 from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_stack
 from mergepipe.output.run_record import stat_key
-from mergepipe.plan.default_strategy import default_options
+from mergepipe.plan.strategies.default import default_options
 from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.lineage import input_lineage

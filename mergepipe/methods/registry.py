@@ -94,7 +94,7 @@ class Method:
     # elements like any delta's. Not cosine, joint or per-tensor-statistics methods.
     sketchable: bool = False
     # a config without `plan:` gets the `sketch` strategy below the full budget (needs
-    # sketchable; plan/default_strategy.py; EVAL.md "Delta sketches" measured which)
+    # sketchable; plan/strategies/default.py; EVAL.md "Delta sketches" measured which)
     sketch_by_default: bool = False
     mergekit: Mergekit = Mergekit()
 

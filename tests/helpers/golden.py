@@ -118,7 +118,7 @@ CASES: dict[str, tuple] = {
     # whole-block reads (strategy energy, the default before sketches)
     "bf16-ta-30pct": ("bf16", "task_arithmetic", {"lambda": 1.0}, {}, "30%", None, {"strategy": "energy"}),
     "bf16-ties-30pct": ("bf16", "ties", {}, DENS, "30%", None, {"strategy": "energy"}),
-    # no `plan:`: the default below full budget, sketches (plan/default_strategy.py)
+    # no `plan:`: the default below full budget, sketches (plan/strategies/default.py)
     "bf16-ta-30pct-sketch": ("bf16", "task_arithmetic", {"lambda": 0.9}, {}, "30%", None),
     "bf16-ties-30pct-sketch": ("bf16", "ties", {}, DENS, "30%", None),
     "bf16-ta-to-f32": ("bf16", "task_arithmetic", {"lambda": 0.5}, {}, "full", "float32"),
