@@ -1,5 +1,8 @@
 """Checkpoint layer: safetensors headers parsed by hand, exact byte-range reads,
-and a streaming writer. The only module that opens weight files.
+and a streaming writer. The one parser of weight files' headers: every other module that
+opens a weight file (the engine's and `stack`'s row copies, checkpoint/treehash.py,
+`check-predict`'s read probe, util/fs.hash_file) reads bytes at the offsets a
+`FileHeader` from here gives, or the whole file.
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}},
@@ -202,50 +205,37 @@ def _same_header(last: FileHeader, path: Path) -> FileHeader:
 
 def _parse_raw(path: Path, n: int, raw: bytes, size: int, head: bytes) -> FileHeader:
     """parse_header after the read: the `n` header bytes `raw` (`head`: with the length
-    before them) of a file of `size` bytes."""
+    before them) of a file of `size` bytes.
+
+    One pass reads the entries' fields as columns (header_scan's regular expression for the
+    usual spelling, else json.loads) and checks them whole columns at a time
+    (`_table_of_columns`). A header that pass refuses is read again, entry by entry, by
+    `_header_error`, only to name what is wrong: both apply the same checks."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: header is not valid UTF-8") from None
     data_start = 8 + n
-    data_len = size - data_start
     with paused_gc():  # no cycles among the many small objects (util/gcpause.py)
-        cols = header_scan.scan(text, _reject_duplicates)  # the usual spelling, read as columns
-        metadata = {} if cols is None or cols[0] is None else cols[0]
-        if cols is not None and _good_metadata(metadata):
-            table = _entries_of_columns(path, *cols[1:], data_start, data_len)
-            if table is not None:
-                return FileHeader(path, head, data_start, size, table, dict(metadata))
+        header = None
+        cols = header_scan.scan(text, _reject_duplicates)
+        if cols is None:
+            header = _json_object(path, text)
+            cols = _columns_of_json(header)
+        table = None if cols is None else _table_of_columns(path, cols, data_start, size - data_start)
+    if table is None:
+        raise _header_error(path, _json_object(path, text) if header is None else header, data_start, size)
+    return FileHeader(path, head, data_start, size, table, {} if cols[0] is None else dict(cols[0]))
+
+
+def _json_object(path: Path, text: str) -> dict:
     try:
-        with paused_gc():  # 100k small dicts, no cycles (util/gcpause.py)
-            header = json.loads(text, object_pairs_hook=_reject_duplicates)
+        header = json.loads(text, object_pairs_hook=_reject_duplicates)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply for the parser
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
-    metadata = header.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not _good_metadata(metadata):
-        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
-    with paused_gc():
-        table = _entries_fast(path, header, data_start, data_len)
-        if table is not None:  # well formed, sorted and tiling the data: checked column by column
-            return FileHeader(path, head, data_start, size, table, dict(metadata))
-        tensors = [_parse_entry(path, name, entry, data_start, data_len) for name, entry in header.items()]
-    tensors.sort(key=lambda t: (t.begin, t.end))
-    # Like safetensors itself: tensors tile the data region exactly, no gaps or overlaps,
-    # so that every byte of the file is covered by the header hash or a block hash.
-    pos = data_start
-    for t in tensors:
-        if t.begin != pos:
-            what = "overlaps the previous tensor" if t.begin < pos else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor {t.name!r}: data_offsets {what}")
-        pos = t.end
-    if pos != size:
-        raise CheckpointError(f"{path}: {size - pos} bytes after the last tensor are not described by the header")
-    table = TensorTable([t.name for t in tensors], [t.dtype for t in tensors], [t.shape for t in tensors],
-                        [t.begin for t in tensors], [t.end for t in tensors], [(path, 0)])
-    return FileHeader(path, head, data_start, size, table, dict(metadata))
+    return header
 
 
 def _good_metadata(metadata: object) -> bool:
@@ -256,48 +246,54 @@ def _good_metadata(metadata: object) -> bool:
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
-def _entries_fast(path: Path, header: dict, data_start: int, data_len: int) -> TensorTable | None:
-    """Every entry in data order, as a table, when every entry passes `_parse_entry`'s checks
-    and the tensors tile the data region exactly; else None (the entry-by-entry path then
-    names what is wrong). Whole-column steps at C speed: a header of 100k tensors is
-    validated in a few dozen passes instead of 100k Python calls."""
-    names, entries = list(header), list(header.values())
-    if not entries:
+def _columns_of_json(header: dict) -> header_scan.Columns | None:
+    """A json.loads'd header as header_scan's columns (raw values, unchecked), or None when an
+    entry is not an object of exactly dtype, shape and two data_offsets. Whole-column steps
+    at C speed: 100k entries in a few dozen passes, not 100k Python calls."""
+    entries = dict(header)
+    metadata = entries.pop("__metadata__", None)
+    values = list(entries.values())
+    if not set(map(type, values)) <= {dict} or not all(map(eq, map(dict.keys, values), repeat(_ENTRY_KEYS))):
         return None
-    if set(map(type, entries)) != {dict} or not all(map(eq, map(dict.keys, entries), repeat(_ENTRY_KEYS))):
+    offsets = list(map(itemgetter("data_offsets"), values))
+    if not set(map(type, offsets)) <= {list} or not set(map(len, offsets)) <= {2}:
         return None
-    offsets = list(map(itemgetter("data_offsets"), entries))
-    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
-        return None
-    return _entries_of_columns(path, names, list(map(itemgetter("dtype"), entries)),
-                               list(map(itemgetter("shape"), entries)), list(map(itemgetter(0), offsets)),
-                               list(map(itemgetter(1), offsets)), data_start, data_len)
+    return header_scan.Columns((metadata, list(entries), list(map(itemgetter("dtype"), values)),
+                                list(map(itemgetter("shape"), values)), list(map(itemgetter(0), offsets)),
+                                list(map(itemgetter(1), offsets))))
 
 
-def _entries_of_columns(path: Path, names: list, dtypes: list, shapes: list, begins: list, ends: list,
-                        data_start: int, data_len: int) -> TensorTable | None:
-    """`_entries_fast` on the entries' fields as columns (from a parsed header, or from
-    checkpoint/header_scan.py: shapes are lists or tuples)."""
-    if not names:
-        return None
+def _fields_ok(names: list, dtypes: list, shapes: list, begins: list, ends: list, data_len: int) -> bool:
+    """Each entry's fields as `_entry_span` checks them, a column at a time (`names` not empty)."""
     try:
         if set(map(type, dtypes)) != {str} or not set(dtypes) <= ITEMSIZE.keys() \
                 or not set(map(type, shapes)) <= {list, tuple}:
-            return None
+            return False
         dims = list(chain.from_iterable(shapes))
         if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) >= 2**53):
-            return None
+            return False
         if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
                 or max(ends) > data_len:
-            return None
-        # end - begin == numel x itemsize (so begin <= end)
-        if list(map(sub, ends, begins)) != list(map(mul, map(prod, shapes), map(ITEMSIZE.__getitem__, dtypes))):
-            return None
+            return False
         "\n".join(names).encode("utf-8")  # no lone surrogate in any name (_is_text)
     except UnicodeEncodeError:
+        return False
+    # end - begin == numel x itemsize (so begin <= end)
+    return list(map(sub, ends, begins)) == list(map(mul, map(prod, shapes), map(ITEMSIZE.__getitem__, dtypes)))
+
+
+def _table_of_columns(path: Path, cols: header_scan.Columns, data_start: int, data_len: int) -> TensorTable | None:
+    """The header's tensors in data order, when its metadata and every entry are well formed
+    and the tensors tile the data region exactly; else None (`_header_error` names why)."""
+    metadata, names, dtypes, shapes, begins, ends = cols
+    if metadata is not None and not _good_metadata(metadata):
+        return None
+    if not names:  # no tensors: valid only on an empty data region
+        return TensorTable([], [], [], [], [], [(path, 0)]) if data_len == 0 else None
+    if not _fields_ok(names, dtypes, shapes, begins, ends, data_len):
         return None
     pairs = list(zip(begins, ends))
-    if not all(map(le, pairs, islice(pairs, 1, None))):  # not in data order: sort as parse_header does
+    if not all(map(le, pairs, islice(pairs, 1, None))):  # not in data order: a stable sort by (begin, end)
         order = sorted(range(len(pairs)), key=pairs.__getitem__)
         names, dtypes, shapes = [names[i] for i in order], [dtypes[i] for i in order], [shapes[i] for i in order]
         begins, ends = [begins[i] for i in order], [ends[i] for i in order]
@@ -311,25 +307,36 @@ def _entries_of_columns(path: Path, names: list, dtypes: list, shapes: list, beg
     return TensorTable(names, dtypes, shapes, begins, ends, [(path, 0)])
 
 
-def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
-    # the common case checked in a few C-speed steps (per-tensor cost matters at 100k tensors)
-    if type(entry) is dict and entry.keys() == _ENTRY_KEYS:
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if (type(dtype) is str and dtype in ITEMSIZE and type(shape) is list and type(offsets) is list
-                and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
-                and all(type(d) is int and 0 <= d < 2**53 for d in shape)):
-            begin, end = offsets
-            if 0 <= begin <= end <= data_len and end - begin == prod(shape) * ITEMSIZE[dtype] and _is_text(name):
-                return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
-    return _parse_entry_slow(path, name, entry, data_start, data_len)
+def _header_error(path: Path, header: dict, data_start: int, size: int) -> CheckpointError:
+    """What is wrong with a header `_table_of_columns` refused, one check at a time in the
+    order a reader meets them: the metadata, each entry in the header's order, then the
+    tiling in data order (like safetensors itself: no gaps or overlaps, so that every byte
+    of the file is covered by the header hash or a block hash)."""
+    entries = dict(header)
+    metadata = entries.pop("__metadata__", None)
+    if metadata is not None and not _good_metadata(metadata):
+        return CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    spans = [_entry_span(path, name, entry, size - data_start) for name, entry in entries.items()]
+    pos = 0
+    for begin, end, name in sorted(spans, key=itemgetter(0, 1)):  # stable: ties keep the header's order
+        if begin != pos:
+            what = "overlaps the previous tensor" if begin < pos else "leaves a gap before it"
+            return CheckpointError(f"{path}: tensor {name!r}: data_offsets {what}")
+        pos = end
+    if data_start + pos != size:
+        return CheckpointError(f"{path}: {size - data_start - pos} bytes after the last tensor are not "
+                               "described by the header")
+    # unreachable while _table_of_columns and _entry_span apply the same checks
+    return CheckpointError(f"{path}: header refused, but no check names why (a mergepipe bug: please report)")
 
 
-def _parse_entry_slow(path: Path, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
-    """The same checks as `_parse_entry`, one by one, so the error names what is wrong."""
+def _entry_span(path: Path, name: str, entry: object, data_len: int) -> tuple[int, int, str]:
+    """(begin, end, name) of one entry, offsets relative to the data region, after the checks
+    `_fields_ok` makes a column at a time, one by one, so the error names what is wrong."""
     where = f"{path}: tensor {name!r}"
     if not _is_text(name):
         raise CheckpointError(f"{where}: tensor name is not valid Unicode (lone surrogate escape)")
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
         raise CheckpointError(f"{where}: entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
@@ -344,7 +351,7 @@ def _parse_entry_slow(path: Path, name: str, entry: object, data_start: int, dat
     expected = prod(shape) * ITEMSIZE[dtype]
     if end - begin != expected:
         raise CheckpointError(f"{where}: {end - begin} bytes but shape {shape} x {dtype} needs {expected}")
-    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+    return begin, end, name
 
 
 @dataclass(frozen=True, slots=True)
