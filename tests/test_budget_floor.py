@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from mergepipe.cli import main
 from mergepipe.errors import BudgetError
 from mergepipe.index.sketch import sketch_cost
-from mergepipe.plan.planner import PlanInput, make_plan
+from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan
 from mergepipe.units import parse_budget
 from tests.helpers import load_model, synthetic_indexes, write_config
 
@@ -50,11 +50,11 @@ def _plan(indexes, budget, strategy=None, method="task_arithmetic"):
         calibration = {"artifact": "a" * 64, "text": "c" * 64, "energies": {
             n: {t: [x * x for x in td.block_l2] for t, td in d.tensors.items()} for n, d in deltas.items()}}
     params = {"lambda": 1.0} if method == "task_arithmetic" else {}
-    return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
-                     expert_indexes=idx, deltas=deltas, method=method, params=params, seed=0, budget=budget,
-                     block_bytes=4096, output={"dtype": None, "shard_bytes": None}, strategy=strategy,
-                     calibration=calibration,
-                     sketches={n: _Sketch(d) for n, d in deltas.items()} if name == "sketch" else None)
+    return make_plan(PlanRequest(
+        base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
+        expert_indexes=idx, deltas=deltas, method=method, params=params, seed=0, budget=budget,
+        block_bytes=4096, output={"dtype": None, "shard_bytes": None}, strategy=strategy,
+        calibration=calibration, sketches={n: _Sketch(d) for n, d in deltas.items()} if name == "sketch" else None))
 
 
 def _reads(plan) -> int:

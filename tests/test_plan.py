@@ -7,16 +7,17 @@ from hypothesis import strategies as st
 
 from mergepipe.cli import main
 from mergepipe.errors import BudgetError
-from mergepipe.plan.planner import PlanInput, make_plan
+from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan
 from mergepipe.units import parse_budget
 from tests.helpers import load_model, synthetic_indexes, write_config
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, method="task_arithmetic"):
-    return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
-                     expert_indexes=idx, deltas=deltas, method=method, params={"lambda": 1.0}, seed=0,
-                     budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=64,
-                     output={"dtype": None, "shard_bytes": None})
+    return make_plan(PlanRequest(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index,
+                                 experts=experts, expert_indexes=idx, deltas=deltas, method=method,
+                                 params={"lambda": 1.0}, seed=0, budget=f"{budget_bytes}B",
+                                 budget_bytes=budget_bytes, block_bytes=64,
+                                 output={"dtype": None, "shard_bytes": None}))
 
 
 @given(st.lists(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), min_size=1, max_size=4),
@@ -44,16 +45,16 @@ def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, se
     kw = dict(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
               expert_indexes=idx, deltas=deltas, method="task_arithmetic", params={"lambda": 1.0}, seed=0,
               block_bytes=64, output={"dtype": None, "shard_bytes": None})
-    full = make_plan(**kw, budget="full")
+    full = make_plan(PlanRequest(**kw, budget="full"))
     full_read = full["bytes"]["full_read_expert_bytes"]
     assert full_read == full["bytes"]["planned_expert_bytes"] == full["budget_bytes"]
     assert full_read == full["bytes"]["total_expert_bytes"] - sum(full["bytes"]["skipped_identical_by_expert"].values())
     share = parse_budget(budget)
     if full_read and share.resolve(full_read) < 64:  # below one 64-byte block: nothing to read
         with pytest.raises(BudgetError, match="smaller than any expert block"):  # plan/budget_floor.py
-            make_plan(**kw, budget=budget)
+            make_plan(PlanRequest(**kw, budget=budget))
         return
-    plan = make_plan(**kw, budget=budget)
+    plan = make_plan(PlanRequest(**kw, budget=budget))
     assert plan["budget"] == str(share)
     assert plan["budget_bytes"] == share.resolve(full_read)
     assert plan["budget_bytes"] == (full_read if share.kind == "full" else int(share.fraction * full_read))

@@ -20,7 +20,7 @@ from mergepipe.config.params import load_config
 from mergepipe.engine.merge import run_merge
 from mergepipe.errors import ConfigError
 from mergepipe.index.store import Store
-from mergepipe.plan.planner import PlanInput, make_plan, plan_hash
+from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan, plan_hash
 from mergepipe.plan.record import validate_plan
 from mergepipe.plan.strategies import STRATEGIES
 from mergepipe.plan.strategies.balanced import expert_shares
@@ -70,12 +70,13 @@ def _calibration(idx, deltas) -> dict:
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task_arithmetic", lam=1.0):
     kind = (strategy or {}).get("strategy")
-    return make_plan(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
-                     expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
-                     budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
-                     output={"dtype": None, "shard_bytes": None}, strategy=strategy,
-                     calibration=_calibration(idx, deltas) if kind == "calibrated" else None,
-                     sketches={n: _SyntheticSketch(d, n) for n, d in deltas.items()} if kind == "sketch" else None)
+    return make_plan(PlanRequest(
+        base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
+        expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
+        budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
+        output={"dtype": None, "shard_bytes": None}, strategy=strategy,
+        calibration=_calibration(idx, deltas) if kind == "calibrated" else None,
+        sketches={n: _SyntheticSketch(d, n) for n, d in deltas.items()} if kind == "sketch" else None))
 
 
 def test_every_registered_strategy_is_exercised():

@@ -38,7 +38,7 @@ from mergepipe.output.manifest import (MANIFEST, SIGNATURE, build_manifest, load
 from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_stack
 from mergepipe.output.run_record import stat_key
 from mergepipe.plan.strategies.default import default_options
-from mergepipe.plan.planner import PlanInput, check_plan_inputs, make_plan
+from mergepipe.plan.planner import PlanInput, PlanRequest, check_plan_inputs, make_plan
 from mergepipe.plan.record import check_plan_reads
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher
@@ -133,15 +133,14 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool
                                  {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, progress=not quiet)
     base_files = plan_base_files(base, tokenizer_source=cfg.output.tokenizer_dir is not None,
                                  dtype=norm["output"]["dtype"])
-    plan = make_plan(base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files),
-                     base_index=base_index,
-                     experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
-                     params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"],
-                     budget=budget, block_bytes=bb,
-                     output=_plan_output(cfg, norm, base, vocabulary, built),
-                     nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
-                     tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors),
-                     calibration=calibration, sketches=sketches)
+    plan = make_plan(PlanRequest(
+        base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files), base_index=base_index,
+        experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
+        params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"],
+        budget=budget, block_bytes=bb, output=_plan_output(cfg, norm, base, vocabulary, built),
+        nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
+        tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors),
+        calibration=calibration, sketches=sketches))
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                         tokenizer_dir=cfg.output.tokenizer_dir, sketches=sketches or {})
 

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from operator import itemgetter
 
+from pydantic import ValidationError
+
 from mergepipe import __version__
 from mergepipe.errors import BudgetError, CheckpointError, ConfigError
 from mergepipe.index.columns import delta_rows, model_rows
@@ -33,7 +35,10 @@ from mergepipe.plan import joint_reads, sketch_reads
 from mergepipe.plan.budget_floor import check_budget_floor, smallest_read
 from mergepipe.checkpoint.blocks import BlockLayout, is_vocabulary_tensor, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
-from mergepipe.plan.strategies import Candidate, PlanContext, normalized_options, strategy_options
+from mergepipe.plan.record import (BaseInputRecord, BoundRecord, BytesRecord, CalibrationRecord, JointRecord,
+                                   OutputRecord, PlanInputRecord, PlanRecord, SketchRecord, StrategyRecord)
+from mergepipe.plan.strategies import (Candidate, PlanContext, Selection, Strategy, StrategyInputs, normalized_options,
+                                       strategy_options)
 from mergepipe.plan.strategies.registry import per_byte
 from mergepipe.units import Budget, parse_budget
 from mergepipe.util.canonical import canonical_blake3
@@ -63,69 +68,143 @@ def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> di
     return get_method(method).effective_weights(params, {e.name: e.weight for e in experts})
 
 
-# Long: to be split into candidates -> select -> account -> record: issue 23 item 1.
-def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInput],  # noqa: C901, PLR0915
-              expert_indexes: dict[str, ModelIndex], deltas: dict[str, DeltaIndex],
-              method: str, params: dict, seed: int, budget: Budget | str, budget_bytes: int | None = None,
-              block_bytes: int | BlockLayout, output: dict, nonfinite: str = "error",
-              strategy: dict | None = None, tensor_parameters: dict | None = None,
-              calibration: dict | None = None, sketches: dict | None = None) -> dict:
-    """Build the plan (a canonical, JSON-able dict with its own hash).
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """What a plan is made from (make_plan's one argument).
 
-    `budget` is resolved against the plan's own full-read bytes (every expert
-    block that differs from the base: what a full-budget merge reads), so "10%"
-    reads a tenth of a full merge; `budget_bytes`, if given, overrides that.
-    The plan records both the budget as written and the resolved bytes.
-    `strategy` is the `plan:` mapping of params.yaml ({strategy: NAME, ...options};
-    None or the default: `energy`); `calibration` what a calibrated strategy scores with
-    (commands/calibration.py); `sketches` expert name -> its opened sketch (index/sketch.py)
-    for a sketching strategy. `tensor_parameters` (config/tensor_params.py) gives
-    per-tensor parameters and expert weights: recorded in the plan, and each tensor's
-    scores use its own effective weights.
+    `budget` is resolved against the plan's own full-read bytes (every expert block that
+    differs from the base: what a full-budget merge reads), so "10%" reads a tenth of a full
+    merge; `budget_bytes`, if given, overrides that (and skips the budget floor). `strategy` is
+    the `plan:` mapping of params.yaml ({strategy: NAME, ...options}; None or the default:
+    `energy`); `calibration` and `sketches` are what a calibrated or sketching strategy's
+    `inputs` hook reads (commands/calibration.py; expert name -> its opened sketch,
+    index/sketch.py). `tensor_parameters` (config/tensor_params.py) gives per-tensor
+    parameters and expert weights: recorded in the plan, and each tensor's scores use its
+    own effective weights."""
+
+    base: PlanInput
+    base_index: ModelIndex
+    experts: list[PlanInput]
+    expert_indexes: dict[str, ModelIndex]
+    deltas: dict[str, DeltaIndex]
+    method: str
+    params: dict
+    seed: int
+    budget: Budget | str
+    block_bytes: int | BlockLayout
+    output: dict
+    budget_bytes: int | None = None
+    nonfinite: str = "error"
+    strategy: dict | None = None
+    tensor_parameters: dict | None = None
+    calibration: dict | None = None
+    sketches: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Every (expert, block) a merge could read, in the energy order, and what the walk counted."""
+
+    items: list[Candidate]
+    total_expert_bytes: int  # every block of every expert tensor, identical ones included
+    skipped_identical: dict[str, int]  # expert -> bytes of its blocks identical to the base
+    mass_sq: float  # sum of the candidates' squared scores
+
+    @property
+    def full_read_bytes(self) -> int:
+        return sum(it.cost for it in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """What a selection reads: blocks and bytes per expert (full and sketched), and the bound."""
+
+    reads: dict[str, dict[str, list[int]]]  # expert -> tensor -> sorted blocks read in full
+    planned: dict[str, int]  # expert -> bytes read in full
+    sketch_blocks: dict[str, dict[str, list[int]]]  # expert -> tensor -> blocks read as sketches
+    sketch_planned: dict[str, int]  # expert -> sketch bytes
+    omitted: float  # the omitted mass (module docstring)
+
+
+def make_plan(req: PlanRequest) -> dict:
+    """The plan of `req`: its typed record (PlanRecord) as a canonical, JSON-able dict with
+    its own hash. Steps: the strategy and budget checks, the candidates, the strategy's
+    selection, the accounting (reads, bytes, bound), the record.
 
     Raises:
         BudgetError: budget_bytes < 0, or a budget too small for any read (plan/budget_floor.py).
         CheckpointError: an expert delta has NaN/Inf and nonfinite == "error".
-        ConfigError: unknown strategy, bad options, or a rescaling strategy with a
-            method that does not merge weighted deltas (slerp).
+        ConfigError: unknown strategy, bad options, a strategy without the inputs it needs, or a
+            rescaling strategy with a method that does not merge weighted deltas (slerp).
     """
-    m = get_method(method)
-    layout = BlockLayout.of(block_bytes)
+    m = get_method(req.method)
+    layout = BlockLayout.of(req.block_bytes)
+    strat, strat_params, strategy_json = _strategy(req, m)
+    budget = _budget(req)
+    experts = sorted(req.experts, key=lambda e: (e.content_hash, e.name))
+    check_float32_range(req.method, req.params, experts, req.tensor_parameters, "plan")
+    eff_of = _tensor_effective_weights(req.method, req.params, experts, req.tensor_parameters)
+    eff = effective_weights(req.method, req.params, experts)
+    scale = vocabulary_scales(req.base_index, layout)  # empty for plain layouts
+    cands = candidates(req, experts, lambda tensor: eff_of(tensor, eff), scale)
+    budget_bytes = req.budget_bytes if req.budget_bytes is not None else budget.resolve(cands.full_read_bytes)
+    inputs = strat.inputs(req, cands.items) if strat.inputs is not None else StrategyInputs()
+    if req.budget_bytes is None:  # a budget_bytes given by the caller is taken as it is
+        check_budget_floor(budget, budget_bytes, cands.full_read_bytes,
+                           smallest_read(cands.items, grouped=m.joint is not None, sketch=inputs.sketch))
+    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), _strategy_weights(req, eff, eff_of),
+                      inputs.block_scores, scale, _vocabulary(req.base_index), sketch=inputs.sketch)
+    selection = select(req, m, strat, strat_params, cands.items, budget_bytes, ctx)
+    acct = account(cands.items, selection, [e.name for e in experts], inputs.sketch)
+    used = sum(acct.planned.values()) + sum(acct.sketch_planned.values())
+    if used > budget_bytes:  # a strategy bug, never the user's
+        raise BudgetError(f"plan strategy {strat.name!r} chose {used} bytes over the budget of {budget_bytes}")
+    rec = record(req, m, layout, experts, cands, acct, budget, budget_bytes,
+                 _strategy_record(strat, strategy_json, selection, inputs, acct))
+    return plan_json(rec)
+
+
+def _strategy(req: PlanRequest, m) -> tuple[Strategy, object, dict | None]:
+    """The strategy, its typed options and their normalized JSON (None: the default), checked
+    against the method."""
     try:
-        strategy_json = normalized_options(strategy)
-        strat, strat_params = strategy_options(strategy)
+        strategy_json = normalized_options(req.strategy)
+        strat, strat_params = strategy_options(req.strategy)
     except ValueError as e:
         raise ConfigError(f"plan: {e}") from None
     if m.joint is not None:
-        joint_reads.check_strategy(method, strat.name)
+        joint_reads.check_strategy(req.method, strat.name)
     if strat.rescales and m.cosine:
-        raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {method!r} does not merge "
+        raise ConfigError(f"plan: strategy {strat.name!r} rescales deltas; method {req.method!r} does not merge "
                           "weighted deltas, use strategy energy or balanced")
-    if strat.sketched:
-        sketch_reads.check_method(method, strat.name)
-        if sketches is None:
-            raise ConfigError(f"plan: strategy {strat.name!r} needs the experts' sketches (mergepipe run makes them)")
-    if budget_bytes is None:
-        budget = parse_budget(budget)
-    elif budget_bytes < 0:
-        raise BudgetError(f"budget {budget} resolves to {budget_bytes} bytes; it must be >= 0")
-    experts = sorted(experts, key=lambda e: (e.content_hash, e.name))
-    scale = vocabulary_scales(base_index, layout)  # empty for plain layouts: score / cost as before
-    check_float32_range(method, params, experts, tensor_parameters, "plan")
-    eff = effective_weights(method, params, experts)
-    eff_of = _tensor_effective_weights(method, params, experts, tensor_parameters)
+    return strat, strat_params, strategy_json
+
+
+def _budget(req: PlanRequest) -> Budget | str:
+    """The parsed budget; as written where the caller gives budget_bytes (then never resolved)."""
+    if req.budget_bytes is None:
+        return parse_budget(req.budget)
+    if req.budget_bytes < 0:
+        raise BudgetError(f"budget {req.budget} resolves to {req.budget_bytes} bytes; it must be >= 0")
+    return req.budget
+
+
+def candidates(req: PlanRequest, experts: list[PlanInput], weights_of, scale: dict[str, float]) -> Candidates:
+    """Every block of a float tensor that differs from the base, for each expert, sorted by the
+    energy order (score per byte descending, then tensor, row, expert content hash). `weights_of`:
+    tensor -> the effective weights its scores use."""
     items: list[Candidate] = []
-    skipped_identical: dict[str, int] = {}
-    total_expert_bytes = 0
+    skipped: dict[str, int] = {}
+    total = 0
     mass_sq = 0.0
     row_bytes_of: dict[tuple, int] = {}
     for e in experts:
-        idx, delta = expert_indexes[e.name], deltas[e.name]
-        skipped_identical[e.name] = 0
+        idx, delta = req.expert_indexes[e.name], req.deltas[e.name]
+        skipped[e.name] = 0
         # the indexes' columns walked once, no entry made per tensor (index/columns.py)
         rows = zip(model_rows(idx.tensors), delta_rows(delta.tensors, list(idx.tensors)))
         for (name, dtype, shape, flat), (bad, identical, block_l2) in rows:
-            if bad and nonfinite == "error":
+            if bad and req.nonfinite == "error":
                 raise CheckpointError(f"{e.path}: tensor {name!r} has {bad} NaN/Inf values "
                                       "(set nonfinite: allow to merge anyway)")
             entry_row_bytes = row_bytes_of.get((shape, dtype))
@@ -135,139 +214,176 @@ def make_plan(*, base: PlanInput, base_index: ModelIndex, experts: list[PlanInpu
             for b in range(len(flat) // 2):
                 r0, r1 = flat[2 * b], flat[2 * b + 1]
                 cost = (r1 - r0) * entry_row_bytes
-                total_expert_bytes += cost
+                total += cost
                 if identical[b]:
-                    skipped_identical[e.name] += cost
+                    skipped[e.name] += cost
                     continue
                 if dtype not in FLOAT_DTYPES:
                     continue  # integer buffers are copied from the base, never merged
                 if weight is None:
-                    weight = eff_of(name, eff)[e.name]
+                    weight = weights_of(name)[e.name]
                 score = weight * block_l2[b]
                 mass_sq += score * score
                 ratio = per_byte(score, cost, scale.get(name, 1.0))
                 items.append(Candidate(-ratio, name, r0, e.content_hash, e.name, b, cost, score, block_l2[b]))
     items.sort(key=itemgetter(0, 1, 2, 3))  # it[:4], compared in C
-    full_read_bytes = sum(it[6] for it in items)
-    floored = budget_bytes is None  # a budget_bytes given by the caller is taken as it is
-    if budget_bytes is None:
-        budget_bytes = budget.resolve(full_read_bytes)
-    if tensor_parameters is not None:  # strategies' shares: each expert's largest per-tensor weight
-        for g in range(len(tensor_parameters["groups"])):
-            for k, v in eff_of(None, eff, g).items():
-                eff[k] = max(eff[k], v)
-    scores = None
-    if strat.calibrated:  # calibration: {artifact, text, energies: expert -> tensor -> [per block]}
-        if calibration is None:
-            raise ConfigError(f"plan: strategy {strat.name!r} needs a calibration artifact (mergepipe run makes it)")
-        scores = {(name, t, b): v for name, per in calibration["energies"].items()
-                  for t, vs in per.items() for b, v in enumerate(vs)}
-    vocabulary = frozenset(n for n, _, shape, _ in model_rows(base_index.tensors) if is_vocabulary_tensor(n, shape))
-    sk_ctx = None
-    if strat.sketched:
-        sk_ctx = sketch_reads.sketch_context(items, sketches, {n: e.dtype for n, e in base_index.tensors.items()})
-    if floored:
-        check_budget_floor(budget, budget_bytes, full_read_bytes,
-                           smallest_read(items, grouped=m.joint is not None, sketch=sk_ctx))
-    ctx = PlanContext(tuple((e.name, e.content_hash) for e in experts), dict(eff), scores, scale, vocabulary,
-                      sketch=sk_ctx)
-    if m.joint is not None:  # per-tensor parameters must not change the statistics
-        joint_reads.check_tensor_parameters(method, m, params, tensor_parameters)
-    if m.joint is not None:  # a block is read for all experts or none (plan/joint_reads.py)
-        selection = joint_reads.select_groups(strat, items, budget_bytes, ctx, strat_params)
-    else:
-        selection = strat.select(items, budget_bytes, ctx, strat_params)
-    scales = selection.scales
-    reads: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
-    planned = {e.name: 0 for e in experts}
-    used = 0
-    # per block: sum over omitted experts of s_kb, plus (c_kt - 1) s_kb over read ones a
-    # strategy rescaled (the rescale's own error, zero when nothing is rescaled)
+    return Candidates(items, total, skipped, mass_sq)
+
+
+def _strategy_weights(req: PlanRequest, eff: dict[str, float], eff_of) -> dict[str, float]:
+    """The effective weights a strategy sees: with per-tensor parameters, each expert's
+    largest over the top level and every group (its budget share)."""
+    out = dict(eff)
+    for g in range(len((req.tensor_parameters or {}).get("groups", []))):
+        for k, v in eff_of(None, eff, g).items():
+            out[k] = max(out[k], v)
+    return out
+
+
+def _vocabulary(base_index: ModelIndex) -> frozenset[str]:
+    return frozenset(n for n, _, shape, _ in model_rows(base_index.tensors) if is_vocabulary_tensor(n, shape))
+
+
+def select(req: PlanRequest, m, strat: Strategy, strat_params, items: list[Candidate], budget_bytes: int,
+           ctx: PlanContext) -> Selection:
+    """The strategy's choice; for a method with joint statistics a block is read for all
+    experts or none (plan/joint_reads.py)."""
+    if m.joint is None:
+        return strat.select(items, budget_bytes, ctx, strat_params)
+    joint_reads.check_tensor_parameters(req.method, m, req.params, req.tensor_parameters)  # statistics unchanged
+    return joint_reads.select_groups(strat, items, budget_bytes, ctx, strat_params)
+
+
+def account(items: list[Candidate], selection: Selection, names: list[str],
+            sketch: dict[tuple[str, str, int], tuple[float, int]] | None) -> Accounting:
+    """Reads and bytes per expert, and the omitted mass: per block, the sum over omitted
+    experts of s_kb (a sketched block: its residual's), plus (c_kt - 1) s_kb over read ones a
+    strategy rescaled (the rescale's own error, zero when nothing is rescaled)."""
+    reads: dict[str, dict[str, list[int]]] = {n: {} for n in names}
+    planned = dict.fromkeys(names, 0)
+    sketch_blocks: dict[str, dict[str, list[int]]] = {n: {} for n in names}
+    sketch_planned = dict.fromkeys(names, 0)
     omitted_by_block: dict[tuple[str, int], float] = {}
-    sketched = selection.sketched or [False] * len(items)
-    sketch_blocks: dict[str, dict[str, list[int]]] = {e.name: {} for e in experts}
-    sketch_planned = {e.name: 0 for e in experts}
-    for it, take, sk in zip(items, selection.chosen, sketched):
+    scales = selection.scales
+    for it, take, sk in zip(items, selection.chosen, selection.sketched or [False] * len(items)):
+        key = (it.tensor, it.block)
         if sk and not take:  # read as its sketch: its cost, and only its residual is left out
-            r2, cs = sk_ctx[(it.expert, it.tensor, it.block)]
-            used += cs
+            r2, cs = sketch[(it.expert, it.tensor, it.block)]
             sketch_planned[it.expert] += cs
             sketch_blocks[it.expert].setdefault(it.tensor, []).append(it.block)
-            key = (it.tensor, it.block)
             omitted_by_block[key] = omitted_by_block.get(key, 0.0) + sketch_reads.residual_score(it, r2)
         elif take:
-            used += it.cost
             planned[it.expert] += it.cost
             reads[it.expert].setdefault(it.tensor, []).append(it.block)
             c = scales.get(it.expert, {}).get(it.tensor, 1.0)
             if c != 1.0:
-                key = (it.tensor, it.block)
                 omitted_by_block[key] = omitted_by_block.get(key, 0.0) + (c - 1.0) * it.score
         else:
-            key = (it.tensor, it.block)
             omitted_by_block[key] = omitted_by_block.get(key, 0.0) + it.score
-    if used > budget_bytes:  # a strategy bug, never the user's
-        raise BudgetError(f"plan strategy {strat.name!r} chose {used} bytes over the budget of {budget_bytes}")
-    # Blocks are disjoint, hence orthogonal in Frobenius norm: the triangle inequality
-    # is only needed across experts within a block, which is much tighter than a plain sum.
-    omitted = math.sqrt(sum(v * v for _, v in sorted(omitted_by_block.items())))
     for per_tensor in reads.values():
         for blocks in per_tensor.values():
             blocks.sort()
-    full_norm = math.sqrt(mass_sq)
-    plan = {
-        "schema": PLAN_SCHEMA,
-        "mergepipe_version": __version__,
-        "method": method,
-        "parameters": params,
-        "seed": seed,
-        "budget": str(budget),
-        "budget_bytes": budget_bytes,
-        "block_bytes": layout.block_bytes,
-        "output": output,
-        "nonfinite": nonfinite,
-        "base": {**_input_json(base), "files": dict(sorted((base.files or {}).items()))},
-        "experts": [_input_json(e) for e in experts],
-        "reads": {name: dict(sorted(r.items())) for name, r in sorted(reads.items())},
-        "bytes": {
-            "total_expert_bytes": total_expert_bytes,
-            "full_read_expert_bytes": full_read_bytes,
-            "planned_expert_bytes": used - sum(sketch_planned.values()),  # full reads; sketches below
-            "planned_by_expert": dict(sorted(planned.items())),
-            "skipped_identical_by_expert": dict(sorted(skipped_identical.items())),
-            "candidate_pairs": len(items),
-            "planned_pairs": sum(len(v) for r in reads.values() for v in r.values()),
-        },
-        "bound": {
-            "kind": "certified" if m.additive else "heuristic",
-            "omitted_mass": omitted,
-            "full_update_norm_estimate": full_norm,
-            "relative": omitted / full_norm if full_norm else 0.0,
-        },
+    # Blocks are disjoint, hence orthogonal in Frobenius norm: the triangle inequality
+    # is only needed across experts within a block, which is much tighter than a plain sum.
+    omitted = math.sqrt(sum(v * v for _, v in sorted(omitted_by_block.items())))
+    return Accounting(reads, planned, sketch_blocks, sketch_planned, omitted)
+
+
+def _strategy_record(strat: Strategy, strategy_json: dict | None, selection: Selection, inputs: StrategyInputs,
+                     acct: Accounting) -> StrategyRecord | None:
+    """The plan's `strategy` entry; None for the default strategy, whose plans have no such key."""
+    if strategy_json is None:
+        return None
+    fields: dict = {"name": strat.name, "parameters": strategy_json,
+                    "scales": {k: dict(sorted(v.items())) for k, v in sorted(selection.scales.items())}}
+    if "calibration" in inputs.recorded:
+        fields["calibration"] = CalibrationRecord.model_construct(**inputs.recorded["calibration"])
+    if strat.sketched:
+        blocks = {n: {t: sorted(bs) for t, bs in sorted(per.items())} for n, per in sorted(acct.sketch_blocks.items())}
+        fields["sketch"] = SketchRecord.model_construct(**inputs.recorded["sketch"], blocks=blocks)
+    return StrategyRecord.model_construct(**fields)
+
+
+def record(req: PlanRequest, m, layout: BlockLayout, experts: list[PlanInput], cands: Candidates, acct: Accounting,
+           budget: Budget | str, budget_bytes: int, strategy: StrategyRecord | None) -> PlanRecord:
+    """The typed plan, its hash included. Built without validation (model_construct): the request
+    comes from checked config, and a plan file is validated when read (plan/record.py); fields
+    left unset are absent from the plan JSON, so plans without them keep their hash."""
+    fields: dict = {
+        "schema": PLAN_SCHEMA, "mergepipe_version": __version__, "method": req.method, "parameters": req.params,
+        "seed": req.seed, "budget": str(budget), "budget_bytes": budget_bytes, "block_bytes": layout.block_bytes,
+        "output": _output_record(req.output), "nonfinite": req.nonfinite,
+        "base": BaseInputRecord.model_construct(**_input_json(req.base),
+                                                files=dict(sorted((req.base.files or {}).items()))),
+        "experts": [PlanInputRecord.model_construct(**_input_json(e)) for e in experts],
+        "reads": {name: dict(sorted(r.items())) for name, r in sorted(acct.reads.items())},
+        "bytes": _bytes_record(cands, acct, strategy is not None and strategy.sketch is not None),
+        "bound": _bound_record(m, acct.omitted, math.sqrt(cands.mass_sq)),
     }
     if layout.embedding_block_bytes is not None:  # only when set: plain-layout plans keep their hash
-        plan["embedding_block_bytes"] = layout.embedding_block_bytes
-    if tensor_parameters is not None:
-        plan["tensor_parameters"] = tensor_parameters
-    if m.joint is not None:  # the statistics' content address (methods/joint.py); None: none needed
-        active = m.joint.active(m.params.model_validate(params))
-        plan["joint"] = {"reads": joint_reads.READS, "key": statistics_key(
-            m.joint, method=method, params=params, base_hash=base.content_hash,
-            experts=plan["experts"], seed=seed, block_bytes=layout.key) if active else None}
-    if strategy_json is not None:
-        plan["strategy"] = {"name": strat.name, "parameters": strategy_json,
-                            "scales": {k: dict(sorted(v.items())) for k, v in sorted(scales.items())}}
-        if scores is not None:  # what the importance came from, so the plan hash covers it
-            plan["strategy"]["calibration"] = {k: calibration[k] for k in ("artifact", "text")}
-        if strat.sketched:
-            plan["strategy"]["sketch"] = {
-                "artifacts": {e.name: sketches[e.name].digest for e in sorted(experts, key=lambda e: e.name)},
-                "blocks": {n: {t: sorted(bs) for t, bs in sorted(per.items())}
-                           for n, per in sorted(sketch_blocks.items())}}
-            plan["bytes"]["planned_sketch_bytes"] = sum(sketch_planned.values())
-            plan["bytes"]["sketch_by_expert"] = dict(sorted(sketch_planned.items()))
-    plan["plan_hash"] = plan_hash(plan)
-    return plan
+        fields["embedding_block_bytes"] = layout.embedding_block_bytes
+    if req.tensor_parameters is not None:
+        fields["tensor_parameters"] = req.tensor_parameters
+    if m.joint is not None:
+        fields["joint"] = _joint_record(req, m, layout, experts)
+    if strategy is not None:
+        fields["strategy"] = strategy
+    fields["schema_"] = fields.pop("schema")
+    rec = PlanRecord.model_construct(**fields, plan_hash=_UNHASHED)
+    return rec.model_copy(update={"plan_hash": plan_hash(plan_json(rec))})
+
+
+_UNHASHED = "0" * 64  # the record's hash while its JSON, which the hash covers, is made
+
+
+def plan_json(rec: PlanRecord) -> dict:
+    """The plan's canonical JSON form: its set fields, by their JSON names (`schema`)."""
+    out = rec.model_dump(by_alias=True, exclude_unset=True, exclude={"reads"})
+    out["reads"] = rec.reads  # built here or checked by validate_plan: pydantic would copy every list
+    return out
+
+
+def _output_record(output: dict) -> OutputRecord:
+    """The plan's `output`, validated: its nested records (layout, vocabulary) are built by
+    commands/, and the record is the form validate_plan accepts."""
+    try:
+        return OutputRecord.model_validate(output)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in ("output", *err["loc"]))
+        raise ConfigError(f"plan: key {key}: {err['msg']}") from None
+
+
+def _bytes_record(cands: Candidates, acct: Accounting, sketched: bool) -> BytesRecord:
+    fields: dict = {
+        "total_expert_bytes": cands.total_expert_bytes,
+        "full_read_expert_bytes": cands.full_read_bytes,
+        "planned_expert_bytes": sum(acct.planned.values()),  # full reads; sketches below
+        "planned_by_expert": dict(sorted(acct.planned.items())),
+        "skipped_identical_by_expert": dict(sorted(cands.skipped_identical.items())),
+        "candidate_pairs": len(cands.items),
+        "planned_pairs": sum(len(v) for r in acct.reads.values() for v in r.values()),
+    }
+    if sketched:
+        fields["planned_sketch_bytes"] = sum(acct.sketch_planned.values())
+        fields["sketch_by_expert"] = dict(sorted(acct.sketch_planned.items()))
+    return BytesRecord.model_construct(**fields)
+
+
+def _bound_record(m, omitted: float, full_norm: float) -> BoundRecord:
+    return BoundRecord.model_construct(kind="certified" if m.additive else "heuristic", omitted_mass=omitted,
+                                       full_update_norm_estimate=full_norm,
+                                       relative=omitted / full_norm if full_norm else 0.0)
+
+
+def _joint_record(req: PlanRequest, m, layout: BlockLayout, experts: list[PlanInput]) -> JointRecord:
+    """The statistics' content address (methods/joint.py); key None: the parameters need none."""
+    key = None
+    if m.joint.active(m.params.model_validate(req.params)):
+        key = statistics_key(m.joint, method=req.method, params=req.params, base_hash=req.base.content_hash,
+                             experts=[_input_json(e) for e in experts], seed=req.seed,
+                             block_bytes=layout.key)
+    return JointRecord.model_construct(reads=joint_reads.READS, key=key)
 
 
 _F32_MAX = 3.4028234663852886e38

@@ -14,6 +14,7 @@ from mergepipe.plan.strategies.registry import (  # noqa: F401
     PlanContext,
     Selection,
     Strategy,
+    StrategyInputs,
     get_strategy,
     normalized_options,
     strategy_options,

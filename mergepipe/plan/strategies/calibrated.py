@@ -28,9 +28,10 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from mergepipe.errors import ConfigError
 from mergepipe.plan.strategies.balanced import select_balanced
-from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, greedy,
-                                                per_byte, register)
+from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, StrategyInputs,
+                                                greedy, per_byte, register)
 
 
 class CalibratedParams(BaseModel):
@@ -69,7 +70,19 @@ def calibrated_order(cands: list[Candidate], ctx: PlanContext) -> list[int]:
     return sorted(range(len(cands)), key=key)
 
 
-@register("calibrated", params=CalibratedParams, calibrated=True)
+def calibration_inputs(request, cands: list[Candidate]) -> StrategyInputs:
+    """The block scores of the request's calibration artifact (commands/calibration.py:
+    {artifact, text, energies: expert -> tensor -> [per block]}); the plan records the
+    artifact's and the text's blake3."""
+    cal = request.calibration
+    if cal is None:
+        raise ConfigError("plan: strategy 'calibrated' needs a calibration artifact (mergepipe run makes it)")
+    scores = {(name, t, b): v for name, per in cal["energies"].items()
+              for t, vs in per.items() for b, v in enumerate(vs)}
+    return StrategyInputs(block_scores=scores, recorded={"calibration": {k: cal[k] for k in ("artifact", "text")}})
+
+
+@register("calibrated", params=CalibratedParams, calibrated=True, inputs=calibration_inputs)
 def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: CalibratedParams) -> Selection:
     """Greedy by base-Fisher-weighted update energy per byte (importance from calibration text)."""
     if ctx.block_scores is None:

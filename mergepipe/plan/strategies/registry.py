@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mergepipe.plan.planner import PlanRequest
 
 DEFAULT_STRATEGY = "energy"
 
@@ -83,7 +86,20 @@ class Selection:
     sketched: list[bool] | None = None
 
 
+class StrategyInputs(NamedTuple):
+    """What a strategy's `inputs` hook adds to the plan: PlanContext's block_scores or sketch,
+    and `recorded`, the keys the plan's `strategy` entry gets to name those inputs (so the
+    plan hash covers them): calibration {artifact, text}; sketch {artifacts}."""
+
+    block_scores: dict[tuple[str, str, int], float] | None = None
+    sketch: dict[tuple[str, str, int], tuple[float, int]] | None = None
+    recorded: dict[str, dict] = {}
+
+
 SelectFn = Callable[[list[Candidate], int, PlanContext, BaseModel], Selection]
+# (the plan request, its candidates in the energy order) -> the strategy's extra inputs; raises
+# ConfigError when the request lacks what the strategy needs
+InputsFn = Callable[["PlanRequest", list[Candidate]], StrategyInputs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +111,23 @@ class Strategy:
     doc: str
     calibrated: bool = False  # needs PlanContext.block_scores (a calibration artifact)
     sketched: bool = False  # needs PlanContext.sketch (the experts' sketches) and may sketch blocks
+    inputs: InputsFn | None = None  # the hook that makes block_scores / sketch (None: needs neither)
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
 def register(name: str, *, params: type[BaseModel], rescales: bool = False,
-             calibrated: bool = False, sketched: bool = False) -> Callable[[SelectFn], SelectFn]:
+             calibrated: bool = False, sketched: bool = False,
+             inputs: InputsFn | None = None) -> Callable[[SelectFn], SelectFn]:
+    if (calibrated or sketched) and inputs is None:  # the planner has no other way to make them
+        raise ValueError(f"plan strategy {name!r} is calibrated or sketched but registers no `inputs` hook")
+
     def wrap(fn: SelectFn) -> SelectFn:
         if name in STRATEGIES:
             raise ValueError(f"plan strategy {name!r} registered twice")
         STRATEGIES[name] = Strategy(name, params, fn, rescales, (fn.__doc__ or "").strip().splitlines()[0],
-                                    calibrated, sketched)
+                                    calibrated, sketched, inputs)
         return fn
     return wrap
 

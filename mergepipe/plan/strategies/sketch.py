@@ -28,7 +28,9 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from mergepipe.plan.strategies.registry import STRATEGY_CONFIG, Candidate, PlanContext, Selection, register
+from mergepipe.errors import ConfigError
+from mergepipe.plan.strategies.registry import (STRATEGY_CONFIG, Candidate, PlanContext, Selection, StrategyInputs,
+                                                register)
 
 NONE, SKETCH, EXACT = 0, 1, 2
 
@@ -44,7 +46,21 @@ def sketchable(c: Candidate, sketch: tuple[float, int] | None) -> bool:
     return sketch is not None and c.l2 * c.l2 - sketch[0] > 0 and sketch[1] < c.cost
 
 
-@register("sketch", params=SketchParams, sketched=True)
+def sketch_inputs(request, cands: list[Candidate]) -> StrategyInputs:
+    """Each candidate's sketch (residual energy, bytes) from the request's opened sketches
+    (index/sketch.py), for a method a sketch can stand in for; the plan records each
+    expert's sketch header blake3."""
+    from mergepipe.plan import sketch_reads  # it imports this package's registry
+    sketch_reads.check_method(request.method, "sketch")
+    if request.sketches is None:
+        raise ConfigError("plan: strategy 'sketch' needs the experts' sketches (mergepipe run makes them)")
+    dtypes = {n: e.dtype for n, e in request.base_index.tensors.items()}
+    artifacts = {e.name: request.sketches[e.name].digest for e in sorted(request.experts, key=lambda e: e.name)}
+    return StrategyInputs(sketch=sketch_reads.sketch_context(cands, request.sketches, dtypes),
+                          recorded={"sketch": {"artifacts": artifacts}})
+
+
+@register("sketch", params=SketchParams, sketched=True, inputs=sketch_inputs)
 def select(cands: list[Candidate], budget_bytes: int, ctx: PlanContext, p: SketchParams) -> Selection:
     """Greedy by update energy per byte over three levels: skip, ternary sketch, full read."""
     if ctx.sketch is None:
