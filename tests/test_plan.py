@@ -85,3 +85,43 @@ def test_certified_bound_holds_on_real_merges(tmp_path, tiny_family):
         assert bound["kind"] == "certified"
         assert dev <= bound["omitted_mass"] + slack, (budget, dev, bound)
         assert bound["omitted_mass"] > 0
+
+
+def test_a_strategy_gets_its_extra_inputs_through_its_registration_hook():
+    """A strategy is one file: what it needs beyond the candidates (here per-block scores made
+    from the request) comes from the `inputs` hook it registers, and its selection is the plan's."""
+    from pydantic import BaseModel
+
+    from mergepipe.plan.strategies import STRATEGIES, Selection, StrategyInputs
+    from mergepipe.plan.strategies.registry import STRATEGY_CONFIG, register
+
+    class Params(BaseModel):
+        model_config = STRATEGY_CONFIG
+        strategy: str = "test_hooked"
+
+    seen = {}
+
+    def inputs(request, cands):
+        seen["request"], seen["n"] = request, len(cands)
+        return StrategyInputs(block_scores={(c.expert, c.tensor, c.block): float(c.block % 2) for c in cands})
+
+    def select(cands, budget_bytes, ctx, p):
+        """Odd blocks only."""
+        return Selection([ctx.block_scores[(c.expert, c.tensor, c.block)] > 0 for c in cands])
+
+    base_index, experts, idx, deltas = synthetic_indexes([[1.0, 2.0, 3.0, 4.0]], 2, 0)
+    req = PlanRequest(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
+                      expert_indexes=idx, deltas=deltas, method="task_arithmetic", params={"lambda": 1.0}, seed=0,
+                      budget="full", block_bytes=64, output={"dtype": None, "shard_bytes": None},
+                      strategy={"strategy": "test_hooked"})
+    register("test_hooked", params=Params, inputs=inputs)(select)
+    try:
+        plan = make_plan(req)
+    finally:
+        del STRATEGIES["test_hooked"]
+    assert seen["request"] is req and seen["n"] == plan["bytes"]["candidate_pairs"] > 0
+    read = [b for per in plan["reads"].values() for blocks in per.values() for b in blocks]
+    assert read and all(b % 2 for b in read)
+    assert plan["strategy"]["name"] == "test_hooked"
+    with pytest.raises(ValueError, match="registers no `inputs` hook"):
+        register("test_unfed", params=Params, sketched=True)

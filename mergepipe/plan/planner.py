@@ -11,11 +11,15 @@ omitted mass, sqrt(sum_b (sum_{k omitted at b} |lambda w_k| ||delta_kb||)^2), is
 a certified bound on ||M_S - M||_F (blocks are disjoint, so they add in
 squares); for the others it is reported as a heuristic.
 
-Which candidates are read (and any rescale factors) is the plan strategy's choice
-(`plan/strategies/`, `plan: {strategy: NAME, ...}` in params.yaml); this module keeps
-the candidate list, the bytes, the bound and the plan file. The default strategy
-(`energy`, the rule above) adds no key to the plan; any other adds `strategy`
-{name, parameters, scales}, covered by the plan hash.
+make_plan(PlanRequest) reads top to bottom: the strategy's checks against the method, the
+candidates (`candidates`: every (expert, block) that could be read, with its cost and
+score), the strategy's selection (`select`; a strategy needing more than the candidates,
+calibration scores or sketches, gets them from the `inputs` hook on its registration,
+plan/strategies/), the accounting (`account`: reads, bytes, bound) and the typed record
+(`record`: plan/record.py's PlanRecord, dumped by `plan_json` to the plan's JSON). Which
+candidates are read (and any rescale factors) is the strategy's choice (`plan: {strategy:
+NAME, ...}` in params.yaml). The default strategy (`energy`, the rule above) adds no key to
+the plan; any other adds `strategy` {name, parameters, scales}, covered by the plan hash.
 """
 from __future__ import annotations
 
