@@ -23,6 +23,7 @@ from mergepipe.commands.vocabulary import Recipe as VocabularyRecipe
 from mergepipe.commands.vocabulary import views as vocabulary_views
 from mergepipe.commands.vocabulary import config_recipe as vocabulary_recipe
 from mergepipe.commands.vocabulary import plan_vocabulary, vocabulary_record
+from mergepipe.output.chat_template import write_chat_template
 from mergepipe.output.vocab_files import write_vocabulary_files
 from mergepipe.commands.tokenizer_source import copy_tokenizer, plan_tokenizer
 from mergepipe.config.paths import check_expert_kinds
@@ -161,6 +162,8 @@ def _plan_output(cfg, norm: dict, base, vocabulary: VocabularyRecipe | None = No
                                                  cfg.base, same_vocabulary=not cfg.output.aligns_vocabulary)
     if vocabulary is not None:  # the output vocabulary and where its rows come from (commands/vocabulary.py)
         out["vocabulary"] = vocabulary_record(vocabulary, *built)
+    if cfg.output.chat_template is not None:  # its text: the plan hash covers the file written
+        out["chat_template"] = cfg.output.chat_template
     return out
 
 
@@ -260,6 +263,8 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
             aux.update(copy_base_files(plan, inputs.base, tmp))  # the plan's base.files, checked again
             if "vocabulary" in plan["output"]:  # added tokens and vocab_size of the rebuilt embeddings
                 aux.update(write_vocabulary_files(plan["output"]["vocabulary"], tmp))
+            if "chat_template" in plan["output"]:
+                aux.update(write_chat_template(plan["output"]["chat_template"], tmp))
             for name, data in card.items():
                 (tmp / name).write_bytes(data)
                 aux[name] = hash_file(tmp / name)

@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 
 from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
+from mergepipe.config.mergekit_chat import chat_template_text
 from mergepipe.config.mergekit_ignored import without_ignored
 from mergepipe.config.messages import did_you_mean
 from mergepipe.config.models import MAX_MERGEKIT_CONFIG_CHARS
@@ -67,11 +68,7 @@ MODEL_KEYS = ("weight", "density", "gamma")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 _TOP_KEYS = {"models", "slices", "modules", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
-             "tokenizer_source", "tokenizer"}
-_NOT_EXPRESSIBLE = {
-    "chat_template": "chat templates are not merged; mergepipe copies the base's tokenizer "
-                     "files: remove it",
-}
+             "tokenizer_source", "tokenizer", "chat_template"}
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -337,14 +334,11 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
         raise ConfigError(f"{source}: expected a mergekit config mapping, "
                           f"got {type(data).__name__}")
     for key in data:
-        if key in _NOT_EXPRESSIBLE:
-            if data[key] in (None, [], {}, ""):
-                continue
-            raise _fail(source, key, _NOT_EXPRESSIBLE[key])
         if key not in _TOP_KEYS:
             raise _fail(source, key, f"unknown mergekit key{did_you_mean(key, _TOP_KEYS)}; "
                                      f"supported: {', '.join(sorted(_TOP_KEYS))}")
     _check_tokenizer(data, source)
+    chat_template_text(data, source, Path.cwd() if paths is None else paths.cwd)  # refused before converting
     if data.get("modules") not in (None, {}):  # each module converted as a models: form (config/mergekit_modules.py)
         from mergepipe.config.mergekit_modules import modules_params
         return modules_params(data, source, paths, recipe=recipe,
@@ -742,6 +736,9 @@ def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathL
     params = mergekit_to_params(data, source=source,
                                 output_dir=recipe_output_dir(params_file) if output_dir is None else output_dir,
                                 paths=ModelPaths(cwd, params_file.parent), stack_dir=stack_dir, recipe=text)
+    template = chat_template_text(data, source, cwd)
+    if template is not None:  # the text the output's chat_template.jinja holds (output/chat_template.py)
+        params["output"]["chat_template"] = template
     if validate:
         check_imported(params, source=source, params_path=params_file)
     if warnings is not None:
@@ -762,7 +759,7 @@ def check_imported(params: dict[str, Any], *, source: str, params_path: str | os
 _KEY_ORDER = ("layers", "prefixes", "base", "experts", "method", "parameters", "seed", "budget", "block_bytes",
               "output", "cache_dir", "nonfinite", "slices", "modules",
               "name", "path", "weight", "density", "gamma", "dir", "dtype", "shard_bytes",
-              "tokenizer_source", "mergekit_config")
+              "tokenizer_source", "chat_template", "mergekit_config")
 
 
 def _ordered(node: Any, *, keep: bool = False) -> Any:

@@ -45,6 +45,7 @@ from mergepipe.plan.strategies import DEFAULT_STRATEGY, STRATEGIES, normalized_o
 from mergepipe.units import short_repr
 
 MAX_MERGEKIT_CONFIG_CHARS = 64 << 10  # a mergekit recipe is a few KiB; the output's card quotes it whole
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a chat template is a few KiB; the plan (and its hash) holds it whole
 
 
 class ExpertConfig(BaseModel):
@@ -107,6 +108,9 @@ class OutputConfig(BaseModel):
         False, description="rebuild every model's embeddings in the output vocabulary (the base's, or "
         "tokenizer_source's) where they differ, as mergekit's tokenizer_source base or <model> does; false: "
         "every model must have that vocabulary")
+    chat_template: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)] | None = \
+        Field(None, description="the output tokenizer's chat template (Jinja text), written to chat_template.jinja "
+              "(mergekit's chat_template, resolved by import-mergekit); null: the tokenizer files' own")
     adapter: AdapterOutput | None = Field(
         None, description="write the merge as one PEFT LoRA adapter of the base into output.dir (every expert an "
         "adapter, a method linear in the deltas; config/adapter_output.py); null: a model")
@@ -392,6 +396,7 @@ class MergeConfig(BaseModel):
                 **({} if self.output.pad_to_multiple_of is None else
                    {"pad_to_multiple_of": self.output.pad_to_multiple_of}),
                 **({} if not self.output.align_vocabulary else {"align_vocabulary": True}),
+                **({} if self.output.chat_template is None else {"chat_template": self.output.chat_template}),
                 **({} if self.output.mergekit_config is None else {"mergekit_config": self.output.mergekit_config}),
                 **({} if self.output.adapter is None else {"adapter": self.output.adapter.normalized()}),
             },

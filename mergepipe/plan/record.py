@@ -127,6 +127,7 @@ class OutputRecord(BaseModel):
     tokenizer_source: TokenizerRecord | None = None
     layout: LayoutRecord | None = None
     vocabulary: VocabularyRecord | None = None
+    chat_template: Annotated[StrictStr, Field(min_length=1)] | None = None  # output/chat_template.py
 
 
 class BytesRecord(BaseModel):

@@ -1,0 +1,138 @@
+"""`chat_template` of a mergekit recipe, through `import-mergekit` + `run`, against mergekit 0.1.5's
+output on the tokenizer acceptance family (tests/test_mergekit_tokenizer_accept.py), whose models are
+given templates here: the base one in tokenizer_config.json, `padded` another in chat_template.jinja
+(with a trailing newline, which `auto` strips) and `special` that one in tokenizer_config.json.
+
+Compared: chat_template.jinja's bytes, tokenizer_config.json (parsed; mergekit's re-saved file also
+holds transformers' loading flags `is_local` and `local_files_only`), and the template transformers
+loads from each output and what it renders. A value mergekit refuses is refused by the import; a
+named template (mergekit's package data) and an `auto` tie (mergekit's pick is set order) are
+refused by the import in one line. Skipped without the mergekit reference venv.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON
+from tests.test_mergekit_tokenizer_accept import BUILD, RUN, _ours
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not MERGEKIT_PYTHON.exists(),
+                       reason=f"mergekit reference venv not found at {MERGEKIT_PYTHON}; create it with: {INSTALL}"),
+]
+
+T_BASE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+T_SHARED = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+LITERAL = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+TRANSFORMERS_FLAGS = ("is_local", "local_files_only")  # loading kwargs transformers' save_pretrained writes
+
+RENDER = r'''
+import json, sys
+from transformers import AutoTokenizer
+out = {}
+for folder in sys.argv[1:]:
+    tok = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "_tok_5"}, {"role": "assistant", "content": "_tok_7"}]
+    out[folder] = [tok.chat_template, tok.apply_chat_template(chat, tokenize=False)]
+print(json.dumps(out))
+'''
+
+
+def _recipe(models: list[str], template: str, tokenizer_source: str | None = None) -> dict:
+    return {"merge_method": "linear", "base_model": "base", "dtype": "float32",
+            "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models],
+            **({} if tokenizer_source is None else {"tokenizer_source": tokenizer_source}),
+            "chat_template": template}
+
+
+MATCHED = {
+    "literal": _recipe(["base", "padded"], LITERAL),
+    "literal[source_base]": _recipe(["base", "padded", "special"], LITERAL, "base"),
+    "auto": _recipe(["base", "padded", "special"], "auto", "base"),
+}
+REFUSED_BY_BOTH = {"invalid": _recipe(["base", "padded"], "no_such_template", "base")}  # without a
+# tokenizer_source mergekit logs the error and writes no tokenizer files; the import refuses it too
+REFUSED_BY_US = {  # mergekit merges these: the key and why, in one line
+    "named": (_recipe(["base", "padded"], "chatml"), "chat_template: 'chatml' names a template inside mergekit"),
+    "auto_tie": (_recipe(["base", "padded"], "auto"), "chat_template: 'auto' finds 2 templates"),
+}
+
+
+def _give_templates(family: Path) -> None:
+    for name, template in (("base", T_BASE), ("special", T_SHARED)):
+        path = family / name / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}, indent=2))
+    (family / "padded" / "chat_template.jinja").write_text(T_SHARED + "\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case: (our output or None, mergekit's output folder, mergekit's error, our stderr)}."""
+    root = tmp_path_factory.mktemp("mk_chat_template")
+    family = root / "family"
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(family)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _give_templates(family)
+    cases = {**MATCHED, **REFUSED_BY_BOTH, **{k: v[0] for k, v in REFUSED_BY_US.items()}}
+    jobs = {}
+    for case, config in cases.items():
+        (root / f"{case}.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        jobs[case] = (str(root / f"{case}.yml"), str(root / f"theirs-{case}"))
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([str(MERGEKIT_PYTHON), "-c", RUN, str(root / "jobs.json")], capture_output=True, text=True,
+                          timeout=900, cwd=family, env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    their_errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for case in cases:
+        ours, error = _ours(root / f"{case}.yml", root / f"ours-{case}", family)
+        out[case] = (ours, root / f"theirs-{case}", their_errors[case], error)
+    return out
+
+
+def _config(folder: Path) -> dict:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    return {k: v for k, v in config.items() if k not in TRANSFORMERS_FLAGS}
+
+
+@pytest.mark.parametrize("case", list(MATCHED))
+def test_chat_template_matches_mergekit(case, runs):
+    ours, theirs, their_error, our_error = runs[case]
+    assert their_error is None, their_error
+    assert ours is not None, our_error
+    assert (ours / "chat_template.jinja").read_bytes() == (theirs / "chat_template.jinja").read_bytes()
+    assert _config(ours) == _config(theirs)
+    proc = subprocess.run([sys.executable, "-c", RENDER, str(ours), str(theirs)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rendered = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rendered[str(ours)] == rendered[str(theirs)]
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_BOTH))
+def test_chat_template_refused_like_mergekit(case, runs):
+    ours, _, their_error, _ = runs[case]
+    assert their_error is not None and ours is None
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_US))
+def test_chat_template_refused_in_one_line(case, tmp_path, runs):
+    ours, theirs, their_error, _ = runs[case]
+    assert their_error is None and (theirs / "chat_template.jinja").is_file()  # mergekit merges it
+    assert ours is None
+    family = theirs.parent / "family"
+    recipe = theirs.parent / f"{case}.yml"
+    proc = subprocess.run([sys.executable, "-m", "mergepipe", "import-mergekit", str(recipe), "-o",
+                           str(tmp_path / "p.yaml"), "-q"], capture_output=True, text=True, cwd=family,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and REFUSED_BY_US[case][1] in lines[0], proc.stderr
