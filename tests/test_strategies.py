@@ -26,7 +26,7 @@ from mergepipe.plan.strategies import STRATEGIES
 from mergepipe.plan.strategies.balanced import expert_shares
 from mergepipe.plan.strategies.registry import PlanContext
 from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
-from tests.helpers import load_model, synthetic_indexes, write_config
+from tests.helpers import columnar, load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},
            {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0},
@@ -162,16 +162,16 @@ def _two_experts(big: float, small: float, blocks: int = 8):
     """Two experts over one tensor: e0's blocks all `big`, e1's all `small` (64-byte blocks)."""
     t = TensorEntry("t", "BF16", (4 * blocks, 8), tuple((4 * b, 4 * b + 4) for b in range(blocks)),
                     tuple("0" * 64 for _ in range(blocks)))
-    base_index = ModelIndex("b" * 64, 64, {"t": t})
+    base_index = columnar(ModelIndex("b" * 64, 64, {"t": t}))
     experts, idx, deltas = [], {}, {}
     for k, v in enumerate((big, small)):
         h = f"{k + 1:064x}"
         experts.append(PlanInput(f"e{k}", f"/m/e{k}", h, 1.0))
-        idx[f"e{k}"] = ModelIndex(h, 64, {"t": t})
+        idx[f"e{k}"] = columnar(ModelIndex(h, 64, {"t": t}))
         l2 = tuple(v * (1 + 0.01 * b) for b in range(blocks))
-        deltas[f"e{k}"] = DeltaIndex(h, "b" * 64, 64, {"t": TensorDelta(
+        deltas[f"e{k}"] = columnar(DeltaIndex(h, "b" * 64, 64, {"t": TensorDelta(
             "t", blocks * 32, sum(l2), math.sqrt(sum(x * x for x in l2)), 0, l2, l2, (32,) * blocks,
-            (False,) * blocks, (), (), (), (), {})})
+            (False,) * blocks, (), (), (), (), {})}))
     return base_index, experts, idx, deltas
 
 

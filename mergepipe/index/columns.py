@@ -223,22 +223,18 @@ class DeltaColumns(_ByName):
 
 def model_rows(tensors) -> Iterator[tuple[str, str, tuple[int, ...], Sequence[int]]]:
     """(name, dtype, shape, flat row ranges: r0, r1 of each block) of each tensor of a model
-    index, in order: from the columns without making entries (or from a built index's entries)."""
-    if isinstance(tensors, ModelColumns):
-        s, r = tensors.starts, tensors.ranges
-        return zip(tensors.names, tensors.dtypes, tensors.shapes, (r[2 * a:2 * z] for a, z in zip(s, s[1:])))
-    return ((n, e.dtype, e.shape, [x for rg in e.ranges for x in rg]) for n, e in tensors.items())
+    index, in order, from the columns without making entries."""
+    s, r = tensors.starts, tensors.ranges
+    return zip(tensors.names, tensors.dtypes, tensors.shapes, (r[2 * a:2 * z] for a, z in zip(s, s[1:])))
 
 
 def delta_rows(tensors, names: list[str]) -> Iterator[tuple[int, Sequence, Sequence[float]]]:
     """(nonfinite, identical per block, block_l2 per block) of each of `names` in a delta
-    index, from the columns without making entries (or from a built index's entries)."""
-    if isinstance(tensors, DeltaColumns):
-        b = tensors.bstarts
-        rows = range(len(names)) if tensors.names == names else map(tensors.index_of, names)
-        return ((tensors.nonfinite[j], tensors.identical[b[j]:b[j + 1]], tensors.block_l2[b[j]:b[j + 1]])
-                for j in rows)
-    return ((t.nonfinite, t.identical, t.block_l2) for t in map(tensors.__getitem__, names))
+    index, from the columns without making entries."""
+    b = tensors.bstarts
+    rows = range(len(names)) if tensors.names == names else map(tensors.index_of, names)
+    return ((tensors.nonfinite[j], tensors.identical[b[j]:b[j + 1]], tensors.block_l2[b[j]:b[j + 1]])
+            for j in rows)
 
 
 def expected_ranges(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],

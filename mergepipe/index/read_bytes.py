@@ -13,7 +13,7 @@ from itertools import chain
 
 from mergepipe.checkpoint.blocks import row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
-from mergepipe.index.columns import DeltaColumns, ModelColumns
+from mergepipe.index.columns import ModelColumns
 
 
 def _row_bytes(cols: ModelColumns):
@@ -33,9 +33,6 @@ def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int 
     differs from the base; else None."""
     import numpy as np
     cols, base = index.tensors, base_index.tensors
-    if not (isinstance(cols, ModelColumns) and isinstance(base, ModelColumns)) or \
-            (delta is not None and not isinstance(delta.tensors, DeltaColumns)):
-        return None
     names, lists = list(reads), list(reads.values())
     if not names:
         return 0
@@ -72,11 +69,10 @@ def planned_bytes(reads: dict[str, list[int]], index, base_index, delta) -> int 
 
 def full_read_bytes(index, delta) -> int | None:
     """Bytes of every block of a float tensor that differs from the base: what a full merge
-    reads of this expert; None unless both are columnar and in the same tensor order."""
+    reads of this expert; None unless both are in the same tensor order."""
     import numpy as np
     cols, d = index.tensors, delta.tensors
-    if not (isinstance(cols, ModelColumns) and isinstance(d, DeltaColumns)) or d.names != cols.names \
-            or d.bstarts != cols.starts:
+    if d.names != cols.names or d.bstarts != cols.starts:
         return None
     n = len(cols.names)
     counts = np.diff(np.asarray(cols.starts, dtype=np.int64))

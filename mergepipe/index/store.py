@@ -25,8 +25,8 @@ from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.errors import CheckpointError, OutputError
 from mergepipe.index import binfmt
 from mergepipe.index.cache import CacheLayout
-from mergepipe.index.columns import DeltaColumns, ModelColumns, delta_describes, describes
-from mergepipe.index.records import DeltaIndex, ModelIndex, content_hash
+from mergepipe.index.columns import delta_describes, describes
+from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.checkpoint.lora import AdapterCheckpoint, is_adapter, open_adapter
 from mergepipe.checkpoint.safetensors import Checkpoint, ReadCounter, open_checkpoint
 from mergepipe.checkpoint.vocab import ModelView, VocabCheckpoint
@@ -65,8 +65,8 @@ def _model_matches(index: ModelIndex, ckpt: Checkpoint, layout: BlockLayout, anc
     layout, block rows that tile each tensor, and a content hash that its block hashes give;
     with vocabulary blocks, the plain index `anchor`'s content hash and entries for every
     tensor whose blocks are the same."""
-    if anchor is None and isinstance(index.tensors, ModelColumns):
-        return describes(index, ckpt, layout)  # the same checks, a column at a time
+    if anchor is None:
+        return describes(index, ckpt, layout)  # a column at a time (index/columns.py)
     if index.layout != layout or list(index.tensors) != list(ckpt.tensors):
         return False
     for name, t in ckpt.tensors.items():
@@ -74,52 +74,31 @@ def _model_matches(index: ModelIndex, ckpt: Checkpoint, layout: BlockLayout, anc
         if e.dtype != t.dtype or e.shape != tuple(t.shape) or len(e.hashes) != len(e.ranges) \
                 or list(e.ranges) != layout.ranges(name, t.shape, t.itemsize):
             return False
-        if anchor is not None and layout.bytes_for(name, t.shape) == layout.block_bytes and anchor.tensors[name] != e:
+        if layout.bytes_for(name, t.shape) == layout.block_bytes and anchor.tensors[name] != e:
             return False
-    if anchor is not None:
-        return index.content_hash == anchor.content_hash
-    return content_hash(index.tensors) == index.content_hash
+    return index.content_hash == anchor.content_hash
 
 
 def _delta_matches(delta: DeltaIndex, base_index: ModelIndex, expert_index: ModelIndex) -> bool:
     """A cached delta index is this expert's against this base, with one entry per block."""
-    if isinstance(delta.tensors, DeltaColumns) and isinstance(expert_index.tensors, ModelColumns):
-        return delta_describes(delta, base_index, expert_index)  # the same checks, a column at a time
-    if (delta.expert_hash, delta.base_hash, delta.layout) != \
-            (expert_index.content_hash, base_index.content_hash, expert_index.layout):
-        return False
-    if delta.tensors.keys() != expert_index.tensors.keys():
-        return False
-    for name, e in expert_index.tensors.items():
-        t = delta.tensors[name]
-        n = len(e.ranges)
-        # (decoded block_eq values have len(block_l2) counts each by construction: binfmt.BlockEq)
-        if not (len(t.block_l2) == len(t.block_max) == len(t.block_nnz) == len(t.identical) == n
-                and len(t.ranks) == len(t.values) == len(t.count_gt) == len(t.count_eq)):
-            return False
-    return True
+    return delta_describes(delta, base_index, expert_index)  # a column at a time (index/columns.py)
 
 
 def file_fingerprints(ckpt: Checkpoint, index: ModelIndex) -> dict[str, str]:
-    """Per file: blake3 over its header bytes and its blocks' hashes in offset order (from a
-    decoded, columnar index's raw digests without hex round trips)."""
+    """Per file: blake3 over its header bytes and its blocks' hashes in offset order (from the
+    decoded index's raw digests, without hex round trips)."""
     cols = index.tensors
     out = {}
     for h in ckpt.files:
         fp = blake3(h.header_bytes)
-        if not isinstance(cols, ModelColumns):
-            for t in h.tensors:
-                for digest in cols[t.name].hashes:
-                    fp.update(bytes.fromhex(digest))
+        names = list(h.table.names)  # data-offset order
+        i = cols.index_of(names[0]) if names else 0
+        if cols.names[i:i + len(names)] == names:  # the file's tensors in a row of the index: one update
+            fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + len(names)]])
         else:
-            names = list(h.table.names)  # data-offset order
-            i = cols.index_of(names[0]) if names else 0
-            if cols.names[i:i + len(names)] == names:  # the file's tensors in a row of the index: one update
-                fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + len(names)]])
-            else:
-                for name in names:
-                    i = cols.index_of(name)
-                    fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + 1]])
+            for name in names:
+                i = cols.index_of(name)
+                fp.update(cols.digests[32 * cols.starts[i]:32 * cols.starts[i + 1]])
         out[h.path.name] = fp.hexdigest()
     return out
 
@@ -231,9 +210,10 @@ class Store:
                 raise CheckpointError(f"{h.path}: changed while it was being indexed; run again")
             self.seen[h.path] = stats[h.path]
         data = binfmt.encode_model(index)
+        index = binfmt.decode_model(data)  # what readers get: the columns, as from a cache hit
         if _identity(ckpt) is not None:  # its files are another model's: their stat entries are that one's
             _atomic_write(self._model_key(_identity_key(ckpt), index.layout), data)
-            return binfmt.decode_model(data)
+            return index
         fingerprints = file_fingerprints(ckpt, index)
         _atomic_write(self._model_key(fingerprints, index.layout), data)
         for h in ckpt.files:

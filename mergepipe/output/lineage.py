@@ -15,7 +15,7 @@ from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import Checkpoint
 from mergepipe.checkpoint.treehash import hash_weight_file, tensor_digest
 from mergepipe.errors import CheckpointError, IntegrityError
-from mergepipe.index.columns import DIGEST, ModelColumns
+from mergepipe.index.columns import DIGEST
 from mergepipe.index.records import ModelIndex
 from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, load_manifest
 from mergepipe.util.canonical import canonical_blake3
@@ -62,11 +62,9 @@ def tensor_hashes(ckpt: Checkpoint, layout: BlockLayout, index: ModelIndex | Non
     """
     if index is not None and index.layout == layout:
         cols = index.tensors
-        if isinstance(cols, ModelColumns):
-            digests, starts = bytes(cols.digests), cols.starts
-            return {name: tensor_digest([digests[DIGEST * starts[i]:DIGEST * starts[i + 1]]]).hex()
-                    for i, name in enumerate(cols.names)}
-        return {name: tensor_digest([bytes.fromhex(h) for h in e.hashes]).hex() for name, e in cols.items()}
+        digests, starts = bytes(cols.digests), cols.starts
+        return {name: tensor_digest([digests[DIGEST * starts[i]:DIGEST * starts[i + 1]]]).hex()
+                for i, name in enumerate(cols.names)}
     out: dict[str, str] = {}
     for h in ckpt.files:
         try:

@@ -523,7 +523,7 @@ def _check_budget(plan: dict, expert_indexes: dict, deltas: dict, where: str) ->
     full = 0
     for e in plan["experts"]:
         idx, delta = expert_indexes[e["name"]], deltas[e["name"]]
-        columns = full_read_bytes(idx, delta)  # whole columns at once, where the indexes are columnar
+        columns = full_read_bytes(idx, delta)  # whole columns at once, where both are in one tensor order
         if columns is not None:
             full += columns
             continue

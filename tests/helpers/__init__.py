@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_checkpoint
+from mergepipe.index import binfmt
 from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
 from mergepipe.plan.planner import PlanInput
 
@@ -33,6 +34,13 @@ def load_model(folder: Path) -> dict[str, torch.Tensor]:
                 for n, t in ckpt.tensors.items()}
 
 
+def columnar(index: ModelIndex | DeltaIndex) -> ModelIndex | DeltaIndex:
+    """`index` as every reader gets it from the store: through the binary format, as columns."""
+    if isinstance(index, DeltaIndex):
+        return binfmt.decode_delta(binfmt.encode_delta(index))
+    return binfmt.decode_model(binfmt.encode_model(index))
+
+
 def synthetic_indexes(tensor_blocks: list[list[float]], n_experts: int, seed: int):
     """Indexes without files: tensors of 4-row blocks with the given l2 per block (x (k + 1)
     for expert k, a fifth of them identical to the base)."""
@@ -42,19 +50,19 @@ def synthetic_indexes(tensor_blocks: list[list[float]], n_experts: int, seed: in
         tensors[f"t{i}"] = TensorEntry(f"t{i}", "BF16", (len(blocks) * 4, 8),
                                        tuple((4 * b, 4 * b + 4) for b in range(len(blocks))),
                                        tuple("0" * 64 for _ in blocks))
-    base_index = ModelIndex("b" * 64, 64, tensors)
+    base_index = columnar(ModelIndex("b" * 64, 64, tensors))
     experts, idx, deltas = [], {}, {}
     for k in range(n_experts):
         name, h = f"e{k}", f"{k:064x}"
         experts.append(PlanInput(name, f"/m/{name}", h, float(torch.rand(1, generator=g)) + 0.1))
-        idx[name] = ModelIndex(h, 64, tensors)
+        idx[name] = columnar(ModelIndex(h, 64, tensors))
         per = {}
         for tname, blocks in zip(tensors, tensor_blocks):
             l2 = tuple(0.0 if float(torch.rand(1, generator=g)) < 0.2 else v * (k + 1) for v in blocks)
             n = len(blocks)
             per[tname] = TensorDelta(tname, n * 32, sum(l2), sum(x * x for x in l2) ** 0.5, 0, l2, l2, (1,) * n,
                                      tuple(x == 0.0 for x in l2), (), (), (), (), {})
-        deltas[name] = DeltaIndex(h, "b" * 64, 64, per)
+        deltas[name] = columnar(DeltaIndex(h, "b" * 64, 64, per))
     return base_index, experts, idx, deltas
 
 
