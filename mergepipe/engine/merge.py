@@ -44,7 +44,6 @@ from mergepipe.plan.tensor_params import group_index, view
 from mergepipe.engine.prefetch import UNIT_BYTES, Got, UnitReader, prefetched
 from mergepipe.engine.sketched import Represented
 from mergepipe.engine.stats import JointStatistics, joint_statistics
-from mergepipe.index.columns import ModelColumns
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.errors import MethodError
 from mergepipe.methods import Method, get_method
@@ -592,12 +591,10 @@ def _read_sets(reads: dict[str, list[int]]) -> dict[str, list[int] | frozenset[i
 
 def block_counts(index: ModelIndex, names) -> list[int]:
     """Blocks of each tensor `names` lists (a split merge's base is a part of the index's
-    model), from the columns of a decoded index without making entries."""
+    model), from the index's columns without making entries."""
     cols = index.tensors
-    if isinstance(cols, ModelColumns):
-        s = cols.starts
-        return [s[i + 1] - s[i] for i in cols.rows_of(names)]
-    return [len(cols[n].ranges) for n in names]
+    s = cols.starts
+    return [s[i + 1] - s[i] for i in cols.rows_of(names)]
 
 
 def _scales_by_tensor(plan: dict) -> dict[str, dict[str, float]]:

@@ -27,7 +27,7 @@ from blake3 import blake3
 from mergepipe.checkpoint.safetensors import Checkpoint, CheckpointReader, TensorInfo
 from mergepipe.checkpoint.tensor_table import TensorTable
 from mergepipe.errors import IntegrityError
-from mergepipe.index.columns import DIGEST, ModelColumns
+from mergepipe.index.columns import DIGEST
 from mergepipe.index.records import ModelIndex
 
 SMALL_TENSOR_BYTES = 64 << 10  # larger tensors take the per-tensor path (their own unit or runs)
@@ -263,9 +263,9 @@ def _mismatch(got: list[bytes], names, index: ModelIndex) -> str | None:
 
 def _digest_run(index: ModelIndex, names) -> bytes | None:
     """The index's digests of `names`, concatenated, when they are consecutive single-block
-    tensors of a decoded index (index/columns.py); else None."""
+    tensors of the index (index/columns.py); else None."""
     cols = index.tensors
-    if not isinstance(cols, ModelColumns) or names[0] not in cols:
+    if names[0] not in cols:
         return None
     i = cols.index_of(names[0])
     n = len(names)
@@ -286,12 +286,10 @@ def block_digests(index: ModelIndex, names: list[str]) -> list[bytes]:
 
 def block_digest(index: ModelIndex, name: str, b: int) -> bytes:
     """The index's blake3 digest (32 bytes) of block `b` of tensor `name`; from the columns
-    of a decoded index without making its entry (index/columns.py)."""
+    without making its entry (index/columns.py)."""
     cols = index.tensors
-    if isinstance(cols, ModelColumns):
-        k = DIGEST * (cols.starts[cols.index_of(name)] + b)
-        return bytes(cols.digests[k:k + DIGEST])
-    return bytes.fromhex(cols[name].hashes[b])
+    k = DIGEST * (cols.starts[cols.index_of(name)] + b)
+    return bytes(cols.digests[k:k + DIGEST])
 
 
 @dataclass(frozen=True, slots=True)
