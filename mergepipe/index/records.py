@@ -1,5 +1,7 @@
 """The index records: ModelIndex (per-block hashes of one checkpoint) and DeltaIndex (an
-expert against a base), their JSON forms as the store caches them, and the content hash."""
+expert against a base), the content hash, and a JSON dump (to_json, for comparisons). An
+index as readers get it holds columns (index/columns.py) as its `tensors`; the dicts of
+TensorEntry / TensorDelta here are what index/build.py fills and index/binfmt.py encodes."""
 from __future__ import annotations
 
 import json
@@ -39,13 +41,6 @@ class ModelIndex:
                 "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                              "ranges": [list(r) for r in t.ranges], "hashes": list(t.hashes)}
                             for t in self.tensors.values()]}
-
-    @staticmethod
-    def from_json(d: dict) -> ModelIndex:
-        tensors = {t["name"]: TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
-                                          tuple(tuple(r) for r in t["ranges"]), tuple(t["hashes"]))
-                   for t in d["tensors"]}
-        return ModelIndex(d["content_hash"], d["block_bytes"], tensors, d.get("embedding_block_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,17 +89,6 @@ class DeltaIndex:
         return {"expert_hash": self.expert_hash, "base_hash": self.base_hash,
                 "block_bytes": self.block_bytes, **_emb_json(self.embedding_block_bytes), "tensors": out}
 
-    @staticmethod
-    def from_json(d: dict) -> DeltaIndex:
-        tensors = {}
-        for t in d["tensors"]:
-            kw = {k: tuple(v) if isinstance(v, list) else v for k, v in t.items()}
-            kw["values"] = tuple(_dec_float(v) for v in t["values"])
-            kw["identical"] = tuple(bool(x) for x in t["identical"])
-            kw["block_eq"] = {int(k): tuple(v) for k, v in t["block_eq"].items()}
-            tensors[t["name"]] = TensorDelta(**kw)
-        return DeltaIndex(d["expert_hash"], d["base_hash"], d["block_bytes"], tensors, d.get("embedding_block_bytes"))
-
 
 def _emb_json(embedding_block_bytes: int | None) -> dict:
     """The key only when set: plain-layout records keep their bytes."""
@@ -113,10 +97,6 @@ def _emb_json(embedding_block_bytes: int | None) -> dict:
 
 def _enc_float(v: float) -> float | str:
     return v if math.isfinite(v) else repr(v)
-
-
-def _dec_float(v: float | str) -> float:
-    return float(v)
 
 
 def content_hash(tensors: dict[str, TensorEntry]) -> str:
