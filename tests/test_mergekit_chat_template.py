@@ -46,17 +46,18 @@ print(json.dumps(out))
 '''
 
 
-def _recipe(models: list[str], template: str, tokenizer_source: str | None = None) -> dict:
-    return {"merge_method": "linear", "base_model": "base", "dtype": "float32",
+def _recipe(models: list[str], template: str | None, tokenizer_source: str | None = None, base: str = "base") -> dict:
+    return {"merge_method": "linear", "base_model": base, "dtype": "float32",
             "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models],
             **({} if tokenizer_source is None else {"tokenizer_source": tokenizer_source}),
-            "chat_template": template}
+            **({} if template is None else {"chat_template": template})}
 
 
 MATCHED = {
     "literal": _recipe(["base", "padded"], LITERAL),
     "literal[source_base]": _recipe(["base", "padded", "special"], LITERAL, "base"),
     "auto": _recipe(["base", "padded", "special"], "auto", "base"),
+    "base_jinja_copied": _recipe(["base", "padded"], None, base="padded"),  # no chat_template: the base's file
 }
 REFUSED_BY_BOTH = {"invalid": _recipe(["base", "padded"], "no_such_template", "base")}  # without a
 # tokenizer_source mergekit logs the error and writes no tokenizer files; the import refuses it too

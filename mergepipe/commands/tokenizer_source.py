@@ -16,8 +16,9 @@ from pathlib import Path
 from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.util.fs import hash_file
 
+# chat_template.jinja: where transformers keeps a tokenizer's chat template (mergekit copies it too)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def _vocab_size(folder: Path) -> int | None:
