@@ -14,7 +14,8 @@ from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 KERNELS = {"mergepipe.index._indexc": "mergepipe/index/_indexc.c",
-           "mergepipe.methods._bf16c": "mergepipe/methods/_bf16c.c"}
+           "mergepipe.methods._bf16c": "mergepipe/methods/_bf16c.c",
+           "mergepipe.checkpoint._lorac": "mergepipe/checkpoint/_lorac.c"}
 X86 = platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
 
 

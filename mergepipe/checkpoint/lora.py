@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from blake3 import blake3
 
+from mergepipe.checkpoint import _lora_kernel
 from mergepipe.checkpoint.lora_config import ADAPTER_CONFIG, LoraSettings, read_settings
 from mergepipe.checkpoint.safetensors import (FLOAT_DTYPES, INDEX_JSON, PICKLE_SUFFIXES, Checkpoint,
                                               CheckpointReader, ReadCounter, TensorInfo, as_tensor,
@@ -80,6 +81,11 @@ class Delta:
         if self.vector is not None:
             return self.vector[r0:r1].float() * self.scale
         left, right = self.left[r0:r1].float(), self.right.float()
+        kernel = _lora_kernel.load()
+        if kernel is not None and left.shape[0] > 0:
+            out = torch.empty(left.shape[0], right.shape[1])
+            kernel(left.contiguous(), right.contiguous(), self.scale, out)
+            return out
         acc = left[:, 0:1] * right[0:1]
         term = torch.empty_like(acc)
         for k in range(1, left.shape[1]):  # product, then sum: two roundings, never a fused one
