@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON
-from tests.test_mergekit_tokenizer_accept import BUILD, RUN, _ours
+from tests.helpers.mergekit_tokenizers import BUILD, RUN
+from tests.helpers.mergekit_tokenizers import ours as _ours
 
 pytestmark = [
     pytest.mark.slow,
