@@ -44,6 +44,14 @@ def store_key_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def built_demo(tmp_path_factory):
+    """The demo workspace built once a session (tests.helpers.workflow.Built). Read-only: a test
+    that runs or edits anything works in its own copy_workspace() of it."""
+    from tests.helpers.workflow import build_demo
+    return build_demo(tmp_path_factory.mktemp("smk-built") / "ws")
+
+
+@pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory) -> dict:
     """base + 3 bf16 experts (expert_0 sharded), Llama layout, a few MB each."""
     root = tmp_path_factory.mktemp("family")

@@ -13,7 +13,7 @@ from mergepipe.cli import main
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.plan.planner import plan_hash
 from tests.helpers import write_config
-from tests.helpers.workflow import MODEL, make_workspace, manifest, pending_jobs, set_budget, smk
+from tests.helpers.workflow import MODEL, copy_workspace, manifest, pending_jobs, set_budget, smk
 
 
 def test_merge_refuses_a_plan_made_before_params_yaml_was_edited(tiny_family, tmp_path, capsys):
@@ -56,11 +56,10 @@ def test_merge_refuses_a_plan_that_cannot_say_what_it_was_made_from(tiny_family,
     assert main(["merge", str(tmp_path / "old.json"), "-o", str(tmp_path / "out"), "--cache-dir", cache, "-q"]) == 0
 
 
-def test_the_workflow_replans_when_params_yaml_differs_from_what_the_plan_was_made_from(tmp_path):
+def test_the_workflow_replans_when_params_yaml_differs_from_what_the_plan_was_made_from(built_demo, tmp_path):
     """The race: params.yaml edited while the plan job ran, so plans/plan.json (of the old
     budget) is newer than the edit. Set here by giving the edited file an older mtime."""
-    ws = make_workspace(tmp_path / "ws")
-    smk(ws, MODEL)
+    ws = copy_workspace(built_demo.ws, tmp_path / "ws")
     params, plan_file = ws / "params.yaml", ws / "plans" / "plan.json"
     set_budget(ws, "35%")
     old = plan_file.stat().st_mtime_ns - 10**9

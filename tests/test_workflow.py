@@ -18,17 +18,15 @@ from mergepipe.cli import main
 from mergepipe.commands.demo import make_family
 from mergepipe.output.manifest import verify_outputs
 from mergepipe.output.run_record import record_path
-from tests.helpers.workflow import (MODEL, job_counts, make_workspace, manifest, output_bytes, pending_jobs, set_budget,
+from tests.helpers.workflow import (MODEL, copy_workspace, job_counts, manifest, output_bytes, pending_jobs, set_budget,
                                     smk)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """A workspace after `snakemake merged/model.safetensors` (budget 25%)."""
-    ws = make_workspace(tmp_path_factory.mktemp("smk"))
-    proc = smk(ws, MODEL)
-    assert "manifest merged/manifest.json" in proc.stdout + proc.stderr  # the merge's summary is shown
-    return ws
+def built(built_demo, tmp_path_factory) -> Path:
+    """A copy of the session's workspace after `snakemake merged/model.safetensors` (budget 25%)."""
+    assert "manifest merged/manifest.json" in built_demo.output  # the merge's summary is shown
+    return copy_workspace(built_demo.ws, tmp_path_factory.mktemp("smk") / "ws")
 
 
 def test_build_then_nothing_to_do(built):

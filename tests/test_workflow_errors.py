@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.workflow import MODEL, make_workspace, output_bytes, pending_jobs, smk
+from tests.helpers.workflow import MODEL, copy_workspace, output_bytes, pending_jobs, smk
 
 EXPERT_2 = "  - {name: expert_2, path: models/demo/expert_2, weight: 0.7}\n"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """A workspace after `snakemake merged/model.safetensors` (the tiny demo family)."""
-    ws = make_workspace(tmp_path_factory.mktemp("smk-errors"))
-    smk(ws, MODEL)
-    return ws
+def built(built_demo, tmp_path_factory) -> Path:
+    """A copy of the session's workspace after `snakemake merged/model.safetensors` (the tiny demo family)."""
+    return copy_workspace(built_demo.ws, tmp_path_factory.mktemp("smk-errors") / "ws")
 
 
 @pytest.fixture

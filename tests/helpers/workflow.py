@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -32,6 +33,24 @@ def make_workspace(dest: Path, *, with_source: bool = False) -> Path:
             shutil.copy2(src, dst)
     if with_source:
         shutil.copytree(REPO / "mergepipe", dest / "mergepipe", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+class Built(NamedTuple):
+    """A workspace after `snakemake merged/model.safetensors`, and what that build printed."""
+    ws: Path
+    output: str
+
+
+def build_demo(dest: Path) -> Built:
+    ws = make_workspace(dest)
+    proc = smk(ws, MODEL)
+    return Built(ws, proc.stdout + proc.stderr)
+
+
+def copy_workspace(src: Path, dest: Path) -> Path:
+    """dest as up to date as src for Snakemake: copy2 keeps the mtimes it compares, links stay links."""
+    shutil.copytree(src, dest, symlinks=True)
     return dest
 
 
