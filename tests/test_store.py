@@ -13,7 +13,7 @@ from mergepipe.cli import main
 from tests.helpers import write_config
 import shutil
 import struct
-from mergepipe.index import binfmt, sketch
+from mergepipe.index import binfmt, sketch, trailed
 from mergepipe.output.run_record import record_path
 from mergepipe.util.fs import canonical_json
 from tests.helpers.tiny_llama import calibrated_config as _config
@@ -174,7 +174,7 @@ def test_a_sketch_scale_edited_alone_is_rebuilt(tiny_family, tmp_path):
     for f in (tmp_path / "cache" / "sketch").glob("*.sk"):
         raw = f.read_bytes()
         with open(f, "rb") as fh:
-            off, hlen = sketch._trailer(fh, len(raw))
+            off, hlen = trailed.find(fh, len(raw), sketch.MAGIC)
         head = json.loads(raw[off:off + hlen])
         for rows in head["tensors"].values():
             for r in rows:

@@ -32,10 +32,8 @@ each payload is checked against its blake3 when it is read. No torch here.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +46,7 @@ from numba import njit
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
 from mergepipe.errors import IntegrityError
 from mergepipe.index.cache import CacheLayout
+from mergepipe.index import trailed
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.index.sketch import _TempFile
@@ -60,7 +59,6 @@ BITS = (1, 2, 4, 8)
 GROUPS = (64, 128)
 SCALE_BYTES = 2  # fp16 per group
 FP16_MAX = 65504.0
-MAX_HEADER = 1 << 31
 SCAN_THREADS = 2  # the kernels release the GIL; the files' bytes do not depend on the count
 IN_FLIGHT = 8  # blocks being quantized at once (bounded memory)
 LANES = 8
@@ -243,8 +241,7 @@ def build(paths: dict[Spec, Path], base: Checkpoint, base_index: ModelIndex, exp
             header = canonical_json({"format": FORMAT, "bits": s.bits, "group": s.group,
                                      "expert": expert_index.content_hash, "base": base_index.content_hash,
                                      "layout": base_index.layout.key, "tensors": tensors[s]})
-            outs[s].write(header)
-            outs[s].write(struct.pack("<Q", len(header)) + MAGIC)
+            outs[s].write(trailed.trailer(header, MAGIC))
         for s in specs:
             outs[s].publish()
     except BaseException:
@@ -269,17 +266,6 @@ def _write_done(outs: dict, jobs: list, tensors: dict, offsets: dict, keep: int)
             offsets[s] += len(payload)
 
 
-def _trailer(f, size: int) -> tuple[int, int] | None:
-    """(header offset, header length) from the file's trailer, or None if it has none."""
-    if size < 16:
-        return None
-    f.seek(size - 16)
-    (hlen,), magic = struct.unpack("<Q", f.read(8)), f.read(8)
-    if magic != MAGIC or hlen > min(MAX_HEADER, size - 16):
-        return None
-    return size - 16 - hlen, hlen
-
-
 def _block_elements(entry, r0: int, r1: int) -> int:
     return (r1 - r0) * (math.prod(entry.shape) // entry.shape[0] if entry.shape else 1)
 
@@ -289,17 +275,8 @@ class GroupQuant:
 
     def __init__(self, path: Path, *, expert: str, base: str, base_index: ModelIndex, spec: Spec):
         self.path, self.spec = path, spec.check()
-        try:
-            with open(path, "rb") as f:
-                found = _trailer(f, os.fstat(f.fileno()).st_size)
-                if found is None:
-                    raise ValueError("no group-quantization trailer")
-                self.payload, hlen = found
-                f.seek(self.payload)
-                raw = f.read(hlen)
-            head = json.loads(raw)
-        except (OSError, ValueError, struct.error) as e:
-            raise IntegrityError(f"{path}: not a valid group-quantized delta file ({e}); delete it") from None
+        self.payload, raw, head = trailed.read_header(
+            path, MAGIC, "group-quantized delta", "no group-quantization trailer")
         self.digest = blake3(raw).hexdigest()
         if not (isinstance(head, dict) and head.get("format") == FORMAT and head.get("bits") == spec.bits
                 and head.get("group") == spec.group and head.get("expert") == expert and head.get("base") == base

@@ -26,10 +26,8 @@ File (one per (expert, base, block layout), in the store's `sketch/` folder):
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +39,7 @@ from blake3 import blake3
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, Checkpoint, CheckpointReader
 from mergepipe.errors import IntegrityError
 from mergepipe.index.cache import CacheLayout
+from mergepipe.index import trailed
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.scan import _decode
 from mergepipe.index.store import cache_write_error
@@ -50,7 +49,6 @@ from mergepipe.util.progress import Progress
 SKETCH_FORMAT = 1
 MAGIC = b"MPSKETCH"
 SCALE_BYTES = 4  # alpha, fp32: counted with the codes as what a sketched block costs
-MAX_HEADER = 1 << 31
 SCAN_THREADS = 2  # preads and the C scan release the GIL; the file's bytes do not depend on it
 IN_FLIGHT = 8     # blocks being sketched at once (bounded memory: ~2 MiB of reads each)
 
@@ -245,8 +243,7 @@ def build(path: Path, base: Checkpoint, base_index: ModelIndex, expert: Checkpoi
         header = canonical_json({"format": SKETCH_FORMAT, "expert": expert_index.content_hash,
                                  "base": base_index.content_hash, "layout": base_index.layout.key,
                                  "tensors": tensors})
-        out.write(header)
-        out.write(struct.pack("<Q", len(header)) + MAGIC)
+        out.write(trailed.trailer(header, MAGIC))
         out.publish()
     except BaseException:
         if not out.done:
@@ -279,29 +276,10 @@ def _sketch_rows(base_raw, expert_raw, dtype: str, n: int, bf16_scan=None) -> tu
     return _finish(codes.tobytes(), sums, nnz)
 
 
-def _trailer(f, size: int) -> tuple[int, int] | None:
-    """(header offset, header length) from a sketch file's trailer, or None if it has none."""
-    if size < 16:
-        return None
-    f.seek(size - 16)
-    (hlen,), magic = struct.unpack("<Q", f.read(8)), f.read(8)
-    if magic != MAGIC or hlen > min(MAX_HEADER, size - 16):
-        return None
-    return size - 16 - hlen, hlen
-
-
 def header_digest(path: Path) -> str | None:
     """The blake3 of a sketch file's header (what plans record), or None for any other file
     (gc's test of what it may remove and what a kept plan references)."""
-    try:
-        with open(path, "rb") as f:
-            found = _trailer(f, os.fstat(f.fileno()).st_size)
-            if found is None:
-                return None
-            f.seek(found[0])
-            return blake3(f.read(found[1])).hexdigest()
-    except OSError:
-        return None
+    return trailed.header_digest(path, MAGIC)
 
 
 class Sketch:
@@ -309,17 +287,7 @@ class Sketch:
 
     def __init__(self, path: Path, *, expert: str, base: str, base_index: ModelIndex):
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                found = _trailer(f, os.fstat(f.fileno()).st_size)
-                if found is None:
-                    raise ValueError("no sketch trailer")
-                self.payload, hlen = found
-                f.seek(self.payload)
-                raw = f.read(hlen)
-            head = json.loads(raw)
-        except (OSError, ValueError, struct.error) as e:
-            raise IntegrityError(f"{path}: not a valid sketch file ({e}); delete it") from None
+        self.payload, raw, head = trailed.read_header(path, MAGIC, "sketch", "no sketch trailer")
         self.digest = blake3(raw).hexdigest()
         if not (isinstance(head, dict) and head.get("format") == SKETCH_FORMAT and head.get("expert") == expert
                 and head.get("base") == base and head.get("layout") == base_index.layout.key
