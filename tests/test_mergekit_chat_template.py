@@ -18,11 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON
-from tests.helpers.mergekit_tokenizers import BUILD, RUN
-from tests.helpers.mergekit_tokenizers import ours as _ours
+from tests.helpers.mergekit_tokenizers import run_cases
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,26 +76,8 @@ def _give_templates(family: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{case: (our output or None, mergekit's output folder, mergekit's error, our stderr)}."""
-    root = tmp_path_factory.mktemp("mk_chat_template")
-    family = root / "family"
-    proc = subprocess.run([sys.executable, "-c", BUILD, str(family)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _give_templates(family)
     cases = {**MATCHED, **REFUSED_BY_BOTH, **{k: v[0] for k, v in REFUSED_BY_US.items()}}
-    jobs = {}
-    for case, config in cases.items():
-        (root / f"{case}.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        jobs[case] = (str(root / f"{case}.yml"), str(root / f"theirs-{case}"))
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(MERGEKIT_PYTHON), "-c", RUN, str(root / "jobs.json")], capture_output=True, text=True,
-                          timeout=900, cwd=family, env={**os.environ, "PYTHONHASHSEED": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    their_errors = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = {}
-    for case in cases:
-        ours, error = _ours(root / f"{case}.yml", root / f"ours-{case}", family)
-        out[case] = (ours, root / f"theirs-{case}", their_errors[case], error)
-    return out
+    return run_cases(tmp_path_factory.mktemp("mk_chat_template"), cases, prepare=_give_templates)
 
 
 def _config(folder: Path) -> dict:

@@ -17,19 +17,16 @@ mergekit reference venv.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from tests.helpers.equivalence import EPS32, INSTALL, MERGEKIT_PYTHON, judge
 from tests.helpers import load_model
-from tests.helpers.mergekit_tokenizers import BUILD, RUN
-from tests.helpers.mergekit_tokenizers import ours as _ours
+from tests.helpers.mergekit_tokenizers import run_cases
 
 pytestmark = [
     pytest.mark.slow,
@@ -108,24 +105,7 @@ DIFFERS: dict[str, str] = {}
 def runs(tmp_path_factory) -> dict[str, tuple[Path, Path | None, str | None, str]]:
     """{case: (our output folder or None, mergekit's output folder, mergekit's error, our error)};
     model names are family folders, read against the family's folder by both tools."""
-    root = tmp_path_factory.mktemp("mk_tokenizer")
-    family = root / "family"
-    proc = subprocess.run([sys.executable, "-c", BUILD, str(family)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = {}
-    for case, config in CASES.items():
-        (root / f"{case}.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        jobs[case] = (str(root / f"{case}.yml"), str(root / f"theirs-{case}"))
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(MERGEKIT_PYTHON), "-c", RUN, str(root / "jobs.json")], capture_output=True, text=True,
-                          timeout=900, cwd=family, env={**os.environ, "PYTHONHASHSEED": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    their_errors = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = {}
-    for case in CASES:
-        ours, error = _ours(root / f"{case}.yml", root / f"ours-{case}", family)
-        out[case] = (ours, root / f"theirs-{case}", their_errors[case], error)
-    return out
+    return run_cases(tmp_path_factory.mktemp("mk_tokenizer"), CASES)
 
 
 def _vocab(folder: Path) -> dict[str, int]:

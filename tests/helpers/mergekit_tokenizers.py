@@ -3,12 +3,18 @@ the script that runs mergekit on it, and our import-mergekit + run of one recipe
 tokenizer acceptance and chat_template tests."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mergepipe.cli import main
+from tests.helpers.equivalence import MERGEKIT_PYTHON
 
 BUILD = r'''
 import json, sys, tempfile, torch
@@ -76,3 +82,29 @@ def ours(recipe: Path, folder: Path, family: Path) -> tuple[Path | None, str]:
         if main(["run", str(params), "-q"]) != 0:
             return None, err.getvalue()
     return folder, err.getvalue()
+
+
+def run_cases(root: Path, cases: dict[str, dict],
+              prepare: Callable[[Path], None] | None = None) -> dict[str, tuple[Path | None, Path, str | None, str]]:
+    """Builds the family under `root`, `prepare`s it, then runs every case's mergekit recipe with
+    mergekit 0.1.5 (one process) and with import-mergekit + run: {case: (our output or None,
+    mergekit's output folder, mergekit's error or None, our stderr)}."""
+    family = root / "family"
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(family)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if prepare is not None:
+        prepare(family)
+    jobs = {}
+    for case, config in cases.items():
+        (root / f"{case}.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        jobs[case] = (str(root / f"{case}.yml"), str(root / f"theirs-{case}"))
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([str(MERGEKIT_PYTHON), "-c", RUN, str(root / "jobs.json")], capture_output=True, text=True,
+                          timeout=900, cwd=family, env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    their_errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for case in cases:
+        mine, error = ours(root / f"{case}.yml", root / f"ours-{case}", family)
+        out[case] = (mine, root / f"theirs-{case}", their_errors[case], error)
+    return out
