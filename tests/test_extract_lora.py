@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mergepipe.checkpoint import lora_extract
 from mergepipe.checkpoint.lora_factor import factors, spectrum
 
 
@@ -245,6 +246,14 @@ def test_embedding_lora_and_modules_to_save_load_in_peft_as_the_expert(fam, tmp_
             _within_rule(merged[name], want, extra[name])
         else:
             assert torch.equal(merged[name], want), name
+
+
+def test_the_adapter_does_not_depend_on_how_many_rows_delta_is_made_at_a_time(fam, tmp_path, monkeypatch):
+    args = ("--energy", "0.9", "--embed-lora", "--modules-to-save", "norm")
+    whole = _extract(fam, "16", tmp_path / "whole", *args)
+    monkeypatch.setattr(lora_extract, "SLAB_ELEMENTS", 1000)  # every matrix in several slabs
+    slabs = _extract(fam, "16", tmp_path / "slabs", *args)
+    assert (whole / "adapter_model.safetensors").read_bytes() == (slabs / "adapter_model.safetensors").read_bytes()
 
 
 def _pair(tmp_path: Path, shape=(960, 896)) -> tuple[Path, Path]:

@@ -149,9 +149,34 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _values(t: TensorInfo, data: memoryview, root) -> torch.Tensor:
+SLAB_ELEMENTS = 1 << 22  # Δ is made this many elements at a time: its fp64 transients stay ~64 MiB
+
+
+def _delta(item: Item, e_data: memoryview, b_data: memoryview, roots: tuple, transposed: bool) -> torch.Tensor:
+    """Δ = expert − base in fp64, in the weight's layout (`transposed`: its transpose, contiguous,
+    for a 2-D embedding), made a slab of rows at a time: only Δ is held at full size, and each
+    element is the same fp64 difference a whole-tensor subtraction gives. A NaN or Inf in either
+    tensor is refused, naming it."""
     import torch
-    x = as_tensor(bytearray(data), t.dtype, t.shape).to(torch.float64)
+    e, b = item.expert, item.base
+    x, y = as_tensor(e_data, e.dtype, e.shape), as_tensor(b_data, b.dtype, b.shape)
+    rows = e.shape[0] if e.shape else 1
+    x, y = x.reshape(rows, -1), y.reshape(rows, -1)
+    cols = x.shape[1]
+    out = torch.empty((cols, rows) if transposed else (rows, cols), dtype=torch.float64)
+    step = max(1, SLAB_ELEMENTS // max(1, cols))
+    for r0 in range(0, rows, step):
+        slab = _finite(x[r0:r0 + step], e, roots[0]) - _finite(y[r0:r0 + step], b, roots[1])
+        if transposed:
+            out[:, r0:r0 + step] = slab.T
+        else:
+            out[r0:r0 + step] = slab
+    return out if transposed else out.reshape(e.shape)
+
+
+def _finite(rows: torch.Tensor, t: TensorInfo, root) -> torch.Tensor:
+    import torch
+    x = rows.to(torch.float64)
     if not bool(torch.isfinite(x).all()):
         raise CheckpointError(f"{root}: tensor {t.name!r} holds NaN or Inf; its Δ to the base is undefined")
     return x
@@ -169,13 +194,12 @@ def extract(item: Item, expert: CheckpointReader, base: CheckpointReader, rule: 
     if e.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{expert.ckpt.root}: tensor {item.name!r} ({e.dtype}) differs from the base's; "
                               "an adapter holds float tensors only")
-    delta = _values(e, e_data, expert.ckpt.root) - _values(b, b_data, base.ckpt.root)
-    if not bool(delta.any()):
+    d = _delta(item, e_data, b_data, (expert.ckpt.root, base.ckpt.root), item.target == "embedding")
+    if not bool(d.any()):
         return Extracted(item, *hashes)
     if item.target is None:
         return Extracted(item, *hashes, whole=bytes(e_data))
-    d = delta.T.contiguous() if item.target == "embedding" else delta
-    del delta
+    del e_data, b_data  # the factorization holds Δ and its factors only
     spec = spectrum(d)
     rank = rule.rank if rule.rank is not None else spec.rank_for_energy(rule.energy)
     fb, fa = factors(d, spec, rank)
