@@ -7,6 +7,8 @@ import torch
 
 from mergepipe.checkpoint import _lora_kernel
 from mergepipe.checkpoint.lora import Delta
+from mergepipe.util import cpu
+from tests.helpers import kernel_build
 
 kernel = _lora_kernel.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="mergepipe.checkpoint._lorac not built")
@@ -47,3 +49,18 @@ def test_the_kernel_refuses_buffers_of_other_shapes():
         kernel(torch.ones(4, 2), torch.ones(2, 3).T.contiguous().T, 1.0, torch.empty(4, 3))
     with pytest.raises(ValueError, match="cols"):
         kernel(torch.ones(4, 2), torch.ones(2, 3), 1.0, torch.empty(4, 4))
+
+
+@pytest.mark.parametrize("level", cpu.BUILT, ids=[cpu.NAMES[v] for v in cpu.BUILT])
+def test_every_vector_width_gives_the_torch_loops_bytes(level, monkeypatch):
+    """Each installed build (SSE2, AVX2, AVX-512), where this CPU runs it (else skipped, naming
+    the width), against the torch loop."""
+    import ctypes
+    build = _lora_kernel._bind(ctypes.CDLL(str(kernel_build(_lora_kernel.MODULE, level))))
+    g = torch.Generator().manual_seed(level)
+    left = torch.randn(300, 16, generator=g) * torch.logspace(-6, 3, 16)
+    right = torch.randn(16, 901, generator=g)
+    got = torch.empty(300, 901)
+    build(left, right, -1 / 0.3, got)
+    want = _torch_rows(Delta("m", -1 / 0.3, left=left, right=right), 0, 300, monkeypatch)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
