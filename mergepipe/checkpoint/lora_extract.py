@@ -16,6 +16,7 @@ model's tensor is refused (Δ undefined). torch is imported on first use.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -152,26 +153,41 @@ def one_thread() -> Iterator[None]:
 SLAB_ELEMENTS = 1 << 22  # Δ is made this many elements at a time: its fp64 transients stay ~64 MiB
 
 
-def _delta(item: Item, e_data: memoryview, b_data: memoryview, roots: tuple, transposed: bool) -> torch.Tensor:
-    """Δ = expert − base in fp64, in the weight's layout (`transposed`: its transpose, contiguous,
-    for a 2-D embedding), made a slab of rows at a time: only Δ is held at full size, and each
-    element is the same fp64 difference a whole-tensor subtraction gives. A NaN or Inf in either
-    tensor is refused, naming it."""
-    import torch
+def _slabs(item: Item, e_data: memoryview, b_data: memoryview, roots: tuple) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, Δ = expert − base of a slab of rows in fp64, as (rows, elements per row)): each
+    element the same fp64 difference a whole-tensor subtraction gives, the fp64 transients one
+    slab. A NaN or Inf in either tensor is refused, naming it."""
     e, b = item.expert, item.base
-    x, y = as_tensor(e_data, e.dtype, e.shape), as_tensor(b_data, b.dtype, b.shape)
     rows = e.shape[0] if e.shape else 1
-    x, y = x.reshape(rows, -1), y.reshape(rows, -1)
-    cols = x.shape[1]
-    out = torch.empty((cols, rows) if transposed else (rows, cols), dtype=torch.float64)
-    step = max(1, SLAB_ELEMENTS // max(1, cols))
+    x = as_tensor(e_data, e.dtype, e.shape).reshape(rows, -1)
+    y = as_tensor(b_data, b.dtype, b.shape).reshape(rows, -1)
+    step = max(1, SLAB_ELEMENTS // max(1, x.shape[1]))
     for r0 in range(0, rows, step):
-        slab = _finite(x[r0:r0 + step], e, roots[0]) - _finite(y[r0:r0 + step], b, roots[1])
+        yield r0, _finite(x[r0:r0 + step], e, roots[0]) - _finite(y[r0:r0 + step], b, roots[1])
+
+
+def _changed(slabs: Iterator[tuple[int, torch.Tensor]]) -> bool:
+    """Whether any element of Δ is nonzero; every slab is made, so a NaN anywhere is refused."""
+    changed = False
+    for _, slab in slabs:
+        changed |= bool(slab.any())
+    return changed
+
+
+def _delta(item: Item, slabs: Iterator[tuple[int, torch.Tensor]], transposed: bool) -> torch.Tensor:
+    """Δ in fp64, in the weight's layout (`transposed`: its transpose, contiguous, for a 2-D
+    embedding), filled slab by slab: only Δ is held at full size."""
+    import torch
+    shape = item.expert.shape
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape) // rows if shape else 1
+    out = torch.empty((cols, rows) if transposed else (rows, cols), dtype=torch.float64)
+    for r0, slab in slabs:
         if transposed:
-            out[:, r0:r0 + step] = slab.T
+            out[:, r0:r0 + slab.shape[0]] = slab.T
         else:
-            out[r0:r0 + step] = slab
-    return out if transposed else out.reshape(e.shape)
+            out[r0:r0 + slab.shape[0]] = slab
+    return out if transposed else out.reshape(shape)
 
 
 def _finite(rows: torch.Tensor, t: TensorInfo, root) -> torch.Tensor:
@@ -194,12 +210,14 @@ def extract(item: Item, expert: CheckpointReader, base: CheckpointReader, rule: 
     if e.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{expert.ckpt.root}: tensor {item.name!r} ({e.dtype}) differs from the base's; "
                               "an adapter holds float tensors only")
-    d = _delta(item, e_data, b_data, (expert.ckpt.root, base.ckpt.root), item.target == "embedding")
+    roots = (expert.ckpt.root, base.ckpt.root)
+    if item.target is None:  # kept whole if changed: Δ itself is never held
+        changed = _changed(_slabs(item, e_data, b_data, roots))
+        return Extracted(item, *hashes, whole=bytes(e_data)) if changed else Extracted(item, *hashes)
+    d = _delta(item, _slabs(item, e_data, b_data, roots), item.target == "embedding")
+    del e_data, b_data  # the factorization holds Δ and its factors only
     if not bool(d.any()):
         return Extracted(item, *hashes)
-    if item.target is None:
-        return Extracted(item, *hashes, whole=bytes(e_data))
-    del e_data, b_data  # the factorization holds Δ and its factors only
     spec = spectrum(d)
     rank = rule.rank if rule.rank is not None else spec.rank_for_energy(rule.energy)
     fb, fa = factors(d, spec, rank)
