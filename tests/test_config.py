@@ -211,7 +211,8 @@ def test_models_are_frozen(example):
         "cache_dir", "nonfinite", "plan", "slices", "modules"}
     assert set(ExpertConfig.model_fields) == {"name", "path", "adapter", "weight", "density", "gamma"}
     assert set(OutputConfig.model_fields) == {"dir", "dtype", "shard_bytes", "tokenizer_source", "tokens",
-                                              "pad_to_multiple_of", "align_vocabulary", "chat_template", "mergekit_config", "adapter"}
+                                              "pad_to_multiple_of", "align_vocabulary", "chat_template",
+                                              "mergekit_config", "adapter"}
 
 
 def test_per_method_density_check_exempts_density_one(fake_methods):
