@@ -22,8 +22,7 @@ from mergepipe.checkpoint.safetensors import open_checkpoint
 from mergepipe.plan.strategies import STRATEGIES, Candidate, PlanContext
 from mergepipe.plan.strategies.calibrated import CalibratedParams
 from tests.helpers.tiny_llama import calibrated_config as _config
-from mergepipe.cli import main
-from tests.helpers import write_config
+from tests.helpers import calibrated_plan
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "mergepipe", *args], capture_output=True, text=True)
@@ -166,17 +165,6 @@ def test_bad_text_is_a_one_line_error_and_a_tampered_artifact_is_rebuilt(llama, 
         art.write_bytes(saved)
 
 
-_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
-
-
-def _calibrated_plan(family, work: Path, cache: Path, text: str) -> Path:
-    work.mkdir(exist_ok=True)
-    (work / "calib.txt").write_text(text)
-    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
-    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
-    return work / "plan.json"
-
-
 def _warn_on_load(monkeypatch):
     """transformers warning while loading the base (as it does for unused config keys, a
     deprecated argument...): through its logger and through the warnings module."""
@@ -208,7 +196,7 @@ def test_calibration_under_q_prints_nothing(noise, tiny_family, tmp_path, capfd,
     _NOISE[noise](monkeypatch)
     level = hf_logging.get_verbosity()
     capfd.readouterr()
-    _calibrated_plan(tiny_family, tmp_path, tmp_path / "cache", "the quick brown fox jumps. " * 340)
+    calibrated_plan(tiny_family, tmp_path, tmp_path / "cache", "the quick brown fox jumps. " * 340)
     assert capfd.readouterr().err == ""
     assert hf_logging.get_verbosity() == level
 
@@ -234,7 +222,7 @@ def test_a_corpus_sized_calibration_text_is_read_only_as_far_as_max_tokens_needs
     big = line * (5_000_000 // len(line))
     plans = {}
     for name, text in (("big", big), ("small", big[:5000])):
-        plan_path = _calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text)
+        plan_path = calibrated_plan(tiny_family, tmp_path / name, tmp_path / f"c-{name}", text)
         plans[name] = json.loads(plan_path.read_text())
     assert max(seen) < 1_000_000, seen
     assert plans["big"]["reads"] == plans["small"]["reads"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mergepipe.cli import main
-from tests.helpers import file_tree, write_config
+from tests.helpers import CALIBRATED, calibrated_plan, file_tree, write_config
 import json
 import os
 import pytest
@@ -52,17 +52,6 @@ def test_two_gcs_at_once_on_a_shared_cache(tmp_path):
         assert list((cache / "merges").iterdir()) == []
 
 
-_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
-
-
-def _calibrated_plan(family, work: Path, cache: Path, text: str) -> Path:
-    work.mkdir(exist_ok=True)
-    (work / "calib.txt").write_text(text)
-    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
-    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
-    return work / "plan.json"
-
-
 def _joint_entry(cache: Path, key: str) -> Path:
     from mergepipe.index.joint import encode
     path = cache / "joint" / f"{key}.stats"
@@ -77,8 +66,8 @@ def test_gc_prunes_calibration_weighted_and_joint_entries_nothing_keeps(tiny_fam
     plan or output names goes (a kept plan keeps its artifact, the energies made with it
     and its joint statistics)."""
     cache = tmp_path / "cache"
-    kept = _calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30)
-    _calibrated_plan(tiny_family, tmp_path / "b", cache, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
+    kept = calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30)
+    calibrated_plan(tiny_family, tmp_path / "b", cache, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
     assert len(list((cache / "calibration").iterdir())) == 2
     assert len(list((cache / "weighted").iterdir())) == 6  # 3 experts x 2 artifacts
     joint_kept, joint_gone = _joint_entry(cache, "1" * 64), _joint_entry(cache, "2" * 64)
@@ -94,7 +83,7 @@ def test_gc_prunes_calibration_weighted_and_joint_entries_nothing_keeps(tiny_fam
     assert joint_kept.exists() and not joint_gone.exists()
     # the kept plan's entries are reused as they are: same plan, nothing rebuilt
     before = {p: p.stat().st_mtime_ns for p in (cache / "calibration").iterdir()}
-    assert _calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30).read_bytes() \
+    assert calibrated_plan(tiny_family, tmp_path / "a", cache, "the quick brown fox. " * 30).read_bytes() \
         == kept.read_bytes()
     assert {p: p.stat().st_mtime_ns for p in (cache / "calibration").iterdir()} == before
     assert main(["gc", "--cache-dir", str(cache), "-q"]) == 0  # nothing kept: all go
@@ -140,7 +129,7 @@ def test_gc_never_removes_a_users_file_in_the_derived_folders(sub, kind, tmp_pat
 def test_gc_keep_names_the_calibration_of_an_output_however_it_is_given(keep, tiny_family, tmp_path):
     """`gc --keep out/manifest.json` (the file, not the folder) kept the stored merge but not
     the importance artifact its plan names: the plan sits under the manifest's `plan` key."""
-    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=_CAL, cache_dir=str(tmp_path / "cache"))
+    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=CALIBRATED, cache_dir=str(tmp_path / "cache"))
     (tmp_path / "calib.txt").write_text("the quick brown fox. " * 30)
     assert main(["run", str(cfg), "-q"]) == 0
     assert main(["plan", str(cfg), "-q", "-o", str(tmp_path / "plan.json")]) == 0

@@ -18,7 +18,7 @@ from mergepipe.cli import main
 from mergepipe.commands.stack import SOURCES_FILE, source_stats
 from mergepipe.errors import OutputError
 from mergepipe.output import safety
-from tests.helpers import file_tree, one_line_error, write_config
+from tests.helpers import stacked_project, file_tree, one_line_error, write_config
 from mergepipe.output.run_record import record_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,22 +241,6 @@ def test_an_o_file_inside_an_input_model_is_refused_even_with_force(command, vic
     assert main([*argv, "-o", str(tmp_path / "elsewhere.out"), "--force", "-q"]) == 0
 
 
-def _stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
-    """base and expert_1 copied into tmp_path, a slices config stacking them, imported as p.yaml."""
-    import shutil
-    import yaml
-    root = Path(family["root"])
-    for m in ("base", "expert_1"):
-        shutil.copytree(root / m, tmp_path / m)
-    mk = tmp_path / "mk.yml"
-    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [  # mergekit reads them from the cwd
-        {"sources": [{"model": str(tmp_path / "base"), "layer_range": [0, 3]}]},
-        {"sources": [{"model": str(tmp_path / "expert_1"), "layer_range": [2, 4]}]}]}))
-    params = tmp_path / "p.yaml"
-    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
-    return mk, params
-
-
 @pytest.mark.parametrize("target", ["expert_1", "expert_1/merged", "base/sub/p.yaml"])
 @pytest.mark.parametrize("command", ["run", "merge", "import-mergekit"])
 def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, target, tiny_family, tmp_path):
@@ -264,7 +248,7 @@ def test_nothing_is_written_into_a_source_model_of_a_stacked_input(command, targ
     protected: `run p.yaml -o expert_1 --force` (after "not a mergepipe output") replaced the
     user's expert_1 with the merge, and `import-mergekit mk.yml -o base/p.yaml` built p.stacked
     and wrote p.yaml inside the base. Now every one is refused (exit 7), even with --force."""
-    mk, params = _stacked_project(tiny_family, tmp_path)
+    mk, params = stacked_project(tiny_family, tmp_path)
     assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     before = {m: file_tree(tmp_path / m) for m in ("base", "expert_1")}
     argv = {"run": ["run", str(params), "-o"], "merge": ["merge", str(tmp_path / "plan.json"), "-o"],

@@ -10,7 +10,7 @@ import yaml
 from mergepipe.cli import main
 from mergepipe.commands.stack import STACK_FILE, build_stack
 from mergepipe.errors import ConfigError, OutputError
-from tests.helpers import load_model
+from tests.helpers import stacked_project, load_model
 from pathlib import Path
 import os
 import shutil
@@ -144,22 +144,6 @@ _SOURCE_EDITS = {
 }
 
 
-def _stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
-    """base and expert_1 copied into tmp_path, a slices config stacking them, imported as p.yaml."""
-    import shutil
-    import yaml
-    root = Path(family["root"])
-    for m in ("base", "expert_1"):
-        shutil.copytree(root / m, tmp_path / m)
-    mk = tmp_path / "mk.yml"
-    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [  # mergekit reads them from the cwd
-        {"sources": [{"model": str(tmp_path / "base"), "layer_range": [0, 3]}]},
-        {"sources": [{"model": str(tmp_path / "expert_1"), "layer_range": [2, 4]}]}]}))
-    params = tmp_path / "p.yaml"
-    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
-    return mk, params
-
-
 @pytest.mark.parametrize("command", ["run", "plan", "merge"])
 @pytest.mark.parametrize("edit", sorted(_SOURCE_EDITS))
 def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_family, tmp_path, capsys):
@@ -168,7 +152,7 @@ def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_fa
     stacked folder stale, and `run` said "up to date", `plan`/`merge` merged the old layers:
     a model that is not the config's. Now each refuses (exit 6) naming the changed file and
     the import to rerun, and after the rerun the merge has the new bytes."""
-    mk, params = _stacked_project(tiny_family, tmp_path)
+    mk, params = stacked_project(tiny_family, tmp_path)
     assert main(["run", str(params), "-q"]) == 0
     assert main(["plan", str(params), "-q", "-o", str(tmp_path / "plan.json")]) == 0
     out = tmp_path / "merged-p"  # named after p.yaml
@@ -193,7 +177,7 @@ def test_a_stacked_folder_whose_source_changed_is_refused(edit, command, tiny_fa
 def test_a_damaged_record_of_a_stacks_sources_is_a_one_line_error(damage, tiny_family, tmp_path, capsys):
     """stack-sources.json half-written or edited: refused in one line (exit 6), never a traceback
     and never taken as "fresh"."""
-    _, params = _stacked_project(tiny_family, tmp_path)
+    _, params = stacked_project(tiny_family, tmp_path)
     record = tmp_path / "p.stacked" / "stack-sources.json"
     record.write_text({"truncated": '{"sources": ', "not_a_mapping": "[1, 2]",
                        "sources_not_a_mapping": '{"sources": [1], "rerun": "x"}'}[damage])

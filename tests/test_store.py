@@ -10,24 +10,13 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from tests.helpers import write_config
+from tests.helpers import CALIBRATED, calibrated_plan, write_config
 import shutil
 import struct
 from mergepipe.index import binfmt, sketch, trailed
 from mergepipe.output.run_record import record_path
 from mergepipe.util.fs import canonical_json
 from tests.helpers.tiny_llama import calibrated_config as _config
-
-
-_CAL = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
-
-
-def _calibrated_plan(family, work: Path, cache: Path, text: str) -> bytes:
-    work.mkdir(exist_ok=True)
-    (work / "calib.txt").write_text(text)
-    cfg = write_config(work, family, budget="40%", plan=_CAL, cache_dir=str(cache))
-    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
-    return (work / "plan.json").read_bytes()
 
 
 def _damage_weighted(path: Path) -> None:
@@ -71,14 +60,14 @@ def test_damaged_calibration_cache_entries_are_rebuilt(damage, tiny_family, tmp_
     truncated or unparsable one was a hard error ("delete it"), one made from another text was
     used, and an energies entry missing tensors was taken as "not covered", silently ranking
     those blocks last (another plan). Now each is rebuilt: the plan is the fresh cache's."""
-    fresh = _calibrated_plan(tiny_family, tmp_path / "fresh", tmp_path / "c0", "the quick brown fox. " * 30)
+    fresh = calibrated_plan(tiny_family, tmp_path / "fresh", tmp_path / "c0", "the quick brown fox. " * 30).read_bytes()
     other = tmp_path / "c1"
-    _calibrated_plan(tiny_family, tmp_path / "other", other, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
+    calibrated_plan(tiny_family, tmp_path / "other", other, "0 1 2 3 4 5 6 7 8 9 zzz " * 30)
     folder, edit = _CACHE_DAMAGE[damage]
     cache = tmp_path / "c0"
     for p in sorted((cache / folder).iterdir()):
         edit(p, next((other / folder).iterdir()))
-    assert _calibrated_plan(tiny_family, tmp_path / "fresh", cache, "the quick brown fox. " * 30) == fresh
+    assert calibrated_plan(tiny_family, tmp_path / "fresh", cache, "the quick brown fox. " * 30).read_bytes() == fresh
 
 
 def test_a_rebuilt_calibration_artifact_gives_the_same_plan(tiny_family, tmp_path, monkeypatch):
@@ -92,7 +81,7 @@ def test_a_rebuilt_calibration_artifact_gives_the_same_plan(tiny_family, tmp_pat
     for run, step in (("a", 7.3), ("b", 1.1)):  # a slow pass, then a fast one
         clock = itertools.count(0.0, step)
         monkeypatch.setattr(fisher.time, "monotonic", lambda: next(clock))
-        plans.append(_calibrated_plan(tiny_family, tmp_path / run, tmp_path / f"c{run}", text))
+        plans.append(calibrated_plan(tiny_family, tmp_path / run, tmp_path / f"c{run}", text).read_bytes())
     first, second = plans
     assert json.loads(first)["strategy"] == json.loads(second)["strategy"]
 
@@ -121,7 +110,7 @@ def test_a_calibration_cache_that_cannot_be_written_is_a_one_line_error(failure,
     import subprocess
     import sys
     cache = tmp_path / "cache"
-    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=_CAL, cache_dir=str(cache))
+    cfg = write_config(tmp_path, tiny_family, budget="40%", plan=CALIBRATED, cache_dir=str(cache))
     (tmp_path / "calib.txt").write_text("the quick brown fox. " * 30)
     plain = tmp_path / "plain"
     plain.mkdir()

@@ -120,3 +120,33 @@ def one_line_error(capsys, *want: str) -> str:
     for w in want:
         assert w in err, (w, err)
     return err
+
+
+CALIBRATED = {"strategy": "calibrated", "text": "calib.txt", "max_tokens": 64, "seq_len": 32}
+
+
+def calibrated_plan(family, work: Path, cache: Path, text: str) -> Path:
+    """A `calibrated` 40% plan of `family` made by `mergepipe plan` from `text` in work/, cache at `cache`."""
+    from mergepipe.cli import main
+    work.mkdir(exist_ok=True)
+    (work / "calib.txt").write_text(text)
+    cfg = write_config(work, family, budget="40%", plan=CALIBRATED, cache_dir=str(cache))
+    assert main(["plan", str(cfg), "-q", "-o", str(work / "plan.json")]) == 0
+    return work / "plan.json"
+
+
+def stacked_project(family, tmp_path: Path) -> tuple[Path, Path]:
+    """base and expert_1 copied into tmp_path, a slices config stacking them, imported as p.yaml."""
+    import shutil
+
+    from mergepipe.cli import main
+    root = Path(family["root"])
+    for m in ("base", "expert_1"):
+        shutil.copytree(root / m, tmp_path / m)
+    mk = tmp_path / "mk.yml"
+    mk.write_text(yaml.safe_dump({"merge_method": "passthrough", "slices": [  # mergekit reads them from the cwd
+        {"sources": [{"model": str(tmp_path / "base"), "layer_range": [0, 3]}]},
+        {"sources": [{"model": str(tmp_path / "expert_1"), "layer_range": [2, 4]}]}]}))
+    params = tmp_path / "p.yaml"
+    assert main(["import-mergekit", str(mk), "-o", str(params), "-q"]) == 0
+    return mk, params
