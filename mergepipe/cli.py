@@ -124,12 +124,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.o:
         _check_overwrite(Path(args.o), args, key="plan_hash", what="plan", inputs=(args.config,))
     from mergepipe.commands.made_from import loaded_with_record
-    from mergepipe.plan.record import MADE_FROM
+    from mergepipe.plan.record import MADE_FROM, plan_json
     cfg, made_from = loaded_with_record(args.config, lambda: _load(args), budget=args.budget)
     if args.o:
         _refuse_inside_inputs(Path(args.o), _input_paths(cfg))
     plan, _ = plan_config(cfg, Store(cfg.cache_dir), threads=args.threads, quiet=args.quiet)
-    data = canonical_json({**plan, MADE_FROM: made_from}) + b"\n"  # beside the plan, outside its hash
+    data = canonical_json({**plan_json(plan), MADE_FROM: made_from}) + b"\n"  # beside the plan, outside its hash
     if args.o:
         out = Path(args.o)
         if not (out.is_file() and out.read_bytes() == data):  # unchanged content: keep the mtime
@@ -137,12 +137,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             atomic_write_bytes(out, data)
     else:
         sys.stdout.write(data.decode())
-    b = plan["bytes"]
-    strategy = (plan.get("strategy") or {}).get("name", "energy")
-    sketches = f" + {_mib(b['planned_sketch_bytes'])} of sketches" if b.get("planned_sketch_bytes") else ""
-    _log(args, f"plan {plan['plan_hash'][:16]} ({strategy}): read {_mib(b['planned_expert_bytes'])}{sketches} of "
-               f"{_mib(b['total_expert_bytes'])} expert bytes (budget {plan['budget']})"
-               + _bound_suffix(plan["bound"], "; "))
+    b = plan.bytes
+    sketches = f" + {_mib(b.planned_sketch_bytes)} of sketches" if b.planned_sketch_bytes else ""
+    _log(args, f"plan {plan.plan_hash[:16]} ({plan.strategy_name}): read {_mib(b.planned_expert_bytes)}{sketches} "
+               f"of {_mib(b.total_expert_bytes)} expert bytes (budget {plan.budget})"
+               + _bound_suffix(plan.bound.model_dump(), "; "))
     return 0
 
 
@@ -163,30 +162,18 @@ def _report(args: argparse.Namespace, out_dir: Path, man: dict, seconds: float) 
                + _bound_suffix(man["bound"], "\n  ") + f"\n  manifest {out_dir / 'manifest.json'}")
 
 
-def _load_plan(path: str, params: str | None = None) -> dict:
-    """The plan in a plan file, checked; `params`: also refuse it unless it was made from
-    that file's current bytes (commands/made_from.py)."""
-    from mergepipe.plan.planner import plan_hash
-    from mergepipe.plan.record import loads_plan, split_plan_file
-    try:
-        from mergepipe.util.fs import read_json_object_text
-        plan = loads_plan(read_json_object_text(path))  # a model file given as the plan is not read whole
-        intact = isinstance(plan, dict) and plan.get("plan_hash") == plan_hash(plan)
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{path}: cannot read plan: {e}") from None
-    if not intact:  # hand-edited or truncated: its fields cannot be trusted
-        raise ConfigError(f"{path}: plan_hash does not match the plan's content (edited, or not made by "
-                          "`mergepipe plan`); make it again with `mergepipe plan`")
-    plan, made_from = split_plan_file(plan, path)  # the plan as hashed, stored and put in the manifest
-    from mergepipe.plan.record import validate_plan
-    validate_plan(plan, path)  # the hash has no key: an edit with a recomputed hash is checked field by field
+def _load_plan(path: str, params: str | None = None):
+    """The plan in a plan file, checked (plan/load.py); `params`: also refuse it unless it was
+    made from that file's current bytes (commands/made_from.py)."""
+    from mergepipe.plan.load import read_plan_file
+    plan, made_from = read_plan_file(path)
     if params is not None:
         from mergepipe.commands.made_from import check_made_from
         check_made_from(made_from, params, path)
     return plan
 
 
-def _params_card(args: argparse.Namespace, plan: dict, inputs) -> dict[str, bytes] | None:
+def _params_card(args: argparse.Namespace, plan, inputs) -> dict[str, bytes] | None:
     """The card files of the recipe `--params` names (the plan was made from it: the experts in
     its order, its YAML), or None (the card of the plan alone)."""
     if args.params is None:
@@ -213,7 +200,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _merge_part(args: argparse.Namespace, plan: dict) -> int:
+def _merge_part(args: argparse.Namespace, plan) -> int:
     from mergepipe.commands.parts import merge_part, parse_part, part_paths
     from mergepipe.commands.pipeline import open_inputs
     from mergepipe.index.store import Store
@@ -225,7 +212,7 @@ def _merge_part(args: argparse.Namespace, plan: dict) -> int:
                       force=args.force)
     what = ("plan is in the store; nothing to merge" if info["from_store"] else
             f"{len(info['tensors'])} tensors, expert bytes read {_mib(sum(info['expert_bytes_read'].values()))}")
-    _log(args, f"part {i}/{n} of plan {plan['plan_hash'][:16]} -> {part_paths(args.o, i, n)[0]} "
+    _log(args, f"part {i}/{n} of plan {plan.plan_hash[:16]} -> {part_paths(args.o, i, n)[0]} "
                f"({what}) in {time.monotonic() - t0:.2f} s")
     return 0
 
@@ -287,13 +274,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan, inputs = plan_config(cfg, store, threads=args.threads, quiet=args.quiet)
     out_dir = Path(cfg.output.dir)
     files = [h.path for ck in (inputs.base, *inputs.experts.values()) for h in ck.files]
-    record = uptodate.finish(record, files, out_dir, plan["plan_hash"])
+    record = uptodate.finish(record, files, out_dir, plan.plan_hash)
     card = output_card(plan, inputs, card_recipe(cfg))  # the experts in the user's order, the recipe's YAML
     if up_to_date(out_dir, plan, card=card):
         from mergepipe.output.publish import clean_dead_writer
         clean_dead_writer(out_dir)
         uptodate.refresh(out_dir, record)  # the next no-op takes the fast check
-        _log(args, f"{out_dir}: up to date (plan {plan['plan_hash'][:16]}); nothing to do "
+        _log(args, f"{out_dir}: up to date (plan {plan.plan_hash[:16]}); nothing to do "
                    f"({time.monotonic() - t0:.2f} s)")
         return 0
     man = merge_plan(plan, inputs, out_dir, store, threads=args.threads, progress=not args.quiet,
@@ -504,8 +491,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-# Long: one add_parser block per command, each option beside its help (argparse declarations).
-def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one `_add_<command>` per subcommand, in the order `--help` lists them."""
     p = argparse.ArgumentParser(prog="mergepipe", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"mergepipe {__version__}")
     common = argparse.ArgumentParser(add_help=False)
@@ -513,56 +500,62 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     common.add_argument("--debug", action="store_true", help="show tracebacks for mergepipe errors")
     common.add_argument("--threads", type=int, default=2, help="reader threads (default 2)")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub, common)
+    return p
 
+
+def _add_index(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("index", parents=[common], help="index a checkpoint (cached by content)")
     s.add_argument("model", help="model folder (or one .safetensors file) to index")
     s.add_argument("--base", help="also compute delta statistics against this base")
     s.add_argument("--block-bytes", help="block size like '1MiB' (default: params.yaml's default block_bytes)")
-    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
+    _cache_dir_option(s)
     s.add_argument("--json", action="store_true", help="print the record as JSON instead of a summary line")
     s.add_argument("-o", help="also write the (timing-free) record as JSON here; unchanged content is only touched")
     s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe index record")
     s.set_defaults(fn=cmd_index)
 
+
+def _add_plan(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("plan", parents=[common], help="plan which expert blocks to read")
     s.add_argument("config", help="params.yaml")
-    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
-                   "or a size (2GiB)")
+    _budget_option(s)
     s.add_argument("-o", help="write the plan here (default: stdout)")
     s.add_argument("--force", action="store_true", help="overwrite an -o file that is not a mergepipe plan")
     s.set_defaults(fn=cmd_plan)
 
+
+def _add_merge(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("merge", parents=[common], help="execute a plan")
     s.add_argument("plan", help="plan.json written by `mergepipe plan`")
     s.add_argument("-o", required=True, help="output folder")
-    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
-    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
-    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
-                   "not write it (never /, home, the current folder or one above it, or an input)")
+    _cache_dir_option(s)
+    _root_option(s)
+    _force_replace_option(s)
     s.add_argument("--part", metavar="I/N", help="merge only part I of N (tensor groups) into folder -o; "
                    "`mergepipe gather` assembles the parts")
-    s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
-                   "this file as it is now (not an earlier edit of it); the model card then lists the experts in "
-                   "its order and quotes it")
+    _params_option(s)
     s.set_defaults(fn=cmd_merge)
 
+
+def _add_gather(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("gather", parents=[common], help="assemble `merge --part` outputs, publish like merge")
     s.add_argument("plan", help="plan.json written by `mergepipe plan`")
     s.add_argument("parts_dir", help="the folder the part jobs wrote to")
     s.add_argument("--parts", type=int, required=True, help="N, the number of parts")
-    s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
-                   "this file as it is now (not an earlier edit of it); the model card then lists the experts in "
-                   "its order and quotes it")
+    _params_option(s)
     s.add_argument("-o", required=True, help="output folder")
-    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
-                   "not write it (never /, home, the current folder or one above it, or an input)")
-    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
-    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    _force_replace_option(s)
+    _cache_dir_option(s)
+    _root_option(s)
     s.set_defaults(fn=cmd_gather)
 
+
+def _add_gc(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("gc", parents=[common], help="prune the cache: stored merges, part files, calibration and "
                        "joint statistics, indexes")
-    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
+    _cache_dir_option(s)
     s.add_argument("--keep", action="append", default=[], metavar="OUTDIR|PLAN",
                    help="keep the stored merge of this output folder or plan.json, and the calibration "
                    "and joint statistics it names (repeatable)")
@@ -570,15 +563,17 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     s.add_argument("--dry-run", "-n", action="store_true", help="only list what would be removed")
     s.set_defaults(fn=cmd_gc)
 
+
+def _add_run(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("run", parents=[common], help="index + plan + merge + verify, cached")
     s.add_argument("config", help="params.yaml")
-    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
-                   "or a size (2GiB)")
+    _budget_option(s)
     s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
-    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
-                   "not write it (never /, home, the current folder or one above it, or an input)")
+    _force_replace_option(s)
     s.set_defaults(fn=cmd_run)
 
+
+def _add_verify(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("verify", parents=[common], help="check an output against its manifest (files changed "
                        "since publication are rehashed; --deep rehashes every file)")
     s.add_argument("outdir", help="output folder to check (holding manifest.json)")
@@ -591,6 +586,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     _signature_options(s)
     s.set_defaults(fn=cmd_verify)
 
+
+def _add_audit(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("audit", parents=[common], help="prove how an output was built, anywhere: find its inputs "
                        "by content hash, rehash them, replay the merge and compare; walk its lineage")
     s.add_argument("outdir", help="output folder to audit (holding manifest.json)")
@@ -602,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     _signature_options(s)
     s.set_defaults(fn=cmd_audit)
 
+
+def _add_sign(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("sign", parents=[common], help="sign an output folder (OpenSSF model-signing format, "
                        "EC key): OUT/model.sig covers every file, manifest.json included")
     s.add_argument("outdir", help="output folder to sign (it must verify against its manifest)")
@@ -610,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     s.add_argument("--signature", metavar="PATH", help="where to write it (default OUT/model.sig; else outside OUT)")
     s.set_defaults(fn=cmd_sign)
 
+
+def _add_provenance(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("provenance", parents=[common], help="write an in-toto SLSA provenance statement of an "
                        "output (subjects: its files; dependencies: its inputs' content hashes; the plan)")
     s.add_argument("outdir", help="output folder (it must verify against its manifest)")
@@ -618,11 +619,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     _key_options(s, "overwrite an existing -o file")
     s.set_defaults(fn=cmd_provenance)
 
+
+def _add_check(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("check", parents=[common], help="what a merge of params.yaml (or a mergekit YAML) would "
                        "fail on, and what it would read, write, need and take; reads no weights")
     s.add_argument("config", help="params.yaml, or a mergekit YAML (model paths relative to the current folder)")
-    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
-                   "or a size (2GiB)")
+    _budget_option(s)
     s.add_argument("-o", "--output", help="output folder (default: output.dir of the config)")
     s.add_argument("--force", action="store_true", help="as run's --force: an output folder mergepipe did not "
                    "write may be replaced")
@@ -630,14 +632,18 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
                    "(the time estimate is then unknown)")
     s.set_defaults(fn=cmd_check)
 
+
+def _add_explain(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("explain", parents=[common], help="readable table of a plan, output or params.yaml: "
                        "bytes, update energy kept per expert, rescale factors, bound")
     s.add_argument("target", help="plan.json, an output folder, or params.yaml (planned first)")
     s.add_argument("--budget", help="with params.yaml: the budget to explain (default: the config's)")
     s.add_argument("--cache-dir", default=None, help="the index store (default: .mergepipe; a params.yaml's own)")
-    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
+    _root_option(s)
     s.set_defaults(fn=cmd_explain)
 
+
+def _add_import_mergekit(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("import-mergekit", parents=[common], help="convert a mergekit YAML to params.yaml")
     s.add_argument("config", help="mergekit YAML; its model paths are relative to the current folder, as "
                    "mergekit reads them")
@@ -646,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
     s.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     s.set_defaults(fn=cmd_import)
 
+
+def _add_extract_lora(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("extract-lora", parents=[common], help="a PEFT LoRA adapter of BASE from a dense fine-tune: "
                        "truncated SVD of expert - base per module, with each module's retained energy")
     s.add_argument("expert", help="the fine-tuned model folder")
@@ -661,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
                    "default: kept whole)")
     s.set_defaults(fn=cmd_extract_lora)
 
+
+def _add_sweep(sub, common: argparse.ArgumentParser) -> None:
     s = sub.add_parser("sweep", parents=[common], help="merge at several budgets: table and plot of I/O vs deviation")
     s.add_argument("config", help="params.yaml")
     s.add_argument("--budgets", default="5%,10%,25%,50%,100%", help="comma-separated budgets (default %(default)s)")
@@ -670,12 +680,42 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915
                    "(its models/<budget> folders are still only replaced where mergepipe wrote them)")
     s.set_defaults(fn=cmd_sweep)
 
+
+def _add_demo(sub, common: argparse.ArgumentParser) -> None:
     from mergepipe.commands.demo_args import DESCRIPTION, add_arguments
     s = sub.add_parser("demo", help="generate a seeded demo family (base + experts)", description=DESCRIPTION)
     add_arguments(s)
     s.add_argument("--debug", action="store_true", help="show tracebacks for mergepipe errors")
     s.set_defaults(fn=cmd_demo)
-    return p
+
+
+_SUBCOMMANDS = (_add_index, _add_plan, _add_merge, _add_gather, _add_gc, _add_run, _add_verify, _add_audit,
+                _add_sign, _add_provenance, _add_check, _add_explain, _add_import_mergekit, _add_extract_lora,
+                _add_sweep, _add_demo)
+
+
+def _budget_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--budget", help="override the config's budget: 'full', a percentage (25%%), a fraction (0.25) "
+                   "or a size (2GiB)")
+
+
+def _force_replace_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--force", action="store_true", help="replace an existing output folder even if mergepipe did "
+                   "not write it (never /, home, the current folder or one above it, or an input)")
+
+
+def _params_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--params", metavar="PARAMS_YAML", help="refuse the plan unless `mergepipe plan` made it from "
+                   "this file as it is now (not an earlier edit of it); the model card then lists the experts in "
+                   "its order and quotes it")
+
+
+def _cache_dir_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--cache-dir", default=".mergepipe", help="index, plan and merge cache (default %(default)s)")
+
+
+def _root_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--root", default=".", help="folder that relative input paths in the plan are relative to")
 
 
 def _signature_options(s: argparse.ArgumentParser) -> None:

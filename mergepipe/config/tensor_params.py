@@ -39,8 +39,7 @@ if TYPE_CHECKING:
 KNOBS = ("density", "gamma")
 
 
-# Branchy: per tensor, per expert, per knob, each value checked where it is resolved so the error names all three.
-def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:  # noqa: C901, PLR0915
+def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[str, Any] | None:
     """The plan's `tensor_parameters` for `cfg` over the tensors `names`; None when the
     config has no per-tensor setting (then the plan has no `tensor_parameters` key, and its hash
     is that of the same config without the grammar).
@@ -51,84 +50,123 @@ def resolve_tensor_parameters(cfg: MergeConfig, names: Iterable[str]) -> dict[st
     """
     if not cfg.per_tensor:
         return None
-    method = METHODS[cfg.method]
-    params_cls = method.params
-    scalars = {k: v for k, v in cfg.parameters.items() if k not in cfg.param_settings}
-    defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
     names = sorted(names)
     _check_filters(cfg, names)
-    # parts: the slices or modules a tensor's own settings come from (placed[name][0] indexes them)
-    if cfg.slices is not None:
-        placed, parts, part_settings = placements(cfg.slices, names, cfg.source), cfg.slices, cfg.slice_settings
-    elif cfg.modules is not None:
-        placed = module_placements(cfg.modules, names, cfg.source)
-        parts, part_settings = cfg.modules, cfg.module_settings
-    else:
-        placed, parts, part_settings = {name: (None, t) for name, t in layer_positions(names).items()}, [], []
+    resolver = _Resolver(cfg, names)
     groups: list[dict[str, Any]] = []
     index: dict[bytes, int] = {}
     tensors: dict[str, int] = {}
-    checked: dict[bytes, dict[str, Any]] = {}
     for name in names:
-        s, t = placed[name]
-        where = f"{cfg.source}: tensor {name!r}"
-        scopes = [cfg.param_settings] if s is None else [cfg.param_settings, part_settings[s]]
+        group = resolver.group(name)
+        gkey = canonical_json(group)
+        if gkey not in index:  # groups numbered in first-use order over the sorted names
+            index[gkey] = len(groups)
+            groups.append(group)
+        tensors[name] = index[gkey]
+    return {"groups": groups, "tensors": tensors}
+
+
+class _Resolver:
+    """One tensor's group: its resolved per-tensor method parameters and each expert's own
+    settings. `parts` are the slices or modules a tensor's own settings come from
+    (`placed[name][0]` indexes them; None: the recipe's top level)."""
+
+    def __init__(self, cfg: MergeConfig, names: list[str]):
+        self.cfg = cfg
+        self.method = METHODS[cfg.method]
+        self.scalars = {k: v for k, v in cfg.parameters.items() if k not in cfg.param_settings}
+        self.defaults = cfg.method_params.model_dump(mode="json", by_alias=True)
+        if cfg.slices is not None:
+            self.placed, self.parts, self.part_settings = (placements(cfg.slices, names, cfg.source), cfg.slices,
+                                                           cfg.slice_settings)
+        elif cfg.modules is not None:
+            self.placed = module_placements(cfg.modules, names, cfg.source)
+            self.parts, self.part_settings = cfg.modules, cfg.module_settings
+        else:
+            self.placed = {name: (None, t) for name, t in layer_positions(names).items()}
+            self.parts, self.part_settings = [], []
+        self.checked: dict[bytes, dict[str, Any]] = {}  # validated parameters, by the given values' bytes
+
+    def group(self, name: str) -> dict[str, Any]:
+        s, t = self.placed[name]
+        where = f"{self.cfg.source}: tensor {name!r}"
+        params = self._parameters(name, s, t, where)
+        experts = {}
+        for i, e in enumerate(self.cfg.experts):
+            over = self._expert(i, e, name, s, t, params, where)
+            if over:
+                experts[e.name] = dict(sorted(over.items()))
+        return {"parameters": dict(sorted(params.items())), "experts": dict(sorted(experts.items()))}
+
+    def _parameters(self, name: str, s: int | str | None, t: float, where: str) -> dict[str, Any]:
+        """The per-tensor method parameters: the recipe's settings, then the slice's or module's,
+        evaluated last, winning where they give a value; validated once per distinct value set."""
+        scopes = [self.cfg.param_settings] if s is None else [self.cfg.param_settings, self.part_settings[s]]
         given = {}
-        for settings in scopes:  # the slice's or module's, evaluated last, wins where it gives a value
+        for settings in scopes:
             for key, setting in settings.items():
                 value = setting.evaluate(name, t)
                 if value is not None:
                     given[key] = value
         key_bytes = canonical_json(given)
-        if key_bytes not in checked:
+        if key_bytes not in self.checked:
+            params_cls = self.method.params
             try:
-                dumped = params_cls.model_validate({**scalars, **given}).model_dump(mode="json", by_alias=True)
+                dumped = params_cls.model_validate({**self.scalars, **given}).model_dump(mode="json", by_alias=True)
             except ValidationError as err:
                 raise ConfigError(f"{where}: {describe(err, params_cls, ('parameters',))}") from None
-            checked[key_bytes] = {k: dumped[k] for k in sorted({*cfg.param_settings, *given})}
-        params = checked[key_bytes]
-        experts: dict[str, dict[str, Any]] = {}
-        for i, e in enumerate(cfg.experts):
-            over = {}
-            in_slice = None if s is None else parts[s].experts.get(e.name)
-            weight = e.weight if in_slice is None or in_slice.weight is None else in_slice.weight
-            if isinstance(weight, Setting) or weight is not e.weight:
-                w = weight.evaluate(name, t) if isinstance(weight, Setting) else weight
-                if w is None:
-                    raise ConfigError(f"{where}: experts[{i}].weight: no condition matches this tensor; "
-                                      "add a condition without a filter ({value: ...})")
-                if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
-                    raise ConfigError(f"{where}: experts[{i}].weight: must be a finite number, got {w!r}")
-                over["weight"] = float(w)
-            for knob in KNOBS:
-                own = getattr(e, knob)
-                from_slice = in_slice is not None and getattr(in_slice, knob) is not None
-                if from_slice:
-                    own = getattr(in_slice, knob)
-                if not isinstance(own, Setting) and not from_slice and knob not in params:
-                    continue
-                value = own.evaluate(name, t) if isinstance(own, Setting) else own
-                if value is None:
-                    value = params.get(knob, defaults.get(knob))
-                if value is None:
-                    continue
-                over[knob] = _knob(float(value), knob, f"{where}: experts[{i}].{knob}", method.magnitude)
-            if "density" in over or "gamma" in over:
-                density = over.get("density", cfg.expert_density(e))
-                gamma = over.get("gamma", cfg.expert_gamma(e))
-                if isinstance(density, float) and isinstance(gamma, float) and density < 1 and \
-                        density + gamma > 1 + 1e-12:
-                    raise ConfigError(f"{where}: experts[{i}]: density + gamma must be <= 1, "
-                                      f"got {density!r} + {gamma!r}")
-            if over:
-                experts[e.name] = dict(sorted(over.items()))
-        group = {"parameters": dict(sorted(params.items())), "experts": dict(sorted(experts.items()))}
-        gkey = canonical_json(group)
-        if gkey not in index:
-            index[gkey] = len(groups)
-            groups.append(group)
-        tensors[name] = index[gkey]
-    return {"groups": groups, "tensors": tensors}
+            self.checked[key_bytes] = {k: dumped[k] for k in sorted({*self.cfg.param_settings, *given})}
+        return self.checked[key_bytes]
+
+    def _expert(self, i: int, e, name: str, s: int | str | None, t: float, params: dict[str, Any],
+                where: str) -> dict[str, float]:
+        """Expert i's own settings for this tensor (precedence: the slice's entry for the expert,
+        the expert's own, the method's per-tensor value, the method's default)."""
+        in_slice = None if s is None else self.parts[s].experts.get(e.name)
+        over = {}
+        weight = self._weight(i, e, in_slice, name, t, where)
+        if weight is not None:
+            over["weight"] = weight
+        for knob in KNOBS:
+            value = self._knob_value(e, in_slice, knob, name, t, params)
+            if value is not None:
+                over[knob] = _knob(float(value), knob, f"{where}: experts[{i}].{knob}", self.method.magnitude)
+        if "density" in over or "gamma" in over:
+            density = over.get("density", self.cfg.expert_density(e))
+            gamma = over.get("gamma", self.cfg.expert_gamma(e))
+            if isinstance(density, float) and isinstance(gamma, float) and density < 1 and \
+                    density + gamma > 1 + 1e-12:
+                raise ConfigError(f"{where}: experts[{i}]: density + gamma must be <= 1, "
+                                  f"got {density!r} + {gamma!r}")
+        return over
+
+    @staticmethod
+    def _weight(i: int, e, in_slice, name: str, t: float, where: str) -> float | None:
+        """The expert's weight for this tensor where it is per tensor (a Setting, or a slice's
+        own); None where the expert's plain weight applies."""
+        weight = e.weight if in_slice is None or in_slice.weight is None else in_slice.weight
+        if not isinstance(weight, Setting) and weight is e.weight:
+            return None
+        w = weight.evaluate(name, t) if isinstance(weight, Setting) else weight
+        if w is None:
+            raise ConfigError(f"{where}: experts[{i}].weight: no condition matches this tensor; "
+                              "add a condition without a filter ({value: ...})")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
+            raise ConfigError(f"{where}: experts[{i}].weight: must be a finite number, got {w!r}")
+        return float(w)
+
+    def _knob_value(self, e, in_slice, knob: str, name: str, t: float, params: dict[str, Any]):
+        """The expert's density or gamma for this tensor, or None where none is per tensor."""
+        own = getattr(e, knob)
+        from_slice = in_slice is not None and getattr(in_slice, knob) is not None
+        if from_slice:
+            own = getattr(in_slice, knob)
+        if not isinstance(own, Setting) and not from_slice and knob not in params:
+            return None
+        value = own.evaluate(name, t) if isinstance(own, Setting) else own
+        if value is None:
+            value = params.get(knob, self.defaults.get(knob))
+        return value
 
 
 def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
