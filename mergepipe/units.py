@@ -211,8 +211,7 @@ def _fraction_budget(exact: Fraction, written: object) -> Budget:
     return Budget("fraction", fraction=exact)
 
 
-# Branchy: one branch per written form of a budget (full, %, fraction, bytes with a unit), each its own error.
-def parse_budget(value: Budget | str | int | float) -> Budget:  # noqa: C901
+def parse_budget(value: Budget | str | int | float) -> Budget:
     """Parse a budget as written in params.yaml or on the command line.
 
     "full" (any case); "25%" or "12.5%"; a float or decimal string in (0, 1]
@@ -227,18 +226,28 @@ def parse_budget(value: Budget | str | int | float) -> Budget:  # noqa: C901
         return value
     if isinstance(value, bool):
         raise UnitError("budget", f"must not be a boolean, got {value!r}; {_BUDGET_HELP}")
+    if isinstance(value, int | float):
+        return _number_budget(value)
+    if not isinstance(value, str):
+        raise UnitError("budget", f"must be a string or number, got {type(value).__name__} "
+                                  f"{value!r}; {_BUDGET_HELP}")
+    return _text_budget(value)
+
+
+def _number_budget(value: int | float) -> Budget:
+    """An int is bytes; a float is a fraction of the full merge's reads."""
     if isinstance(value, int):
         if value <= 0:
             raise UnitError("budget", f"must be > 0 bytes, got {value}; {_BUDGET_HELP}")
         return Budget("bytes", budget_bytes=value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise UnitError("budget", f"must be finite, got {value!r}; {_BUDGET_HELP}")
-        # repr() is the shortest text that round-trips, so 0.1 means 1/10 exactly.
-        return _fraction_budget(Fraction(Decimal(repr(value))), value)
-    if not isinstance(value, str):
-        raise UnitError("budget", f"must be a string or number, got {type(value).__name__} "
-                                  f"{value!r}; {_BUDGET_HELP}")
+    if not math.isfinite(value):
+        raise UnitError("budget", f"must be finite, got {value!r}; {_BUDGET_HELP}")
+    # repr() is the shortest text that round-trips, so 0.1 means 1/10 exactly.
+    return _fraction_budget(Fraction(Decimal(repr(value))), value)
+
+
+def _text_budget(value: str) -> Budget:
+    """"full", a percentage, a plain decimal fraction, or bytes (an integer or a size with a unit)."""
     text = value.strip()
     if text.lower() == "full":
         return Budget("full")
