@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from mergepipe.cli import main
 from mergepipe.errors import BudgetError
 from mergepipe.index.sketch import sketch_cost
-from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan
+from mergepipe.plan.planner import PlanInput, PlanRequest
 from mergepipe.units import parse_budget
-from tests.helpers import load_model, synthetic_indexes, write_config
+from tests.helpers import plan_doc, load_model, synthetic_indexes, write_config
 
 BLOCK = 4 * 8 * 2  # synthetic_indexes: 4 rows of 8 bf16 per block
 SKETCH = sketch_cost(32)
@@ -50,7 +50,7 @@ def _plan(indexes, budget, strategy=None, method="task_arithmetic"):
         calibration = {"artifact": "a" * 64, "text": "c" * 64, "energies": {
             n: {t: [x * x for x in td.block_l2] for t, td in d.tensors.items()} for n, d in deltas.items()}}
     params = {"lambda": 1.0} if method == "task_arithmetic" else {}
-    return make_plan(PlanRequest(
+    return plan_doc(PlanRequest(
         base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
         expert_indexes=idx, deltas=deltas, method=method, params=params, seed=0, budget=budget,
         block_bytes=4096, output={"dtype": None, "shard_bytes": None}, strategy=strategy,

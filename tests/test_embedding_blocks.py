@@ -23,7 +23,7 @@ from mergepipe.commands.pipeline import plan_config
 from mergepipe.config.params import load_config
 from mergepipe.errors import ConfigError
 from mergepipe.index.store import Store
-from mergepipe.plan.record import check_plan_reads, validate_plan
+from mergepipe.plan.record import check_plan_reads, plan_json, validate_plan
 
 VOCAB, HIDDEN = 512, 32
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -104,6 +104,7 @@ def _config(tmp: Path, root: Path, name: str, *, budget: str = "full", emb: str 
 
 def _plan(cfg: Path, tmp: Path, threads: int = 2) -> dict:
     plan, _ = plan_config(load_config(cfg), Store(tmp / "cache"), threads=threads)
+    plan = plan_json(plan)
     return plan
 
 
@@ -193,7 +194,7 @@ def test_tampered_layout_refused(tmp_path, family, capsys):
     _, base_index = store.model_index(family / "base", block_bytes=64 << 10)
     # the plain-layout base index does not match a plan with vocabulary blocks
     with pytest.raises(ConfigError, match="plan key embedding_block_bytes"):
-        check_plan_reads(plan, base_index, {}, None, "p.json")
+        check_plan_reads(validate_plan(plan, "p.json"), base_index, {}, None, "p.json")
     bad = dict(plan, embedding_block_bytes=plan["block_bytes"])
     with pytest.raises(ConfigError, match="p.json: plan key embedding_block_bytes: equals block_bytes"):
         validate_plan(bad, "p.json")
@@ -279,6 +280,7 @@ def test_vocabulary_blocks_rank_as_their_plain_block(tmp_path, family):
     for budget in ("5%", "15%", "30%", "50%"):
         plan, inputs = plan_config(load_config(_config(tmp_path, family, "r", budget=budget,
                                                        plan={"strategy": "energy"})), Store(tmp_path / "cache"))
+        plan = plan_json(plan)
         cands = []
         for e in plan["experts"]:
             idx, delta = inputs.expert_indexes[e["name"]], inputs.deltas[e["name"]]

@@ -25,6 +25,7 @@ from mergepipe.methods import get_method
 from mergepipe.methods.joint import JointExpert, TensorContext, in_memory_statistics
 from mergepipe.plan.planner import plan_hash
 from mergepipe.output.run_record import record_path
+from mergepipe.plan.record import validate_plan
 from tests.helpers.joint import run_joint
 from tests.helpers import load_model, write_config
 
@@ -70,7 +71,7 @@ def test_partial_budget_reads_all_or_none_within_budget_deterministic(tmp_path, 
     plan = man["plan"]
     assert plan["joint"]["reads"] == "all-or-none"
     assert (plan["joint"]["key"] is None) == bool(params.get("filter_wise"))
-    inputs = open_inputs(plan, Store(tmp_path / "a" / "cache"), Path("/"))
+    inputs = open_inputs(validate_plan(plan, "manifest"), Store(tmp_path / "a" / "cache"), Path("/"))
     groups = _groups(plan)
     assert groups
     for (tensor, block), readers in groups.items():

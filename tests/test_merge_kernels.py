@@ -17,6 +17,7 @@ from mergepipe.methods.base import BlockInputs, ExpertBlock, RankCut
 from mergepipe.commands.pipeline import plan_config
 from mergepipe.index.store import Store
 from mergepipe.util import cpu
+from mergepipe.plan.record import plan_json
 from tests.helpers import kernel_build, write_config
 
 # both builds of the kernels: C (what installs use) and numba (the fallback without a compiler)
@@ -128,6 +129,7 @@ def test_engine_compiled_equals_torch_path(tmp_path, tiny_family, method, parame
     cfg = load_config(write_config(tmp_path, tiny_family, method=method, parameters=parameters, budget=budget))
     store = Store(cfg.cache_dir)
     plan, inputs = plan_config(cfg, store)
+    plan = plan_json(plan)  # the engine takes the plan's JSON form
     outs = []
     for compiled in (True, False):
         d = Path(tmp_path / f"o{int(compiled)}")
@@ -146,6 +148,7 @@ def test_output_hashed_while_writing_equals_the_file(tmp_path, tiny_family, monk
     cfg = load_config(write_config(tmp_path, tiny_family, method="ties", parameters={"density": 0.5},
                                    budget="50%", output={"dir": str(tmp_path / "out"), **output}))
     plan, inputs = plan_config(cfg, Store(cfg.cache_dir))
+    plan = plan_json(plan)  # the engine takes the plan's JSON form
     rehash = engine.hash_file
     def no_weight_rereads(path, *a):
         assert not str(path).endswith(".safetensors"), f"reread {path}"

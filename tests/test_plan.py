@@ -7,13 +7,13 @@ from hypothesis import strategies as st
 
 from mergepipe.cli import main
 from mergepipe.errors import BudgetError
-from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan
+from mergepipe.plan.planner import PlanInput, PlanRequest
 from mergepipe.units import parse_budget
-from tests.helpers import load_model, synthetic_indexes, write_config
+from tests.helpers import plan_doc, load_model, synthetic_indexes, write_config
 
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, method="task_arithmetic"):
-    return make_plan(PlanRequest(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index,
+    return plan_doc(PlanRequest(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index,
                                  experts=experts, expert_indexes=idx, deltas=deltas, method=method,
                                  params={"lambda": 1.0}, seed=0, budget=f"{budget_bytes}B",
                                  budget_bytes=budget_bytes, block_bytes=64,
@@ -45,16 +45,16 @@ def test_relative_budget_is_a_share_of_the_full_merge_reads(tensor_blocks, k, se
     kw = dict(base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
               expert_indexes=idx, deltas=deltas, method="task_arithmetic", params={"lambda": 1.0}, seed=0,
               block_bytes=64, output={"dtype": None, "shard_bytes": None})
-    full = make_plan(PlanRequest(**kw, budget="full"))
+    full = plan_doc(PlanRequest(**kw, budget="full"))
     full_read = full["bytes"]["full_read_expert_bytes"]
     assert full_read == full["bytes"]["planned_expert_bytes"] == full["budget_bytes"]
     assert full_read == full["bytes"]["total_expert_bytes"] - sum(full["bytes"]["skipped_identical_by_expert"].values())
     share = parse_budget(budget)
     if full_read and share.resolve(full_read) < 64:  # below one 64-byte block: nothing to read
         with pytest.raises(BudgetError, match="smaller than any expert block"):  # plan/budget_floor.py
-            make_plan(PlanRequest(**kw, budget=budget))
+            plan_doc(PlanRequest(**kw, budget=budget))
         return
-    plan = make_plan(PlanRequest(**kw, budget=budget))
+    plan = plan_doc(PlanRequest(**kw, budget=budget))
     assert plan["budget"] == str(share)
     assert plan["budget_bytes"] == share.resolve(full_read)
     assert plan["budget_bytes"] == (full_read if share.kind == "full" else int(share.fraction * full_read))
@@ -116,7 +116,7 @@ def test_a_strategy_gets_its_extra_inputs_through_its_registration_hook():
                       strategy={"strategy": "test_hooked"})
     register("test_hooked", params=Params, inputs=inputs)(select)
     try:
-        plan = make_plan(req)
+        plan = plan_doc(req)
     finally:
         del STRATEGIES["test_hooked"]
     assert seen["request"] is req and seen["n"] == plan["bytes"]["candidate_pairs"] > 0

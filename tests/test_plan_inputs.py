@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace as NS
 
 import pytest
 from blake3 import blake3
@@ -120,10 +121,10 @@ def test_the_copy_step_checks_the_bytes_it_copies(own_base, tmp_path):
     names = ("config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
              "tokenizer_config.json")
     files = {n: blake3((base / n).read_bytes()).hexdigest() for n in names if (base / n).is_file()}
-    plan = {"base": {"files": files}, "output": {"dtype": None}}
+    plan = NS(base=NS(files=files), output=NS(dtype=None, tokenizer_source=None))  # PlanRecord's fields read
     copied = copy_base_files(plan, ckpt, tmp_path / "tmp")
-    assert copied == plan["base"]["files"]
-    plan["base"]["files"]["config.json"] = blake3(b"other bytes").hexdigest()
+    assert copied == plan.base.files
+    plan.base.files["config.json"] = blake3(b"other bytes").hexdigest()
     with pytest.raises(IntegrityError, match=r"config\.json: changed since the plan was made.*re-plan"):
         copy_base_files(plan, ckpt, tmp_path / "tmp")
 

@@ -20,7 +20,7 @@ from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.index import sketch
 from mergepipe.index.store import Store
 from mergepipe.plan.planner import plan_hash
-from mergepipe.plan.record import check_plan_reads, validate_plan
+from mergepipe.plan.record import check_plan_reads, plan_json, validate_plan
 from tests.helpers import load_model, write_config
 
 
@@ -83,6 +83,7 @@ def _plan_and_merge(tmp_path, family, name, **over):
     cfg = load_config(write_config(tmp_path / name, family, cache_dir=str(tmp_path / "cache"), **over))
     store = Store(cfg.cache_dir)
     plan, inputs = plan_config(cfg, store)
+    plan = plan_json(plan)  # the engine takes the plan's JSON form
     out = tmp_path / name / "out"
     out.mkdir()
     return plan, inputs, run_merge(plan, inputs, out), out
@@ -170,10 +171,10 @@ def test_damaged_sketches_are_caught_or_rebuilt(tmp_path, tiny_family):
     sk.path.write_bytes(b"garbage")
     cfg = load_config(tmp_path / "s" / "params.yaml")
     again, inputs2 = plan_config(cfg, Store(cfg.cache_dir))
-    assert again["plan_hash"] == plan["plan_hash"]
+    assert again.plan_hash == plan["plan_hash"]
     out2 = tmp_path / "again2"
     out2.mkdir()
-    run_merge(again, inputs2, out2)
+    run_merge(plan_json(again), inputs2, out2)
 
 
 def test_edited_sketch_plans_are_refused(tmp_path, tiny_family):
@@ -208,7 +209,8 @@ def test_edited_sketch_plans_are_refused(tmp_path, tiny_family):
     ]:
         bad = edited(edit)
         with pytest.raises(ConfigError, match=match):
-            check_plan_reads(bad, inputs.base_index, inputs.expert_indexes, inputs.deltas, "plan.json")
+            check_plan_reads(validate_plan(bad, "plan.json"), inputs.base_index, inputs.expert_indexes,
+                             inputs.deltas, "plan.json")
 
 
 def test_methods_without_per_element_deltas_are_refused(tmp_path, tiny_family):
@@ -309,7 +311,7 @@ def test_sketch_files_are_the_same_from_the_c_scan_on_two_threads_and_numpy_on_o
     monkeypatch.setattr(_ckernels, "load", lambda: None)
     cfg = load_config(tmp_path / "s" / "params.yaml")
     again, inputs2 = plan_config(cfg, Store(cfg.cache_dir))
-    assert again["plan_hash"] == plan["plan_hash"]
+    assert again.plan_hash == plan["plan_hash"]
     assert {name: sk.path.read_bytes() for name, sk in inputs2.sketches.items()} == files
 
 
@@ -342,12 +344,12 @@ def test_check_sketch_blocks_counts_bytes_and_refuses_an_identical_or_outside_bl
     indexes = {"e": NS(tensors={"w": entry})}
     deltas = {"e": NS(tensors={"w": NS(identical=[False, False])})}
 
-    def plan(blocks):
-        return {"experts": [{"name": "e"}], "strategy": {"sketch": {"blocks": {"e": {"w": blocks}}}}}
-    assert check_sketch_blocks(plan([0, 1]), indexes, deltas, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
+    def blocks(bs):
+        return {"e": {"w": bs}}
+    assert check_sketch_blocks(blocks([0, 1]), ["e"], indexes, deltas, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
     deltas["e"].tensors["w"].identical[1] = True
     with pytest.raises(ConfigError, match=r"strategy\.sketch\.blocks\.e\.w: block 1 is identical"):
-        check_sketch_blocks(plan([0, 1]), indexes, deltas, "p.json")
-    assert check_sketch_blocks(plan([0, 1]), indexes, None, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
+        check_sketch_blocks(blocks([0, 1]), ["e"], indexes, deltas, "p.json")
+    assert check_sketch_blocks(blocks([0, 1]), ["e"], indexes, None, "p.json") == {"e": 2 * sketch.sketch_cost(16)}
     with pytest.raises(ConfigError, match="block 2 is outside tensor 'w'"):
-        check_sketch_blocks(plan([2]), indexes, deltas, "p.json")
+        check_sketch_blocks(blocks([2]), ["e"], indexes, deltas, "p.json")

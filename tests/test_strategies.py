@@ -20,13 +20,14 @@ from mergepipe.config.params import load_config
 from mergepipe.engine.merge import run_merge
 from mergepipe.errors import ConfigError
 from mergepipe.index.store import Store
-from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan, plan_hash
+from mergepipe.plan.planner import PlanInput, PlanRequest, plan_hash
 from mergepipe.plan.record import validate_plan
 from mergepipe.plan.strategies import STRATEGIES
 from mergepipe.plan.strategies.balanced import expert_shares
 from mergepipe.plan.strategies.registry import PlanContext
 from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
-from tests.helpers import columnar, load_model, synthetic_indexes, write_config
+from mergepipe.plan.record import plan_json
+from tests.helpers import plan_doc, columnar, load_model, synthetic_indexes, write_config
 
 OPTIONS = [None, {"strategy": "energy"}, {"strategy": "balanced"}, {"strategy": "balanced", "shares": "equal"},
            {"strategy": "compensated"}, {"strategy": "compensated", "select": "balanced", "max_scale": 2.0},
@@ -70,7 +71,7 @@ def _calibration(idx, deltas) -> dict:
 
 def _plan(base_index, experts, idx, deltas, budget_bytes, strategy, method="task_arithmetic", lam=1.0):
     kind = (strategy or {}).get("strategy")
-    return make_plan(PlanRequest(
+    return plan_doc(PlanRequest(
         base=PlanInput("base", "/m/base", "b" * 64, 0.0), base_index=base_index, experts=experts,
         expert_indexes=idx, deltas=deltas, method=method, params={"lambda": lam}, seed=0,
         budget=f"{budget_bytes}B", budget_bytes=budget_bytes, block_bytes=4096,
@@ -134,7 +135,7 @@ def test_a_config_without_plan_gets_sketch_below_full_for_the_measured_methods(t
     def planned(name, **over):
         (tmp_path / name).mkdir()
         cfg = load_config(write_config(tmp_path / name, tiny_family, cache_dir=str(tmp_path / "cache"), **over))
-        return plan_config(cfg, Store(cfg.cache_dir))[0]
+        return plan_json(plan_config(cfg, Store(cfg.cache_dir))[0])
 
     ties = {"method": "ties", "parameters": {"lambda": 1.0, "density": 0.5}}
     for name, over in (("ta", {}), ("ties", ties), ("linear", {"method": "linear", "parameters": {}})):
@@ -276,6 +277,7 @@ def _plan_and_merge(tmp_path, family, name, *, compiled=True, **over):
     cfg_path = write_config(tmp_path / name, family, cache_dir=str(tmp_path / "cache"), **over)
     cfg = load_config(cfg_path)
     plan, inputs = plan_config(cfg, Store(cfg.cache_dir))
+    plan = plan_json(plan)  # the engine takes the plan's JSON form
     out = tmp_path / name / ("out" if compiled else "torch")
     out.mkdir(parents=True)
     realized = run_merge(plan, inputs, out, compiled=compiled)

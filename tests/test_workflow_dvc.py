@@ -37,7 +37,7 @@ def expected_plan_hash(ws: Path, tmp: Path) -> str:
     key = (ws, (ws / "params.yaml").read_text())
     if key not in _PLANS:
         plan, _ = plan_config(load_config(ws / "params.yaml"), Store(tmp / f"cache-{time.monotonic_ns()}"))
-        _PLANS[key] = plan["plan_hash"]
+        _PLANS[key] = plan.plan_hash
     return _PLANS[key]
 
 

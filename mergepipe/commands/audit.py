@@ -32,8 +32,8 @@ from mergepipe.index.store import Store
 from mergepipe.output.lineage import is_output_of, output_hash
 from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.output.manifest import MANIFEST, load_manifest, verify_outputs
-from mergepipe.plan.planner import plan_hash
-from mergepipe.plan.record import validate_plan
+from mergepipe.plan.load import recorded_plan
+from mergepipe.plan.record import PlanInputRecord, PlanRecord
 from mergepipe.util.fs import hash_file
 
 
@@ -67,21 +67,11 @@ class Report:
                 raise error(f"{out_dir}: audit failed: {problems[0]}{more}")
 
 
-def checked_plan(man: dict, where: str) -> dict:
-    """The manifest's plan, its hash and fields validated (plan/record.py)."""
-    plan = man.get("plan")
-    if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) or plan["plan_hash"] != man.get(
-            "plan_hash"):
-        raise IntegrityError(f"{where}: plan_hash does not match the recorded plan")
-    validate_plan(plan, where)
-    return plan
-
-
 @dataclass
 class _Input:
     name: str  # "base" or the expert's name
     label: str  # "base" or "expert NAME"
-    ref: dict  # the plan's record: name, path, content_hash, ...
+    ref: PlanInputRecord  # the plan's entry: name, path, content_hash, ...
     found: Found | None = None
     ckpt: Checkpoint | None = None
     index: ModelIndex | None = None  # rehashed in the fresh store, under the plan's layout
@@ -98,14 +88,13 @@ class _Audit:
     audited: set[str] = field(default_factory=set)  # manifest hashes audited (a merge reached twice)
     used: set[str] = field(default_factory=set)  # real paths of the folders found as inputs
 
-    def merge(self, man: dict, produced: Checkpoint | None, depth: int, *, out_dir: Path | None = None) -> None:
-        """Audit the merge `man` whose output is `produced` (the output folder at the top,
-        else a found input): its inputs, the replay, its lineage."""
+    def merge(self, man: dict, plan: PlanRecord, produced: Checkpoint | None, depth: int, *,
+              out_dir: Path | None = None) -> None:
+        """Audit the merge `man` (its checked plan `plan`) whose output is `produced` (the output
+        folder at the top, else a found input): its inputs, the replay, its lineage."""
         self.audited.add(man["manifest_hash"])
-        plan = man["plan"]
-        layout = BlockLayout.of_plan(plan)
-        inputs = [_Input("base", "base", plan["base"])] + [
-            _Input(e["name"], f"expert {e['name']}", e) for e in plan["experts"]]
+        layout = plan.layout
+        inputs = [_Input("base", "base", plan.base)] + [_Input(e.name, f"expert {e.name}", e) for e in plan.experts]
         for item in inputs:
             base = inputs[0]  # located first: an expert that is a LoRA adapter is one of it
             self._locate(item, layout, depth, like=next((i.ckpt for i in inputs if i.ckpt is not None), None),
@@ -119,7 +108,7 @@ class _Audit:
 
     def _locate(self, item: _Input, layout: BlockLayout, depth: int, *, like: Checkpoint | None,
                 base: tuple[Checkpoint, ModelIndex] | None = None) -> None:
-        want, recorded = item.ref["content_hash"], item.ref["path"]
+        want, recorded = item.ref.content_hash, item.ref.path
         found = self.finder.find(want, recorded, layout, like=like, base=base)
         if found is None:
             there = self.finder.indexed.get(os.path.realpath(Path(recorded).expanduser()))
@@ -146,33 +135,35 @@ class _Audit:
         self.used.add(os.path.realpath(found.folder))
         self.report.say(depth, f"{item.label} {want[:16]}: found {found.folder} ({found.how}); rehashed: matches")
 
-    def _tokenizer(self, plan: dict, inputs: list[_Input], depth: int) -> Path | None | bool:
+    def _tokenizer(self, plan: PlanRecord, inputs: list[_Input], depth: int) -> Path | None | bool:
         """The folder holding the plan's tokenizer source files (None: the plan has none;
         False: not found)."""
-        tok = plan["output"].get("tokenizer_source")
+        tok = plan.output.tokenizer_source
         if tok is None:
             return None
-        folders = chain([Path(tok["path"]).expanduser()], (i.found.folder for i in inputs if i.found is not None),
-                        self.finder.holding(sorted(tok["files"])))
+        folders = chain([Path(tok.path).expanduser()], (i.found.folder for i in inputs if i.found is not None),
+                        self.finder.holding(sorted(tok.files)))
         for folder in folders:
             try:
-                if all(hash_file(folder / n) == h for n, h in tok["files"].items()):
+                if all(hash_file(folder / n) == h for n, h in tok.files.items()):
                     self.report.say(depth, f"tokenizer source: found {folder}; files match")
                     return folder
             except OSError:
                 continue
-        self.report.absent(depth, f"tokenizer source (recorded as {tok['path']}): no folder with its "
-                                  f"{len(tok['files'])} files found")
+        self.report.absent(depth, f"tokenizer source (recorded as {tok.path}): no folder with its "
+                                  f"{len(tok.files)} files found")
         return False
 
-    def _replay(self, man: dict, plan: dict, inputs: list[_Input], tokenizer: Path | None,
+    def _replay(self, man: dict, plan: PlanRecord, inputs: list[_Input], tokenizer: Path | None,
                 produced: Checkpoint | None, depth: int, out_dir: Path | None) -> None:
         at = {i.name: str(i.found.folder.resolve()) for i in inputs}
-        located = {**plan, "base": {**plan["base"], "path": at["base"]},
-                   "experts": [{**e, "path": at[e["name"]]} for e in plan["experts"]]}
+        located = plan.model_copy(update={  # where the inputs were found; only opened, never recorded
+            "base": plan.base.model_copy(update={"path": at["base"]}),
+            "experts": [e.model_copy(update={"path": at[e.name]}) for e in plan.experts]})
         if tokenizer is not None:
-            located["output"] = {**plan["output"], "tokenizer_source": {
-                **plan["output"]["tokenizer_source"], "path": str(tokenizer.resolve())}}
+            found_tok = plan.output.tokenizer_source.model_copy(update={"path": str(tokenizer.resolve())})
+            located = located.model_copy(update={"output": plan.output.model_copy(
+                update={"tokenizer_source": found_tok})})
         replay_dir = self.tmp / f"replay-{man['manifest_hash'][:16]}"
         try:
             opened = open_inputs(located, self.fresh, Path("/"), threads=self.threads,
@@ -226,14 +217,13 @@ class _Audit:
 
     def _nested(self, man: dict, folder: Path, produced: Checkpoint, depth: int) -> None:
         try:
-            checked_plan(man, f"{folder / MANIFEST}: plan")
+            plan = recorded_plan(man, f"{folder / MANIFEST}: plan")
         except MergepipeError as e:
             self.report.mismatch(depth, str(e))
             return
-        plan = man["plan"]
-        self.report.say(depth, f"merge {man['manifest_hash'][:16]} ({plan['method']}, budget {plan['budget']}, "
-                               f"plan {plan['plan_hash'][:16]}):")
-        self.merge(man, produced, depth + 1)
+        self.report.say(depth, f"merge {man['manifest_hash'][:16]} ({plan.method}, budget {plan.budget}, "
+                               f"plan {plan.plan_hash[:16]}):")
+        self.merge(man, plan, produced, depth + 1)
 
 
 def compare_outputs(want: dict, again: dict, produced: Checkpoint | None, replayed: Checkpoint, *,
@@ -277,10 +267,10 @@ def audit(out_dir: str | Path, *, search: list[Path], cache_dir: Path, recursive
             raise ConfigError(f"--search {d}: not a folder")
     man = load_manifest(out_dir)
     refuse_adapter_manifest(man, out_dir, "audit")
-    plan = checked_plan(man, f"{out_dir / MANIFEST}: plan")
+    plan = recorded_plan(man, f"{out_dir / MANIFEST}: plan")
     report = Report()
-    report.say(0, f"{out_dir}: merge {man['manifest_hash'][:16]} ({plan['method']}, budget {plan['budget']}, "
-                  f"plan {plan['plan_hash'][:16]})")
+    report.say(0, f"{out_dir}: merge {man['manifest_hash'][:16]} ({plan.method}, budget {plan.budget}, "
+                  f"plan {plan.plan_hash[:16]})")
     try:
         verify_outputs(out_dir, deep=True)
         report.say(1, f"output: OK ({len(man['outputs']['files'])} files reread)")
@@ -293,7 +283,7 @@ def audit(out_dir: str | Path, *, search: list[Path], cache_dir: Path, recursive
             produced = open_checkpoint(out_dir)
         except CheckpointError:  # its weight files are damaged (reported above): tensor hashes still compare
             produced = None
-        run.merge(man, produced, 1, out_dir=out_dir)
+        run.merge(man, plan, produced, 1, out_dir=out_dir)
         if report.missing:  # what was looked at, to name an input whose bytes changed
             for path, h in sorted(finder.indexed.items()):
                 if path not in run.used:

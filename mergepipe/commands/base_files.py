@@ -61,9 +61,9 @@ def _changed(src: Path) -> IntegrityError:
     return IntegrityError(f"{src}: changed since the plan was made (the plan hash covers it); re-plan")
 
 
-def _check_names(plan: dict, base) -> dict[str, str]:
-    planned = plan["base"]["files"]
-    names = _copied_names(base, tokenizer_source="tokenizer_source" in plan["output"])
+def _check_names(plan, base) -> dict[str, str]:
+    planned = plan.base.files
+    names = _copied_names(base, tokenizer_source=plan.output.tokenizer_source is not None)
     missing = sorted(set(planned) - set(names))
     if missing:
         raise IntegrityError(f"{base.root / missing[0]}: planned but missing (or now a weight file); re-plan")
@@ -73,8 +73,9 @@ def _check_names(plan: dict, base) -> dict[str, str]:
     return planned
 
 
-def check_planned_files(plan: dict, base, tokenizer_dir: Path | None) -> None:
-    """The base's copied files, and the tokenizer source's, are the bytes the plan records.
+def check_planned_files(plan, base, tokenizer_dir: Path | None) -> None:
+    """The base's copied files, and the tokenizer source's, are the bytes the plan (its
+    PlanRecord, plan/record.py) records.
 
     Raises:
         IntegrityError: one changed, missing or (base) added since planning, named.
@@ -83,8 +84,8 @@ def check_planned_files(plan: dict, base, tokenizer_dir: Path | None) -> None:
     for name, digest in _check_names(plan, base).items():
         if hash_file(base.root / name) != digest:
             raise _changed(base.root / name)
-    tokenizer = plan["output"].get("tokenizer_source")
-    for name, digest in (tokenizer or {}).get("files", {}).items():
+    tokenizer = plan.output.tokenizer_source
+    for name, digest in (tokenizer.files if tokenizer is not None else {}).items():
         src = tokenizer_dir / name
         if not src.is_file():
             raise IntegrityError(f"{src}: tokenizer file planned but missing; re-plan")
@@ -92,7 +93,7 @@ def check_planned_files(plan: dict, base, tokenizer_dir: Path | None) -> None:
             raise IntegrityError(f"{src}: tokenizer file changed since the plan was made; re-plan")
 
 
-def copy_base_files(plan: dict, base, out: Path) -> dict[str, str]:
+def copy_base_files(plan, base, out: Path) -> dict[str, str]:
     """Copy the plan's `base.files` into `out` (config.json naming the output dtype,
     output/hf_config.py); {name: blake3 of the output's file}. The bytes checked are the
     bytes copied: a file edited between the check and the copy is refused too.
@@ -108,7 +109,7 @@ def copy_base_files(plan: dict, base, out: Path) -> dict[str, str]:
             raise _changed(base.root / name)
         if name == "config.json":  # its dtype fields name the dtype the weights are in
             # the planned bytes, which plan_base_files found writable: this never raises
-            data = output_config(out / name, plan["output"].get("dtype"))
+            data = output_config(out / name, plan.output.dtype)
             if data != (out / name).read_bytes():
                 (out / name).write_bytes(data)
                 copied[name] = hash_file(out / name)

@@ -15,6 +15,7 @@ from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.output.manifest import MANIFEST, load_manifest
 from mergepipe.plan import joint_reads
 from mergepipe.plan.bound_text import bound_line
+from mergepipe.plan.record import PlanRecord
 from mergepipe.util.fs import read_json_object_text
 
 
@@ -22,18 +23,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def energy_kept(plan: dict, deltas: dict, expert_indexes: dict | None = None) -> dict[str, tuple[float, float]]:
+def energy_kept(plan: PlanRecord, deltas: dict, expert_indexes: dict | None = None) -> dict[str, tuple[float, float]]:
     """expert -> (kept, kept after rescale): sum over planned blocks of ||delta_kb||^2 (times
     c_kt^2 for the second) over the sum over every non-identical block of a float tensor
     (the candidates; e_k cancels per expert). 1.0 for an expert with no update.
     `expert_indexes` (when given) leave out integer tensors, which are never merged."""
     from mergepipe.checkpoint.safetensors import FLOAT_DTYPES
-    scales = (plan.get("strategy") or {}).get("scales", {})
+    scales = plan.scales
     out = {}
-    for e in plan["experts"]:
-        name = e["name"]
+    for name in plan.expert_names:
         delta = deltas[name]
-        reads = plan["reads"].get(name, {})
+        reads = plan.reads_of(name)
         total = kept = rescaled = 0.0
         for tname, td in delta.tensors.items():
             if expert_indexes is not None and expert_indexes[name].tensors[tname].dtype not in FLOAT_DTYPES:
@@ -52,18 +52,17 @@ def energy_kept(plan: dict, deltas: dict, expert_indexes: dict | None = None) ->
     return out
 
 
-def _scales_summary(plan: dict) -> list[str]:
-    st = plan.get("strategy")
-    if not st:
+def _scales_summary(plan: PlanRecord) -> list[str]:
+    st = plan.strategy
+    if st is None:
         return []
-    lines = ["", f"strategy {st['name']} ({json.dumps(st['parameters'], sort_keys=True)})"]
-    names = [e["name"] for e in plan["experts"]]
-    if st["scales"] or st["parameters"].get("max_scale") is not None:
-        cap = st["parameters"].get("max_scale")
+    lines = ["", f"strategy {st.name} ({json.dumps(st.parameters, sort_keys=True)})"]
+    if st.scales or st.parameters.get("max_scale") is not None:
+        cap = st.parameters.get("max_scale")
         lines += ["", "| expert | rescaled tensors | min rescale | median | max | at max_scale |",
                   "|---|---:|---:|---:|---:|---:|"]
-        for n in names:
-            cs = sorted(st["scales"].get(n, {}).values())
+        for n in plan.expert_names:
+            cs = sorted(st.scales.get(n, {}).values())
             if cs:
                 med = cs[len(cs) // 2] if len(cs) % 2 else (cs[len(cs) // 2 - 1] + cs[len(cs) // 2]) / 2
                 lines.append(f"| {n} | {len(cs)} | {cs[0]:.4g} | {med:.4g} | {cs[-1]:.4g} | "
@@ -102,7 +101,7 @@ def explain(target: Path, *, cache_dir: Path | str | None = ".mergepipe", root: 
     return _render(plan, man, inputs, note, store)
 
 
-def _load(target: Path) -> tuple[dict, dict | None]:
+def _load(target: Path) -> tuple[PlanRecord, dict | None]:
     """(plan, manifest or None) of a plan file or output folder, the plan checked as merge checks
     one (plan/record.py): the tables read its keys as a valid plan has them.
 
@@ -121,35 +120,31 @@ def _load(target: Path) -> tuple[dict, dict | None]:
         except (OSError, ValueError) as e:
             raise ConfigError(f"{target}: not a plan or output folder: {e}") from None
         plan, _ = split_plan_file(plan, where)  # made_from: the params bytes, beside the plan
-    validate_plan(plan, where)
-    return plan, man
+    return validate_plan(plan, where), man
 
 
-def importance_kept(plan: dict, store, inputs) -> float | None:
+def importance_kept(plan: PlanRecord, store, inputs) -> float | None:
     """For a calibrated plan: sum over planned (k, b) of e_k^2 * energy_kb over the sum over
     every covered candidate (index/weighted.py's energies, from the store); None when the
     plan is not calibrated or the energies are not in the store."""
-    cal = (plan.get("strategy") or {}).get("calibration")
+    cal = plan.calibration
     if cal is None or store is None or inputs is None:
         return None
     from mergepipe.index import weighted
-    from mergepipe.plan.planner import PlanInput, effective_weights
-    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
-    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    eff = _effective_weights(plan, *plan.view(None))
     base = inputs.base_index
     kept = total = 0.0
-    for e in plan["experts"]:
-        path = weighted.cache_path(store.root, e["content_hash"], base.content_hash, cal["artifact"],
-                                   base.layout.key)
+    for e in plan.experts:
+        path = weighted.cache_path(store.root, e.content_hash, base.content_hash, cal.artifact, base.layout.key)
         try:
             energies = weighted.load_cached(path, base)
         except IntegrityError:  # a damaged entry: no share shown (the next plan rebuilds it)
             energies = None
         if energies is None:
             return None
-        reads = plan["reads"].get(e["name"], {})
-        identical = inputs.deltas[e["name"]].tensors
-        w2 = eff[e["name"]] ** 2
+        reads = plan.reads_of(e.name)
+        identical = inputs.deltas[e.name].tensors
+        w2 = eff[e.name] ** 2
         for tname, values in energies.items():
             read = set(reads.get(tname, ()))
             for b, v in enumerate(values):
@@ -159,21 +154,19 @@ def importance_kept(plan: dict, store, inputs) -> float | None:
     return kept / total if total > 0 else 1.0
 
 
-def sketch_summary(plan: dict, inputs) -> list[str]:
+def sketch_summary(plan: PlanRecord, inputs) -> list[str]:
     """For a sketch plan: the sketch bytes and the update energy kept counting what each
     sketch keeps (l2^2 - residual^2, index/sketch.py), next to the full reads' alone."""
-    sk = (plan.get("strategy") or {}).get("sketch")
+    sk = plan.sketch
     if sk is None or not inputs.sketches:
         return []
     from mergepipe.index.sketch import residual_sq
-    from mergepipe.plan.planner import PlanInput, effective_weights
-    experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan["experts"]]
-    eff = effective_weights(plan["method"], plan["parameters"], experts)
+    eff = _effective_weights(plan, *plan.view(None))
     kept = total = 0.0
     pairs = 0
-    for e in plan["experts"]:
-        n, w2 = e["name"], eff[e["name"]] ** 2
-        reads, sketched = plan["reads"].get(n, {}), sk["blocks"].get(n, {})
+    for n in plan.expert_names:
+        w2 = eff[n] ** 2
+        reads, sketched = plan.reads_of(n), sk.blocks.get(n, {})
         for tname, td in inputs.deltas[n].tensors.items():
             read, sks = set(reads.get(tname, ())), set(sketched.get(tname, ()))
             pairs += len(sks)
@@ -184,41 +177,17 @@ def sketch_summary(plan: dict, inputs) -> list[str]:
                 elif b in sks:
                     kept += w2 * (l2 * l2 - residual_sq(l2, *inputs.sketches[n].stats(tname, b)))
     share = kept / total if total > 0 else 1.0
-    return [f"sketched {_mib(plan['bytes']['planned_sketch_bytes'])} MiB ({pairs} (expert, block) pairs read as "
+    return [f"sketched {_mib(plan.bytes.planned_sketch_bytes)} MiB ({pairs} (expert, block) pairs read as "
             f"2-bit sketches); update energy kept with the sketches: {share:.2%}"]
 
 
-def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
+def _render(plan: PlanRecord, man: dict | None, inputs, note: str, store=None) -> str:
     """The tables; `inputs` (engine.merge.Inputs, or None) give the energy-kept columns."""
     deltas = inputs.deltas if inputs is not None else None
-    b = plan["bytes"]
-    realized = man["bytes"]["expert_bytes_read_by_expert"] if man else {}
-    strategy = (plan.get("strategy") or {}).get("name", "energy")
     kept = energy_kept(plan, deltas, inputs.expert_indexes) if deltas is not None else None
-    rescales = bool((plan.get("strategy") or {}).get("scales"))
-    cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
-    lines = [f"plan {plan['plan_hash'][:16]}  method {plan['method']}  budget {plan['budget']} "
-             f"({_mib(plan['budget_bytes'])} MiB)  strategy {strategy}",
-             f"parameters {json.dumps(plan['parameters'], sort_keys=True)}",
-             f"base files copied (hashed into the plan): {', '.join(plan['base']['files']) or 'none'}", "",
-             "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |" + cols,
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * cols.count("|")]
-    per_expert_total = {e["name"]: 0 for e in plan["experts"]}
-    total_each = b["total_expert_bytes"] // max(1, len(plan["experts"]))
-    for e in plan["experts"]:
-        n = e["name"]
-        per_expert_total[n] = total_each
-        real = _mib(realized[n]) if n in realized else "-"
-        extra = ""
-        if kept is not None:
-            extra = f" {kept[n][0]:.2%} |" + (f" {kept[n][1]:.2%} |" if rescales else "")
-        weight = "per tensor" if _per_tensor_weight(plan, n) else e["weight"]
-        lines.append(f"| {n} | {weight} | {_mib(b['planned_by_expert'][n])} | {real} | "
-                     f"{_mib(b['skipped_identical_by_expert'][n])} | {_mib(total_each)} |" + extra)
-    lines += ["", f"planned {_mib(b['planned_expert_bytes'])} MiB of {_mib(b['total_expert_bytes'])} MiB "
-                  f"({b['planned_pairs']} of {b['candidate_pairs']} non-identical (expert, block) pairs)"]
+    lines = _expert_table(plan, man, kept)
     if kept is not None:
-        full = plan["bound"]["full_update_norm_estimate"]
+        full = plan.bound.full_update_norm_estimate
         if full > 0:
             kept_sq = _kept_mass_sq(plan, deltas)
             lines.append(f"update energy kept, all experts (sum of planned s^2 / sum of all s^2): "
@@ -231,43 +200,77 @@ def _render(plan: dict, man: dict | None, inputs, note: str, store=None) -> str:
                          f"{imp:.2%}")
     elif note:
         lines.append(note)
-    lines.append(bound_line(plan["bound"]) or "nothing left out: this plan gives the full merge")
+    lines.append(bound_line(plan.bound.model_dump()) or "nothing left out: this plan gives the full merge")
     lines += _scales_summary(plan)
     lines += joint_reads.describe(plan)
+    return "\n".join(lines + _tensor_table(plan))
+
+
+def _expert_table(plan: PlanRecord, man: dict | None, kept: dict | None) -> list[str]:
+    """The header lines, the per-expert table and the planned-bytes line."""
+    b = plan.bytes
+    realized = man["bytes"]["expert_bytes_read_by_expert"] if man else {}
+    rescales = bool(plan.scales)
+    cols = "" if kept is None else " energy kept |" + (" after rescale |" if rescales else "")
+    lines = [f"plan {plan.plan_hash[:16]}  method {plan.method}  budget {plan.budget} "
+             f"({_mib(plan.budget_bytes)} MiB)  strategy {plan.strategy_name}",
+             f"parameters {json.dumps(plan.parameters, sort_keys=True)}",
+             f"base files copied (hashed into the plan): {', '.join(plan.base.files) or 'none'}", "",
+             "| expert | weight | planned MiB | realized MiB | identical-to-base MiB (free) | total MiB |" + cols,
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * cols.count("|")]
+    total_each = b.total_expert_bytes // max(1, len(plan.experts))
+    for e in plan.experts:
+        n = e.name
+        real = _mib(realized[n]) if n in realized else "-"
+        extra = ""
+        if kept is not None:
+            extra = f" {kept[n][0]:.2%} |" + (f" {kept[n][1]:.2%} |" if rescales else "")
+        weight = "per tensor" if _per_tensor_weight(plan, n) else e.weight
+        lines.append(f"| {n} | {weight} | {_mib(b.planned_by_expert[n])} | {real} | "
+                     f"{_mib(b.skipped_identical_by_expert[n])} | {_mib(total_each)} |" + extra)
+    return lines + ["", f"planned {_mib(b.planned_expert_bytes)} MiB of {_mib(b.total_expert_bytes)} MiB "
+                        f"({b.planned_pairs} of {b.candidate_pairs} non-identical (expert, block) pairs)"]
+
+
+def _tensor_table(plan: PlanRecord) -> list[str]:
+    """Blocks read per tensor and expert (none when the plan reads nothing)."""
     tensors: dict[str, dict[str, int]] = {}
-    for ename, per in plan["reads"].items():
+    for ename, per in plan.reads.items():
         for tname, blocks in per.items():
             tensors.setdefault(tname, {})[ename] = len(blocks)
-    if tensors:
-        names = [e["name"] for e in plan["experts"]]
-        lines += ["", "| tensor | " + " | ".join(f"{n} blocks" for n in names) + " |",
-                  "|---|" + "---:|" * len(names)]
-        for tname in sorted(tensors):
-            lines.append(f"| {tname} | " + " | ".join(str(tensors[tname].get(n, 0)) for n in names) + " |")
-    return "\n".join(lines)
+    if not tensors:
+        return []
+    names = plan.expert_names
+    lines = ["", "| tensor | " + " | ".join(f"{n} blocks" for n in names) + " |", "|---|" + "---:|" * len(names)]
+    for tname in sorted(tensors):
+        lines.append(f"| {tname} | " + " | ".join(str(tensors[tname].get(n, 0)) for n in names) + " |")
+    return lines
 
 
-def _per_tensor_weight(plan: dict, expert: str) -> bool:
+def _per_tensor_weight(plan: PlanRecord, expert: str) -> bool:
     """Whether the plan gives `expert` a weight per tensor (`tensor_parameters`)."""
-    groups = (plan.get("tensor_parameters") or {}).get("groups", [])
+    groups = (plan.tensor_parameters or {}).get("groups", [])
     return any("weight" in g["experts"].get(expert, {}) for g in groups)
 
 
-def _kept_mass_sq(plan: dict, deltas: dict) -> float:
+def _effective_weights(plan: PlanRecord, params: dict, experts: list[dict]) -> dict[str, float]:
+    """|scale of delta_k| under `params` (Method.effective_weights); `experts`: the entries of
+    a PlanRecord.view."""
+    from mergepipe.methods import get_method
+    return get_method(plan.method).effective_weights(params, {e["name"]: float(e["weight"]) for e in experts})
+
+
+def _kept_mass_sq(plan: PlanRecord, deltas: dict) -> float:
     """sum over planned (k, b) of s_kb^2, s_kb = |e_k| ||delta_kb|| (the planner's scores)."""
-    from mergepipe.plan.planner import PlanInput, effective_weights
-    from mergepipe.plan.tensor_params import group_index, view
     effs: dict[int | None, dict[str, float]] = {}  # per group of per-tensor parameters (None: top level)
 
     def eff_of(tname: str) -> dict[str, float]:
-        g = group_index(plan, tname)
+        g = plan.group_of(tname)
         if g not in effs:
-            params, plan_experts = view(plan, g)
-            experts = [PlanInput(e["name"], e["path"], e["content_hash"], float(e["weight"])) for e in plan_experts]
-            effs[g] = effective_weights(plan["method"], params, experts)
+            effs[g] = _effective_weights(plan, *plan.view(g))
         return effs[g]
     total = 0.0
-    for name, per in plan["reads"].items():
+    for name, per in plan.reads.items():
         for tname, blocks in per.items():
             l2 = deltas[name].tensors[tname].block_l2
             total += sum((eff_of(tname)[name] * l2[b]) ** 2 for b in blocks)

@@ -35,6 +35,7 @@ from mergepipe.checkpoint.treehash import TensorHasher, block_sizes
 from mergepipe.index.cache import MERGES, part_stem
 from mergepipe.index.store import Store
 from mergepipe.output import merge_store
+from mergepipe.plan.record import PlanRecord, plan_json
 from mergepipe.util.fs import atomic_write_bytes, hash_file
 
 PART_SCHEMA = 2  # 2: tensor hashes are block trees (checkpoint/treehash.py), base_bytes_copied
@@ -103,7 +104,7 @@ def _write_json(path: Path, obj: dict) -> None:
     atomic_write_bytes(path, (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode())
 
 
-def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
+def merge_part(plan: PlanRecord, inputs: Inputs, parts_dir: str | Path, i: int, n: int, store: Store, *,
                threads: int = 2, progress: bool = False, force: bool = False) -> dict:
     """Merge part i of n into parts_dir; returns its sidecar (also written as JSON). A file
     of the part's name that a part job did not write (a user's part-1-of-2.safetensors) is
@@ -121,19 +122,20 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
             raise OutputError(f"{p}: exists and is not a part file mergepipe wrote; refusing to replace it "
                               "(choose another -o, or pass --force)")
     names = partition(inputs.base, n)[i - 1]
-    info: dict = {"schema": PART_SCHEMA, "plan_hash": plan["plan_hash"], "part": i, "parts": n,
+    info: dict = {"schema": PART_SCHEMA, "plan_hash": plan.plan_hash, "part": i, "parts": n,
                   "from_store": False, "tensors": {}, "base_bytes_read": 0, "base_bytes_copied": 0,
-                  "expert_bytes_read": {e["name"]: 0 for e in plan["experts"]}}
+                  "expert_bytes_read": dict.fromkeys(plan.expert_names, 0)}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=parts_dir, prefix=f".part-{i}-of-{n}-") as tmp:
-        if merge_store.is_stored(store.layout, plan):
+        if merge_store.is_stored(store.layout, plan.plan_hash):
             info["from_store"] = True
             SafetensorsWriter(Path(tmp) / "model.safetensors", [], metadata={"format": "pt"}).close()
         else:
             base = inputs.base
             sub = Checkpoint(base.root, base.files, subset(base.tensors, names))
             # one part file of these tensors in base order (the gather writes the plan's layout)
-            sub_plan = {**plan, "output": {**plan["output"], "layout": one_file_record(names)}}
+            doc = plan_json(plan)  # engine/ takes the plan's JSON form
+            sub_plan = {**doc, "output": {**doc["output"], "layout": one_file_record(names)}}
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
                                 cache_dir=inputs.cache_dir, sketches=inputs.sketches)
             realized = run_merge(sub_plan, sub_inputs, Path(tmp), threads=threads, progress=progress)
@@ -148,7 +150,7 @@ def merge_part(plan: dict, inputs: Inputs, parts_dir: str | Path, i: int, n: int
     return info
 
 
-def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
+def _read_part(parts_dir: Path, plan: PlanRecord, i: int, n: int) -> dict:
     st_path, js_path = part_paths(parts_dir, i, n)
     try:
         info = json.loads(js_path.read_text())
@@ -158,7 +160,7 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
     if info.get("schema") != PART_SCHEMA:
         raise IntegrityError(f"{js_path}: part record of another mergepipe version (schema {info.get('schema')}); "
                              "rerun the part jobs")
-    if info.get("plan_hash") != plan["plan_hash"] or (info.get("part"), info.get("parts")) != (i, n):
+    if info.get("plan_hash") != plan.plan_hash or (info.get("part"), info.get("parts")) != (i, n):
         raise IntegrityError(f"{js_path}: part of another plan or split (plan {str(info.get('plan_hash'))[:16]}, "
                              f"part {info.get('part')}/{info.get('parts')}); rerun the part jobs")
     if not info.get("from_store"):
@@ -167,7 +169,7 @@ def _read_part(parts_dir: Path, plan: dict, i: int, n: int) -> dict:
     return info
 
 
-def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
+def gather(plan: PlanRecord, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: str | Path, store: Store, *,
            threads: int = 2, progress: bool = False, force: bool = False, protect: tuple[Path, ...] = (),
            card: dict[str, bytes] | None = None) -> dict:
     """Assemble the n parts into out_dir and publish it as `merge_plan` does (`card`: its card
@@ -181,7 +183,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
     def realize(tmp: Path) -> Realized:
         # Only called when the store has no merge of this plan.
         if any(info["from_store"] for info in infos):
-            raise IntegrityError(f"{parts_dir}: the part jobs found plan {plan['plan_hash'][:16]} in the store "
+            raise IntegrityError(f"{parts_dir}: the part jobs found plan {plan.plan_hash[:16]} in the store "
                                  f"({store.layout.folder(MERGES)}), but it is gone now; rerun the part jobs")
         t0 = time.monotonic()
         groups = partition(inputs.base, n)
@@ -189,14 +191,15 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
             if sorted(info["tensors"]) != sorted(names):
                 raise IntegrityError(f"{part_paths(parts_dir, i, n)[1]}: holds other tensors than part {i}/{n} "
                                      "of this base; rerun the part jobs")
-        layout, align = plan_layout(plan, inputs.base.tensors)  # the files a one-process merge writes
+        # the files a one-process merge writes (engine/ takes the plan's JSON form)
+        layout, align = plan_layout(plan_json(plan), inputs.base.tensors)
         file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
         writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
                    for fname, ts in layout.items()}
-        realized = Realized(expert_bytes_read={e["name"]: 0 for e in plan["experts"]})
+        realized = Realized(expert_bytes_read=dict.fromkeys(plan.expert_names, 0))
         try:
             for i, info in enumerate(infos, 1):
-                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, BlockLayout.of_plan(plan))
+                _copy_part(part_paths(parts_dir, i, n)[0], info, writers, file_of, plan.layout)
                 realized.base_bytes_read += info["base_bytes_read"]
                 realized.base_bytes_copied += info["base_bytes_copied"]
                 sk = info.get("sketch_bytes_read", 0)
@@ -211,7 +214,7 @@ def gather(plan: dict, inputs: Inputs, parts_dir: str | Path, n: int, out_dir: s
                 w.abort()
             raise
         realized.expert_bytes_read = dict(sorted(realized.expert_bytes_read.items()))
-        record_outputs(tmp, layout, writers, realized, block_bytes=BlockLayout.of_plan(plan))
+        record_outputs(tmp, layout, writers, realized, block_bytes=plan.layout)
         realized.seconds = time.monotonic() - t0 + sum(info.get("seconds", 0.0) for info in infos)
         return realized
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.commands import uptodate
 from mergepipe.commands.base_files import check_planned_files, copy_base_files, plan_base_files
 from mergepipe.commands.check import preflight
@@ -40,7 +39,7 @@ from mergepipe.output.model_card import CARD_FILES, Recipe, card_files, read_sta
 from mergepipe.output.run_record import stat_key
 from mergepipe.plan.strategies.default import default_options
 from mergepipe.plan.planner import PlanInput, PlanRequest, check_plan_inputs, make_plan
-from mergepipe.plan.record import check_plan_reads
+from mergepipe.plan.record import PlanRecord, check_plan_reads, plan_json
 from mergepipe.output.lineage import input_lineage
 from mergepipe.output.publish import Publisher
 from mergepipe.output.safety import WriteInputs, check_output_folder
@@ -54,42 +53,43 @@ def resolve(path: str, root: Path) -> Path:
     return p if p.is_absolute() else root / p
 
 
-def open_inputs(plan: dict, store: Store, root: Path, *, threads: int = 2, where: str = "plan",
+def open_inputs(plan: PlanRecord, store: Store, root: Path, *, threads: int = 2, where: str = "plan",
                 check_stacks: bool = True) -> Inputs:
-    """Open and index (cached) every input of a plan (a plan from disk: `validate_plan` first);
+    """Open and index (cached) every input of a plan (a plan from disk: plan/load.py first);
     check they are the planned bytes and that the plan's reads are inside them and its budget.
     `check_stacks`: refuse a stacked input folder whose sources changed (verify and explain,
     which only compare with the record, pass False)."""
-    bb = BlockLayout.of_plan(plan)
+    bb = plan.layout
     if check_stacks:
-        for m in (plan["base"], *plan["experts"]):
-            check_fresh(resolve(m["path"], root))
+        for m in (plan.base, *plan.experts):
+            check_fresh(resolve(m.path, root))
     views = plan_vocabulary(plan, root, store, threads=threads)  # None: the base's vocabulary
-    base, base_index = store.model_index(resolve(plan["base"]["path"], root), block_bytes=bb, threads=threads,
+    base, base_index = store.model_index(resolve(plan.base.path, root), block_bytes=bb, threads=threads,
                                          view=_view(views, "base"))
     experts, expert_indexes, deltas = {}, {}, {}
-    for e in plan["experts"]:
-        experts[e["name"]], expert_indexes[e["name"]] = store.model_index(
-            resolve(e["path"], root), block_bytes=bb, threads=threads, base=(base, base_index),
-            view=_view(views, e["name"]))
+    for e in plan.experts:
+        experts[e.name], expert_indexes[e.name] = store.model_index(
+            resolve(e.path, root), block_bytes=bb, threads=threads, base=(base, base_index),
+            view=_view(views, e.name))
     check_plan_inputs(plan, base_index, expert_indexes)
-    tokenizer = plan["output"].get("tokenizer_source")
-    tokenizer_dir = None if tokenizer is None else resolve(tokenizer["path"], root)
+    tokenizer = plan.output.tokenizer_source
+    tokenizer_dir = None if tokenizer is None else resolve(tokenizer.path, root)
     # before a store restore too: a stored merge of this plan holds the planned non-weight files
     check_planned_files(plan, base, tokenizer_dir)
-    for e in plan["experts"]:
-        deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], expert_indexes[e["name"]],
-                                              threads=threads)
+    for e in plan.experts:
+        deltas[e.name] = store.delta_index(base, base_index, experts[e.name], expert_indexes[e.name],
+                                           threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
-    if "layout" in plan["output"]:  # one naming other tensors is refused before any weight is read
-        plan_layout(plan, base.tensors, where=where)
+    if plan.output.layout is not None:  # one naming other tensors is refused before any weight is read
+        plan_layout(plan_json(plan), base.tensors, where=where)  # engine/ takes the plan's JSON form
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                   tokenizer_dir=tokenizer_dir,
                   sketches=plan_sketches(plan, store, base, base_index, {
                       n: (experts[n], expert_indexes[n], deltas[n]) for n in experts}, where))
 
 
-def plan_config(cfg, store: Store, *, budget=None, threads: int = 2, quiet: bool = False) -> tuple[dict, Inputs]:
+def plan_config(cfg, store: Store, *, budget=None, threads: int = 2,
+                quiet: bool = False) -> tuple[PlanRecord, Inputs]:
     """Index every input (cached) and make the plan for `cfg` (budget overridable); `quiet`
     (-q): no progress bars, and the calibration pass's libraries print nothing but errors."""
     from mergepipe.config.paths import check_models_exist
@@ -185,7 +185,7 @@ def card_recipe(cfg) -> Recipe:
     return Recipe(dump_params(recipe), getattr(cfg.output, "mergekit_config", None))
 
 
-def output_card(plan: dict, inputs: Inputs, recipe: Recipe | None) -> dict[str, bytes]:
+def output_card(plan: PlanRecord, inputs: Inputs, recipe: Recipe | None) -> dict[str, bytes]:
     """The output's card files for `plan` (a stacked base's card names its source models)."""
     return card_files(plan, recipe=recipe, stack=read_stack(inputs.base.root / STACK_FILE))
 
@@ -228,7 +228,7 @@ def output_inputs(inputs: Inputs, store_root: Path, protect: tuple[Path, ...] = 
                        cache=store_root, command=tuple(Path(p) for p in protect))
 
 
-def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
+def merge_plan(plan: PlanRecord, inputs: Inputs, out_dir: Path, store: Store, *, threads: int = 2,
                progress: bool = False, realize=None, force: bool = False, run_record: dict | None = None,
                protect: tuple[Path, ...] = (), card: dict[str, bytes] | None = None) -> dict:
     """Merge into a temp folder beside out_dir, write aux files and the manifest last, publish.
@@ -242,29 +242,29 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     a replay's, the output's own: `recorded_card`); None: the card of the plan alone.
     """
     check_output_folder(out_dir, output_inputs(inputs, store.root, protect), force=force)
-    cached = store.layout.merge(plan["plan_hash"])
+    cached = store.layout.merge(plan.plan_hash)
     lineage = input_lineage((inputs.base, inputs.base_index),
                             {n: (inputs.experts[n], inputs.expert_indexes[n]) for n in inputs.experts})
     publisher = Publisher(out_dir, force=force)
     with publisher as tmp:
         card = card if card is not None else output_card(plan, inputs, None)
-        if merge_store.restore(store.layout, plan, tmp, lineage):
+        if merge_store.restore(store.layout, plan_json(plan), tmp, lineage):
             man = _with_card(tmp, json.loads((tmp / MANIFEST).read_text()), card)
             run_info = {"restored_from": str(cached)}
         else:
             realized = (realize(tmp) if realize is not None
-                        else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
+                        else run_merge(plan_json(plan), inputs, tmp, threads=threads, progress=progress))
             # an input edited in place meanwhile: copied base bytes no longer match their recorded hashes
             store.check_unchanged([h.path for c in (inputs.base, *inputs.experts.values()) for h in c.files])
             aux = {}
-            tokenizer = plan["output"].get("tokenizer_source")
-            if tokenizer is not None:  # that model's tokenizer files, checked against the plan
-                aux.update(copy_tokenizer(tokenizer, inputs.tokenizer_dir, tmp))
+            output = plan.output
+            if output.tokenizer_source is not None:  # that model's tokenizer files, checked against the plan
+                aux.update(copy_tokenizer(output.tokenizer_source.model_dump(), inputs.tokenizer_dir, tmp))
             aux.update(copy_base_files(plan, inputs.base, tmp))  # the plan's base.files, checked again
-            if "vocabulary" in plan["output"]:  # added tokens and vocab_size of the rebuilt embeddings
-                aux.update(write_vocabulary_files(plan["output"]["vocabulary"], tmp))
-            if "chat_template" in plan["output"]:
-                aux.update(write_chat_template(plan["output"]["chat_template"], tmp))
+            if output.vocabulary is not None:  # added tokens and vocab_size of the rebuilt embeddings
+                aux.update(write_vocabulary_files(output.vocabulary.model_dump(), tmp))
+            if output.chat_template is not None:
+                aux.update(write_chat_template(output.chat_template, tmp))
             for name, data in card.items():
                 (tmp / name).write_bytes(data)
                 aux[name] = hash_file(tmp / name)
@@ -274,7 +274,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
                         "index_cache_hits": store.hits, "index_builds": store.builds, "host": os.uname().nodename}
             if realized.joint_statistics:  # a joint method's statistics artifact (engine/stats.py)
                 run_info["joint_statistics"] = {**realized.joint_statistics, "bytes_read": realized.joint_bytes_read}
-            merge_store.save(store.layout, plan["plan_hash"], tmp)
+            merge_store.save(store.layout, plan.plan_hash, tmp)
         # stat keys of the files as published (renaming their folder changes none of them):
         # `up_to_date` compares them, so an output edited in place is rebuilt
         run_info["stat"] = {name: stat_key(tmp / name) for name in [*man["outputs"]["files"], MANIFEST]}
@@ -286,7 +286,7 @@ def merge_plan(plan: dict, inputs: Inputs, out_dir: Path, store: Store, *, threa
     return man
 
 
-def up_to_date(out_dir: Path, plan: dict, card: dict[str, bytes] | None = None) -> bool:
+def up_to_date(out_dir: Path, plan: PlanRecord, card: dict[str, bytes] | None = None) -> bool:
     """The published output is this plan's (with these card files, `output_card`, when given),
     and its files are untouched since publication.
 
@@ -299,7 +299,7 @@ def up_to_date(out_dir: Path, plan: dict, card: dict[str, bytes] | None = None) 
     """
     try:
         man = load_manifest(out_dir)
-        if man.get("plan_hash") != plan["plan_hash"] or man.get("plan") != plan:
+        if man.get("plan_hash") != plan.plan_hash or man.get("plan") != plan_json(plan):
             return False
         if card is not None and not _card_matches(man, card):
             return False

@@ -28,7 +28,7 @@ from mergepipe.commands.sign import checked_output, file_digests
 from mergepipe.errors import IntegrityError, OutputError
 from mergepipe.output.adapter_out import refuse_adapter_manifest
 from mergepipe.output.manifest import MANIFEST
-from mergepipe.plan.record import validate_plan
+from mergepipe.plan.record import PlanInputRecord, PlanRecord, validate_plan
 from mergepipe.util.fs import atomic_write_bytes, canonical_json
 
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -40,21 +40,20 @@ SETTINGS = ("method", "parameters", "seed", "budget", "budget_bytes", "block_byt
             "nonfinite", "tensor_parameters")
 
 
-def _settings(plan: dict) -> dict:
-    out = {k: plan[k] for k in SETTINGS if plan.get(k) is not None}
-    output = plan.get("output") or {}
-    out["output"] = {"dtype": output.get("dtype"), "shard_bytes": output.get("shard_bytes")}
-    if plan.get("strategy") is not None:
-        out["strategy"] = {"name": plan["strategy"]["name"], "parameters": plan["strategy"]["parameters"]}
-    out["experts"] = {e["name"]: {k: e[k] for k in ("weight", "density", "gamma") if e.get(k) is not None}
-                      for e in plan["experts"]}
+def _settings(plan: PlanRecord) -> dict:
+    out = {k: getattr(plan, k) for k in SETTINGS if getattr(plan, k) is not None}
+    out["output"] = {"dtype": plan.output.dtype, "shard_bytes": plan.output.shard_bytes}
+    if plan.strategy is not None:
+        out["strategy"] = {"name": plan.strategy.name, "parameters": plan.strategy.parameters}
+    out["experts"] = {e.name: {k: getattr(e, k) for k in ("weight", "density", "gamma") if getattr(e, k) is not None}
+                      for e in plan.experts}
     return out
 
 
-def _model(role: str, record: dict, link: dict | None) -> dict:
-    dep = {"name": record["name"], "digest": {CONTENT_HASH: record["content_hash"]},
-           "annotations": {"role": role, "path": record["path"]}}
-    hub_id = hub_id_of(record["path"])
+def _model(role: str, record: PlanInputRecord, link: dict | None) -> dict:
+    dep = {"name": record.name, "digest": {CONTENT_HASH: record.content_hash},
+           "annotations": {"role": role, "path": record.path}}
+    hub_id = hub_id_of(record.path)
     if hub_id is not None:
         dep["uri"] = f"https://huggingface.co/{hub_id}"
     if link is not None:
@@ -62,18 +61,18 @@ def _model(role: str, record: dict, link: dict | None) -> dict:
     return dep
 
 
-def _dependencies(man: dict) -> list[dict]:
-    plan, lineage = man["plan"], man.get("lineage") or {}
-    deps = [_model("base", plan["base"], lineage.get("base"))]
-    deps += [_model("expert", e, (lineage.get("experts") or {}).get(e["name"])) for e in plan["experts"]]
-    tok = (plan.get("output") or {}).get("tokenizer_source")
+def _dependencies(man: dict, plan: PlanRecord) -> list[dict]:
+    lineage = man.get("lineage") or {}
+    deps = [_model("base", plan.base, lineage.get("base"))]
+    deps += [_model("expert", e, (lineage.get("experts") or {}).get(e.name)) for e in plan.experts]
+    tok = plan.output.tokenizer_source
     if tok is not None:
         deps += [{"name": f"tokenizer_source/{name}", "digest": {"blake3": h},
-                  "annotations": {"role": "tokenizer_source", "path": tok["path"]}}
-                 for name, h in sorted(tok["files"].items())]
-    calibration = (plan.get("strategy") or {}).get("calibration")
+                  "annotations": {"role": "tokenizer_source", "path": tok.path}}
+                 for name, h in sorted(tok.files.items())]
+    calibration = plan.calibration
     if calibration is not None:
-        deps.append({"name": "calibration text", "digest": {"blake3": calibration["text"]},
+        deps.append({"name": "calibration text", "digest": {"blake3": calibration.text},
                      "annotations": {"role": "calibration"}})
     return deps
 
@@ -87,7 +86,7 @@ def provenance_statement(out_dir: Path, *, deep: bool = False) -> dict:
     """
     man = checked_output(out_dir, deep=deep)
     refuse_adapter_manifest(man, out_dir, "provenance")
-    validate_plan(man.get("plan"), f"{out_dir / MANIFEST}: plan")  # the statement reads a valid plan's keys
+    plan = validate_plan(man.get("plan"), f"{out_dir / MANIFEST}: plan")  # the statement reads a valid plan
     digests = file_digests(out_dir)
     return {
         "_type": dsse.STATEMENT_TYPE,
@@ -96,8 +95,8 @@ def provenance_statement(out_dir: Path, *, deep: bool = False) -> dict:
         "predicate": {
             "buildDefinition": {
                 "buildType": BUILD_TYPE,
-                "externalParameters": {"plan_hash": man["plan_hash"], "plan": _settings(man["plan"])},
-                "resolvedDependencies": _dependencies(man),
+                "externalParameters": {"plan_hash": man["plan_hash"], "plan": _settings(plan)},
+                "resolvedDependencies": _dependencies(man, plan),
             },
             "runDetails": {"builder": {"id": BUILDER_ID, "version": man["versions"]},
                            "metadata": {"invocationId": man["manifest_hash"]}},

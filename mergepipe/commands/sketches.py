@@ -38,21 +38,21 @@ def sketch_inputs(store: Store, base: Checkpoint, base_index: ModelIndex,
     return out
 
 
-def plan_sketches(plan: dict, store: Store, base: Checkpoint, base_index: ModelIndex,
+def plan_sketches(plan, store: Store, base: Checkpoint, base_index: ModelIndex,
                   experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]],
                   where: str) -> dict[str, sketch.Sketch]:
     """The sketches a plan names, from the store (made again where missing: they are a function
     of the inputs, as in a replay's fresh store), each matched against the plan's hash."""
-    rec = (plan.get("strategy") or {}).get("sketch")
+    rec = plan.sketch  # plan/record.py SketchRecord
     if rec is None:
         return {}
     # only the experts the plan sketches: a full-budget sketch plan (nothing sketched)
     # replays without scanning anything
-    used = {n: e for n, e in experts.items() if any(rec["blocks"].get(n, {}).values())}
+    used = {n: e for n, e in experts.items() if any(rec.blocks.get(n, {}).values())}
     out = sketch_inputs(store, base, base_index, used)
     for name, opened in out.items():
-        if opened.digest != rec["artifacts"][name]:
+        if opened.digest != rec.artifacts[name]:
             raise IntegrityError(f"{where}: expert {name!r}: its sketch {opened.path} is not the one the plan was "
-                                 f"made with (plan {rec['artifacts'][name][:12]}, now {opened.digest[:12]}); "
+                                 f"made with (plan {rec.artifacts[name][:12]}, now {opened.digest[:12]}); "
                                  "plan again")
     return out

@@ -264,7 +264,7 @@ def run_sweep(cfg, budgets: list[Budget], out_dir: Path, *, threads: int = 2, pr
     index_seconds = time.monotonic() - t0
     index_bytes = store.index_reads.total
     log(f"sweep: inputs indexed in {index_seconds:.1f} s ({index_bytes / 2**20:,.1f} MiB read)")
-    merged: dict[Budget, tuple[dict, dict, float, float, bool, Path]] = {}
+    merged: dict[Budget, tuple[object, dict, float, float, bool, Path]] = {}  # (PlanRecord, manifest, ...)
     for budget in order:
         t_plan = time.monotonic()
         plan, planned = plan_config(cfg, store, budget=budget, threads=threads, quiet=not progress)

@@ -42,7 +42,7 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
             # the inputs' weights, and the base's non-weight files the output copied (plan base.files)
             opened = open_inputs(plan, store, root, threads=threads, where=where,
                                  check_stacks=False)  # verify compares with the record, which names the stack
-            checked.append(f"{1 + len(plan['experts'])} inputs, {len(plan['base']['files'])} base files")
+            checked.append(f"{1 + len(plan.experts)} inputs, {len(plan.base.files)} base files")
             if replay:
                 replay_dir = Path(tmp) / "replay"
                 again = merge_plan(plan, opened, replay_dir, store, threads=threads, progress=False,
@@ -54,17 +54,11 @@ def verify(out_dir: Path, *, deep: bool = False, inputs: bool = False, replay: b
     return f"{out_dir}: OK ({', '.join(checked)}; manifest {man['manifest_hash'][:16]})"
 
 
-def _recorded_plan(out_dir: Path, man: dict) -> tuple[dict, str]:
-    """The manifest's plan, checked as a plan file is (plan/record.py), and where to say it is."""
-    from mergepipe.plan.planner import plan_hash
-    from mergepipe.plan.record import validate_plan
-    plan = man["plan"]
+def _recorded_plan(out_dir: Path, man: dict):
+    """The manifest's plan, checked as a plan file is (plan/load.py), and where to say it is."""
+    from mergepipe.plan.load import recorded_plan
     where = f"{out_dir / MANIFEST}: plan"
-    if not isinstance(plan, dict) or plan.get("plan_hash") != plan_hash(plan) \
-            or plan_hash(plan) != man.get("plan_hash"):
-        raise IntegrityError(f"{where}: plan_hash does not match the recorded plan")
-    validate_plan(plan, where)
-    return plan, where
+    return recorded_plan(man, where), where
 
 
 def _weight_files(outputs: dict) -> list[str]:

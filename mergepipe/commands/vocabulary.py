@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import Checkpoint, open_checkpoint
 from mergepipe.checkpoint.tokenizer_files import TokenizerVocab, read_vocab
 from mergepipe.checkpoint.vocab import VocabularyViews, open_view, vocabulary_rows
@@ -125,28 +124,28 @@ def vocabulary_record(recipe: Recipe, vocab: Vocabulary, vocabs: dict[str, Token
             "digest": vocab.digest}
 
 
-def plan_vocabulary(plan: dict, root: Path, store, *, threads: int = 2) -> VocabularyViews | None:
+def plan_vocabulary(plan, root: Path, store, *, threads: int = 2) -> VocabularyViews | None:
     """Every model's view of the vocabulary a plan records, rebuilt from the same tokenizer files.
 
     Raises:
         IntegrityError: a tokenizer file changed since the plan was made.
     """
-    record = plan["output"].get("vocabulary")
+    record = plan.output.vocabulary  # plan/record.py VocabularyRecord
     if record is None:
         return None
 
     def at(path: str) -> Path:
         p = Path(path)
         return p if p.is_absolute() else root / p
-    models = {BASE: at(plan["base"]["path"]), **{e["name"]: at(e["path"]) for e in plan["experts"]}}
-    source = record["source"]
-    recipe = Recipe(source, None if source in ("union", "base") else at(source), record["tokens"],
-                    record["pad_to_multiple_of"], models)
-    recipe, vocab, vocabs, made = views(store, recipe, BlockLayout.of_plan(plan).block_bytes, threads=threads)
+    models = {BASE: at(plan.base.path), **{e.name: at(e.path) for e in plan.experts}}
+    source = record.source
+    recipe = Recipe(source, None if source in ("union", "base") else at(source), record.tokens,
+                    record.pad_to_multiple_of, models)
+    recipe, vocab, vocabs, made = views(store, recipe, plan.block_bytes, threads=threads)
     for name, v in vocabs.items():
-        if dict(sorted(v.files.items())) != record["tokenizers"].get(name):
+        if dict(sorted(v.files.items())) != record.tokenizers.get(name):
             raise IntegrityError(f"{models[name]}: tokenizer files changed since the plan was made; re-plan")
-    if vocab.digest != record["digest"]:
+    if vocab.digest != record.digest:
         raise IntegrityError(f"{recipe.source_dir or models[BASE]}: the output vocabulary is not the planned one "
                              "(a tokenizer file changed since the plan was made); re-plan")
     return made

@@ -26,6 +26,7 @@ from mergepipe.checkpoint.json_files import strict_loads
 from mergepipe.errors import IntegrityError
 from mergepipe.output.manifest_json import pretty_json, write_pretty_json
 from mergepipe.output.run_record import published_stat, stat_key
+from mergepipe.plan.record import PlanRecord, plan_json
 from mergepipe.util.canonical import canonical_blake3
 from mergepipe.util.fs import hash_file
 
@@ -40,37 +41,39 @@ def versions() -> dict[str, str]:
     return {"mergepipe": __version__, "torch": version("torch"), "safetensors": version("safetensors")}
 
 
-def build_manifest(plan: dict, realized, aux_files: dict[str, str], *, lineage: dict | None = None) -> dict:
-    """Args: plan dict; engine.Realized; aux file name -> blake3 (config.json, README.md, ...);
+def build_manifest(plan: PlanRecord, realized, aux_files: dict[str, str], *, lineage: dict | None = None) -> dict:
+    """Args: the plan; engine.Realized; aux file name -> blake3 (config.json, README.md, ...);
     `lineage`: the links to inputs that are mergepipe outputs (output/lineage.py), recorded only
-    when there is one, so a merge of plain models has the manifest it always had."""
-    planned = plan["bytes"]
+    when there is one, so a merge of plain models has the manifest it always had. The manifest
+    holds the plan's JSON (plan_json), whose hash is plan_hash."""
+    doc = plan_json(plan)
+    planned = plan.bytes
     man = {
         "schema": MANIFEST_SCHEMA,
         "versions": versions(),
-        "plan_hash": plan["plan_hash"],
-        "plan": plan,
-        "inputs": {"base": plan["base"], "experts": plan["experts"]},
-        "budget": {"spec": plan["budget"], "bytes": plan["budget_bytes"]},
+        "plan_hash": plan.plan_hash,
+        "plan": doc,
+        "inputs": {"base": doc["base"], "experts": doc["experts"]},
+        "budget": {"spec": plan.budget, "bytes": plan.budget_bytes},
         "bytes": {
-            "planned_expert_bytes": planned["planned_expert_bytes"],
-            "planned_by_expert": planned["planned_by_expert"],
-            "skipped_identical_by_expert": planned["skipped_identical_by_expert"],
-            "total_expert_bytes": planned["total_expert_bytes"],
+            "planned_expert_bytes": planned.planned_expert_bytes,
+            "planned_by_expert": planned.planned_by_expert,
+            "skipped_identical_by_expert": planned.skipped_identical_by_expert,
+            "total_expert_bytes": planned.total_expert_bytes,
             "expert_bytes_read": sum(realized.expert_bytes_read.values()),
             "expert_bytes_read_by_expert": realized.expert_bytes_read,
             "base_bytes_read": realized.base_bytes_read,
             "base_bytes_copied": realized.base_bytes_copied,
             "bytes_written": realized.bytes_written,
         },
-        "bound": plan["bound"],
+        "bound": doc["bound"],
         "outputs": {
             "files": {**realized.files, **{n: {"blake3": h} for n, h in aux_files.items()}},
             "tensors": realized.tensors,
         },
     }
-    if "planned_sketch_bytes" in planned:  # strategy sketch: sketches read in place of expert blocks
-        man["bytes"]["planned_sketch_bytes"] = planned["planned_sketch_bytes"]
+    if planned.planned_sketch_bytes is not None:  # strategy sketch: sketches read in place of expert blocks
+        man["bytes"]["planned_sketch_bytes"] = planned.planned_sketch_bytes
         man["bytes"]["sketch_bytes_read"] = realized.sketch_bytes_read
     if lineage:
         man["lineage"] = lineage

@@ -23,7 +23,8 @@ from mergepipe.output.manifest import MANIFEST, MANIFEST_SCHEMA, load_manifest, 
 
 
 def restore(cache: CacheLayout, plan: dict, tmp: Path, lineage: dict | None = None) -> bool:
-    """Hard-link a previously built merge of this exact plan into tmp, if this user's run stored
+    """Hard-link a previously built merge of this exact plan (its JSON form, plan/record.py
+    plan_json: what the stored manifest records) into tmp, if this user's run stored
     it (its MAC verifies under this user's key: a shared cache folder's writers can put any
     self-consistent entry there), it is intact, and it has this `lineage` (the same input
     bytes, once plain, may now hold a mergepipe manifest). False leaves tmp empty."""
@@ -50,11 +51,11 @@ def restore(cache: CacheLayout, plan: dict, tmp: Path, lineage: dict | None = No
     return True
 
 
-def is_stored(cache: CacheLayout, plan: dict) -> bool:
-    """A finished merge of this plan that this user stored, with every file it records (a
+def is_stored(cache: CacheLayout, plan_hash: str) -> bool:
+    """A finished merge of plan `plan_hash` that this user stored, with every file it records (a
     restore authenticates and rehashes it again): a forged or another user's entry must not
     make the part jobs skip their tensors."""
-    cached = cache.merge(plan["plan_hash"])
+    cached = cache.merge(plan_hash)
     key = store_key()
     if key is None:
         return False
@@ -64,7 +65,7 @@ def is_stored(cache: CacheLayout, plan: dict) -> bool:
         man = load_manifest(cached)
     except (OSError, IntegrityError):
         return False
-    return authentic and man.get("plan_hash") == plan["plan_hash"] and all(
+    return authentic and man.get("plan_hash") == plan_hash and all(
         (cached / name).is_file() for name in man["outputs"]["files"])
 
 

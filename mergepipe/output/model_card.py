@@ -19,6 +19,7 @@ from pathlib import Path
 from mergepipe.methods import METHODS
 from mergepipe.output.safety import CARD_TITLE
 from mergepipe.plan.bound_text import bound_line
+from mergepipe.plan.record import PlanRecord
 
 README = "README.md"
 MERGEKIT_CONFIG = "mergekit_config.yml"  # the name mergekit gives the recipe it writes into its output
@@ -54,55 +55,55 @@ def _fenced(text: str, lang: str) -> list[str]:
     return [f"{fence}{lang}", text.rstrip("\n"), fence]
 
 
-def _experts_by_name(plan: dict) -> list[dict]:
-    """The plan's experts by name (names are unique in a plan): the order a user can find
-    theirs in, and one no list order changes."""
-    return sorted(plan["experts"], key=lambda e: e["name"])
+def _experts_by_name(plan: PlanRecord) -> list[dict]:
+    """The plan's expert entries (as its JSON has them) by name (names are unique in a plan):
+    the order a user can find theirs in, and one no list order changes."""
+    return sorted(plan.experts_json(), key=lambda e: e["name"])
 
 
 def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _plan_yaml(plan: dict, experts: list[dict]) -> str:
+def _plan_yaml(plan: PlanRecord, experts: list[dict]) -> str:
     """The merge's configuration from the plan alone (a plan file merged without its recipe)."""
     import yaml
-    config = {"base": plan["base"]["path"],
+    config = {"base": plan.base.path,
               "experts": [{k: e[k] for k in ("name", "path", "weight", "density", "gamma") if k in e}
                           for e in experts],
-              "method": plan["method"], "parameters": plan["parameters"], "seed": plan.get("seed"),
-              "budget": plan["budget"]}
-    if "tensor_parameters" in plan:  # per-tensor parameters: the top-level values are not the merge's
-        config["tensor_parameters"] = plan["tensor_parameters"]
+              "method": plan.method, "parameters": plan.parameters, "seed": plan.seed,
+              "budget": plan.budget}
+    if plan.tensor_parameters is not None:  # per-tensor parameters: the top-level values are not the merge's
+        config["tensor_parameters"] = plan.tensor_parameters
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=False, width=100)
 
 
-def _reads(plan: dict) -> str:
-    b = plan["bytes"]
-    sketch = b.get("planned_sketch_bytes")
-    read = f"read {b['planned_expert_bytes']:,} of {b['total_expert_bytes']:,} expert bytes"
+def _reads(plan: PlanRecord) -> str:
+    b = plan.bytes
+    sketch = b.planned_sketch_bytes
+    read = f"read {b.planned_expert_bytes:,} of {b.total_expert_bytes:,} expert bytes"
     if sketch is not None:
-        read += f" and {sketch:,} bytes of sketches ({b['planned_expert_bytes'] + sketch:,} bytes in all)"
-    return f"budget {plan['budget']} ({plan['budget_bytes']:,} bytes): {read}"
+        read += f" and {sketch:,} bytes of sketches ({b.planned_expert_bytes + sketch:,} bytes in all)"
+    return f"budget {plan.budget} ({plan.budget_bytes:,} bytes): {read}"
 
 
-def model_card(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> str:
+def model_card(plan: PlanRecord, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> str:
     """README.md: front matter (base_model: the base, then the experts in the user's order, or a
     stack's source models; library_name; tags), the method, the models merged, the
     configuration as YAML, what was read, and a usage snippet."""
     experts = _experts_by_name(plan)
-    base = plan["base"]["path"]
+    base = plan.base.path
     if stack is not None:
         models = _unique([s["model"] for s in stack])
     else:
         models = _unique([base, *(e["path"] for e in experts)])
-    method = METHODS[plan["method"]]
+    method = METHODS[plan.method]
     lines = ["---", "base_model:", *(f"- {json.dumps(m)}" for m in models), "base_model_relation: merge",
              "library_name: transformers", "tags:", "- merge", "- mergepipe", "---", "",
-             f"{CARD_TITLE}{plan['method']})", "",
+             f"{CARD_TITLE}{plan.method})", "",
              "This is a merge of pre-trained language models made with mergepipe.", "",
              "## Merge Details", "", "### Merge Method", "",
-             f"This model was merged with the `{plan['method']}` method ({method.paper}), "
+             f"This model was merged with the `{plan.method}` method ({method.paper}), "
              f"with `{base}` as the base.", ""]
     if stack is not None:
         lines += ["### Models Merged", "", "The layers of these models, stacked in this order:", ""]
@@ -117,10 +118,10 @@ def model_card(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | 
     else:
         lines += ["The following YAML configuration (mergepipe params.yaml) produced this model:", ""]
     lines += [*_fenced(recipe.params_yaml if recipe is not None else _plan_yaml(plan, experts), "yaml"), ""]
-    bound = bound_line(plan["bound"])
+    bound = bound_line(plan.bound.model_dump())
     lines += ["## Reads", "", f"- {_reads(plan)}",
               f"- {bound}" if bound else "- nothing left out: the full merge",
-              f"- plan hash: `{plan['plan_hash']}`; base content `{plan['base']['content_hash'][:16]}`", "",
+              f"- plan hash: `{plan.plan_hash}`; base content `{plan.base.content_hash[:16]}`", "",
               "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               'path = "path/to/this/folder"  # or its Hub id once uploaded',
               'model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")',
@@ -128,7 +129,7 @@ def model_card(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | 
     return "\n".join(lines)
 
 
-def card_files(plan: dict, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> dict[str, bytes]:
+def card_files(plan: PlanRecord, *, recipe: Recipe | None = None, stack: list[dict] | None = None) -> dict[str, bytes]:
     """The card files of the output: README.md, and mergekit_config.yml for an imported recipe."""
     files = {README: model_card(plan, recipe=recipe, stack=stack).encode()}
     if recipe is not None and recipe.mergekit_yaml is not None:

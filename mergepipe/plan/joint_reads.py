@@ -49,38 +49,37 @@ def select_groups(strat, items: list[Candidate], budget_bytes: int, ctx, params)
     return Selection(chosen)
 
 
-def check_all_or_none(plan: dict, deltas: dict, where: str) -> None:
-    """Every block a joint plan reads for one expert it reads for every expert whose block
-    differs from the base (ConfigError naming the key otherwise)."""
+def check_all_or_none(plan, deltas: dict, where: str) -> None:
+    """Every block a joint plan (plan/record.py PlanRecord) reads for one expert it reads for
+    every expert whose block differs from the base (ConfigError naming the key otherwise)."""
     read_blocks: dict[str, set[int]] = {}
-    for per_tensor in plan["reads"].values():
+    for per_tensor in plan.reads.values():
         for tensor, blocks in per_tensor.items():
             read_blocks.setdefault(tensor, set()).update(blocks)
-    for e in plan["experts"]:
-        name = e["name"]
+    for name in plan.expert_names:
         for tensor, blocks in sorted(read_blocks.items()):
             same = deltas[name].tensors[tensor].identical
-            mine = set(plan["reads"].get(name, {}).get(tensor, ()))
+            mine = set(plan.reads_of(name).get(tensor, ()))
             missing = sorted(b for b in blocks if not same[b] and b not in mine)
             if missing:
-                raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: method {plan['method']!r} reads each "
+                raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: method {plan.method!r} reads each "
                                   f"block for all experts or none, block {missing[0]} is read for others only")
 
 
-def describe(plan: dict) -> list[str]:
-    """`explain`'s lines for a joint plan (empty for any other): the all-or-none reads and
-    where the statistics come from."""
-    joint = plan.get("joint")
+def describe(plan) -> list[str]:
+    """`explain`'s lines for a joint plan (a PlanRecord; empty for any other): the all-or-none
+    reads and where the statistics come from."""
+    joint = plan.joint
     if not joint:
         return []
-    blocks = {(t, b) for per in plan["reads"].values() for t, bs in per.items() for b in bs}
-    lines = ["", f"joint method {plan['method']}: each block is read for all experts or for none "
+    blocks = {(t, b) for per in plan.reads.values() for t, bs in per.items() for b in bs}
+    lines = ["", f"joint method {plan.method}: each block is read for all experts or for none "
                  f"({len(blocks)} (tensor, block) groups read; "
                  "an expert whose block equals the base is not read there)"]
-    if joint["key"] is None:
+    if joint.key is None:
         lines.append("joint statistics: none needed with these parameters")
     else:
-        lines.append(f"joint statistics {joint['key'][:16]}: one scan of every block of the base and every expert "
+        lines.append(f"joint statistics {joint.key[:16]}: one scan of every block of the base and every expert "
                      "before the merge, kept in the store (joint/<key>.stats) and reused by any merge of this family "
                      "and method; like the index, not counted in the budget")
     return lines

@@ -40,12 +40,12 @@ from mergepipe.plan.budget_floor import check_budget_floor, smallest_read
 from mergepipe.checkpoint.blocks import BlockLayout, is_vocabulary_tensor, row_bytes
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.plan.record import (BaseInputRecord, BoundRecord, BytesRecord, CalibrationRecord, JointRecord,
-                                   OutputRecord, PlanInputRecord, PlanRecord, SketchRecord, StrategyRecord)
+                                   OutputRecord, PlanInputRecord, PlanRecord, SketchRecord, StrategyRecord,
+                                   plan_hash, plan_json)
 from mergepipe.plan.strategies import (Candidate, PlanContext, Selection, Strategy, StrategyInputs, normalized_options,
                                        strategy_options)
 from mergepipe.plan.strategies.registry import per_byte
 from mergepipe.units import Budget, parse_budget
-from mergepipe.util.canonical import canonical_blake3
 
 PLAN_SCHEMA = 1
 
@@ -60,11 +60,6 @@ class PlanInput:
     gamma: float | None = None
     # the base only: the non-weight files the output copies, {name: blake3} (commands/base_files.py)
     files: dict[str, str] | None = None
-
-
-def hash_json(obj: object) -> str:
-    """blake3 of canonical_json(obj), hashed a piece at a time (util/canonical.py)."""
-    return canonical_blake3(obj)
 
 
 def effective_weights(method: str, params: dict, experts: list[PlanInput]) -> dict[str, float]:
@@ -130,10 +125,10 @@ class Accounting:
     omitted: float  # the omitted mass (module docstring)
 
 
-def make_plan(req: PlanRequest) -> dict:
-    """The plan of `req`: its typed record (PlanRecord) as a canonical, JSON-able dict with
-    its own hash. Steps: the strategy and budget checks, the candidates, the strategy's
-    selection, the accounting (reads, bytes, bound), the record.
+def make_plan(req: PlanRequest) -> PlanRecord:
+    """The plan of `req`: its typed record, its hash set (`plan_json` gives the plan's JSON,
+    what `mergepipe plan` writes and the hash covers). Steps: the strategy and budget checks,
+    the candidates, the strategy's selection, the accounting (reads, bytes, bound), the record.
 
     Raises:
         BudgetError: budget_bytes < 0, or a budget too small for any read (plan/budget_floor.py).
@@ -163,9 +158,8 @@ def make_plan(req: PlanRequest) -> dict:
     used = sum(acct.planned.values()) + sum(acct.sketch_planned.values())
     if used > budget_bytes:  # a strategy bug, never the user's
         raise BudgetError(f"plan strategy {strat.name!r} chose {used} bytes over the budget of {budget_bytes}")
-    rec = record(req, m, layout, experts, cands, acct, budget, budget_bytes,
-                 _strategy_record(strat, strategy_json, selection, inputs, acct))
-    return plan_json(rec)
+    return record(req, m, layout, experts, cands, acct, budget, budget_bytes,
+                  _strategy_record(strat, strategy_json, selection, inputs, acct))
 
 
 def _strategy(req: PlanRequest, m) -> tuple[Strategy, object, dict | None]:
@@ -340,13 +334,6 @@ def record(req: PlanRequest, m, layout: BlockLayout, experts: list[PlanInput], c
 _UNHASHED = "0" * 64  # the record's hash while its JSON, which the hash covers, is made
 
 
-def plan_json(rec: PlanRecord) -> dict:
-    """The plan's canonical JSON form: its set fields, by their JSON names (`schema`)."""
-    out = rec.model_dump(by_alias=True, exclude_unset=True, exclude={"reads"})
-    out["reads"] = rec.reads  # built here or checked by validate_plan: pydantic would copy every list
-    return out
-
-
 def _output_record(output: dict) -> OutputRecord:
     """The plan's `output`, validated: its nested records (layout, vocabulary) are built by
     commands/, and the record is the form validate_plan accepts."""
@@ -447,14 +434,6 @@ def _tensor_effective_weights(method: str, params: dict, experts: list[PlanInput
     return eff_of
 
 
-def plan_hash(plan: dict) -> str:
-    """Covers inputs' content hashes (and the base's copied non-weight files), method,
-    parameters, budget, block size, version and the access set itself (everything but the
-    hash field and a plan file's `made_from`, plan/record.py MADE_FROM: which bytes of
-    params.yaml it came from)."""
-    return hash_json({k: v for k, v in plan.items() if k not in ("plan_hash", "made_from")})
-
-
 def _input_json(e: PlanInput) -> dict:
     d = {"name": e.name, "path": e.path, "content_hash": e.content_hash, "weight": e.weight}
     if e.density is not None:
@@ -464,14 +443,10 @@ def _input_json(e: PlanInput) -> dict:
     return d
 
 
-def check_plan_inputs(plan: dict, base_index: ModelIndex, expert_indexes: dict[str, ModelIndex]) -> None:
+def check_plan_inputs(plan: PlanRecord, base_index: ModelIndex, expert_indexes: dict[str, ModelIndex]) -> None:
     """The inputs on disk must be the ones the plan was made for."""
-    if base_index.content_hash != plan["base"]["content_hash"]:
-        raise CheckpointError(f"{plan['base']['path']}: content changed since the plan was made "
-                              f"(plan {plan['base']['content_hash'][:12]}, "
-                              f"now {base_index.content_hash[:12]}); re-plan")
-    for e in plan["experts"]:
-        now = expert_indexes[e["name"]].content_hash
-        if now != e["content_hash"]:
-            raise CheckpointError(f"{e['path']}: content changed since the plan was made "
-                                  f"(plan {e['content_hash'][:12]}, now {now[:12]}); re-plan")
+    for e, now in ((plan.base, base_index.content_hash),
+                   *((e, expert_indexes[e.name].content_hash) for e in plan.experts)):
+        if now != e.content_hash:
+            raise CheckpointError(f"{e.path}: content changed since the plan was made "
+                                  f"(plan {e.content_hash[:12]}, now {now[:12]}); re-plan")

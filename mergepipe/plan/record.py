@@ -37,6 +37,8 @@ from mergepipe.util.gcpause import paused_gc
 from mergepipe.index.read_bytes import full_read_bytes, planned_bytes
 from mergepipe.methods import get_method
 from mergepipe.plan import tensor_params
+from mergepipe.plan.strategies.registry import DEFAULT_STRATEGY
+from mergepipe.util.canonical import canonical_blake3
 
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
@@ -189,7 +191,8 @@ class JointRecord(BaseModel):
 
 
 class PlanRecord(BaseModel):
-    """The fields of a plan as `planner.make_plan` writes them; nothing else."""
+    """The fields of a plan as `planner.make_plan` writes them; nothing else. `plan_json`
+    dumps it to the plan's JSON; the properties below are what readers ask of it."""
 
     model_config = _STRICT
     schema_: Literal[1] = Field(alias="schema")
@@ -214,8 +217,64 @@ class PlanRecord(BaseModel):
     tensor_parameters: dict[StrictStr, object] | None = None  # checked by plan/tensor_params.py
     plan_hash: Hash
 
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.block_bytes, self.embedding_block_bytes)
 
-MADE_FROM = "made_from"  # a plan file's key beside the plan's: outside plan_hash (planner.plan_hash)
+    @property
+    def expert_names(self) -> list[str]:
+        """The experts' names in plan order (by content hash)."""
+        return [e.name for e in self.experts]
+
+    @property
+    def strategy_name(self) -> str:
+        return DEFAULT_STRATEGY if self.strategy is None else self.strategy.name
+
+    @property
+    def scales(self) -> dict[str, dict[str, float]]:
+        """expert -> tensor -> rescale factor; empty unless a rescaling strategy set some."""
+        return {} if self.strategy is None else self.strategy.scales
+
+    @property
+    def sketch(self) -> SketchRecord | None:
+        return None if self.strategy is None else self.strategy.sketch
+
+    @property
+    def calibration(self) -> CalibrationRecord | None:
+        return None if self.strategy is None else self.strategy.calibration
+
+    def reads_of(self, expert: str) -> dict[str, list[int]]:
+        """tensor -> the blocks the plan reads of `expert` in full (empty: none)."""
+        return self.reads.get(expert, {})
+
+    def group_of(self, tensor: str) -> int | None:
+        """The tensor_parameters group `tensor` is merged with (None: the top-level values)."""
+        return tensor_params.group_of(self.tensor_parameters, tensor)
+
+    def view(self, group: int | None) -> tuple[dict, list[dict]]:
+        """(parameters, expert entries as JSON) that `group` merges with (plan/tensor_params.py)."""
+        return tensor_params.overlay(self.parameters, self.experts_json(), self.tensor_parameters, group)
+
+    def experts_json(self) -> list[dict]:
+        """The experts' entries as the plan's JSON has them (statistics keys, the manifest)."""
+        return [e.model_dump(exclude_unset=True) for e in self.experts]
+
+
+def plan_json(rec: PlanRecord) -> dict:
+    """The plan's canonical JSON form: its set fields, by their JSON names (`schema`)."""
+    out = rec.model_dump(by_alias=True, exclude_unset=True, exclude={"reads"})
+    out["reads"] = rec.reads  # built by the planner or checked by validate_plan: pydantic would copy every list
+    return out
+
+
+def plan_hash(plan: dict) -> str:
+    """Covers inputs' content hashes (and the base's copied non-weight files), method,
+    parameters, budget, block size, version and the access set itself (everything but the
+    hash field and a plan file's `made_from`: which bytes of params.yaml it came from)."""
+    return canonical_blake3({k: v for k, v in plan.items() if k not in ("plan_hash", MADE_FROM)})
+
+
+MADE_FROM = "made_from"  # a plan file's key beside the plan's: outside plan_hash
 
 
 class MadeFromRecord(BaseModel):
@@ -293,33 +352,60 @@ def _reads_typed(reads: object) -> bool:
                and set(map(type, chain.from_iterable(per.values()))) <= {int} for per in reads.values())
 
 
-# Long: one check per plan field; the typed plan record (issue 23 item 1) will own them.
-def validate_plan(plan: object, where: str) -> PlanRecord:  # noqa: C901, PLR0915
-    """The typed record of `plan`, or a ConfigError naming `where` and the first bad key."""
+def validate_plan(plan: object, where: str) -> PlanRecord:
+    """The typed record of `plan`, or a ConfigError naming `where` and the first bad key.
+    The checks run in this order, so a plan with several faults is refused for the first."""
+    rec = _typed(plan, where)
+    method, params = _method_and_params(rec, where)
+    _check_experts(rec, method, params, where)
+    _check_embedding_block_bytes(rec, where)
+    _check_read_lists(rec, where)
+    if rec.strategy is not None:
+        _check_strategy(rec, where)
+    _check_joint(rec, method, params, where)
+    tensor_params.check(rec, method, where)
+    from mergepipe.plan.planner import check_float32_range  # (planner imports this module's neighbours)
+    check_float32_range(rec.method, params.model_dump(mode="json", by_alias=True), rec.experts,
+                        rec.tensor_parameters, f"{where}: plan")
+    _check_byte_counts(rec, where)
+    _check_round_trip(plan, rec, where)
+    return rec
+
+
+def _typed(plan: object, where: str) -> PlanRecord:
+    """The record of `plan`'s fields and their types (pydantic's first error, named)."""
     if not isinstance(plan, dict):
         raise ConfigError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
     try:
         with paused_gc():  # a list per planned tensor, no cycles (util/gcpause.py)
             if _reads_typed(plan.get("reads")):
                 # the reads checked above; pydantic would copy 100k lists per expert to say the same
-                rec = PlanRecord.model_validate({**plan, "reads": {}}).model_copy(update={"reads": plan["reads"]})
-            else:
-                rec = PlanRecord.model_validate(plan)  # its errors name the bad key
+                return PlanRecord.model_validate({**plan, "reads": {}}).model_copy(update={"reads": plan["reads"]})
+            return PlanRecord.model_validate(plan)  # its errors name the bad key
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{where}: plan key {_loc(err)}: {err['msg']}; make the plan again with "
                           "`mergepipe plan`") from None
+
+
+def _method_and_params(rec: PlanRecord, where: str):
+    """The registered method and its parameters, typed by its params model."""
     try:
         method = get_method(rec.method)
     except ConfigError as e:
         raise ConfigError(f"{where}: plan key method: {e}") from None
     try:
-        params = method.params.model_validate(rec.parameters)
+        return method, method.params.model_validate(rec.parameters)
     except ValidationError as e:
         err = e.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"{where}: plan key parameters.{key}: {err['msg']}") from None
-    names = [e.name for e in rec.experts]
+
+
+def _check_experts(rec: PlanRecord, method, params, where: str) -> None:
+    """Distinct names (not the base's), at most the method's count, finite weights, and each
+    expert's density + gamma (its own, else the method's) at most 1."""
+    names = rec.expert_names
     if len(set(names)) != len(names) or rec.base.name in names:
         raise ConfigError(f"{where}: plan key experts: expert names must be distinct (and not the base's)")
     if method.max_experts is not None and len(names) > method.max_experts:
@@ -333,72 +419,111 @@ def validate_plan(plan: object, where: str) -> PlanRecord:  # noqa: C901, PLR091
         if density is not None and gamma is not None and density < 1 and density + gamma > 1 + 1e-12:
             raise ConfigError(f"{where}: plan key experts.{i}: density + gamma must be <= 1, "
                               f"got {density} + {gamma}")
+
+
+def _check_embedding_block_bytes(rec: PlanRecord, where: str) -> None:
     if rec.embedding_block_bytes is not None and rec.embedding_block_bytes == rec.block_bytes:
         raise ConfigError(f"{where}: plan key embedding_block_bytes: equals block_bytes; a plan then has no "
                           "such key")
-    extra = sorted(set(rec.reads) - set(names))
+
+
+def _check_read_lists(rec: PlanRecord, where: str) -> None:
+    """Reads keyed by the plan's experts, each tensor's block numbers sorted and distinct."""
+    extra = sorted(set(rec.reads) - set(rec.expert_names))
     if extra:
         raise ConfigError(f"{where}: plan key reads.{extra[0]}: not an expert of the plan")
     for name, per_tensor in rec.reads.items():
         # each distinct list once (a loaded plan shares equal ones: loads_plan), then the
         # first tensor in order with a bad one is named
         lists = dict(zip(map(id, per_tensor.values()), per_tensor.values()))
-        bad = {i for i, bs in lists.items() if min(bs, default=0) < 0 or any(a >= b for a, b in zip(bs, bs[1:]))}
+        bad = {i for i, bs in lists.items() if not _sorted_distinct(bs)}
         if bad:
             tensor = next(t for t, bs in per_tensor.items() if id(bs) in bad)
             raise ConfigError(f"{where}: plan key reads.{name}.{tensor}: block numbers must be "
                               "non-negative, sorted and distinct")
-    if rec.strategy is not None:
-        _check_strategy(rec, where)
-    _check_joint(plan, method, params, where)
-    tensor_params.check(plan, method, where)
-    from mergepipe.plan.planner import check_float32_range  # (planner imports this module's neighbours)
-    check_float32_range(rec.method, params.model_dump(mode="json", by_alias=True), rec.experts,
-                        plan.get("tensor_parameters"), f"{where}: plan")
-    b = rec.bytes
+
+
+def _sorted_distinct(blocks: list[int]) -> bool:
+    return min(blocks, default=0) >= 0 and all(a < b for a, b in zip(blocks, blocks[1:]))
+
+
+def _check_byte_counts(rec: PlanRecord, where: str) -> None:
+    """The byte counts name exactly the experts, add up, are present exactly for a sketch plan,
+    fit in budget_bytes, and planned_pairs counts the reads."""
+    b, names = rec.bytes, sorted(rec.expert_names)
     for key in ("planned_by_expert", "skipped_identical_by_expert"):
-        if sorted(getattr(b, key)) != sorted(names):
+        if sorted(getattr(b, key)) != names:
             raise ConfigError(f"{where}: plan key bytes.{key}: must name exactly the plan's experts")
     if b.planned_expert_bytes != sum(b.planned_by_expert.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: not the sum of planned_by_expert")
-    sketched = rec.strategy is not None and rec.strategy.sketch is not None
-    if sketched != (b.planned_sketch_bytes is not None) or sketched != (b.sketch_by_expert is not None):
-        raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: present exactly for a sketch plan")
-    if sketched:
-        if sorted(b.sketch_by_expert) != sorted(names):
-            raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: must name exactly the plan's experts")
-        if b.planned_sketch_bytes != sum(b.sketch_by_expert.values()):
-            raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: not the sum of sketch_by_expert")
+    _check_sketch_counts(rec, where)
     if b.planned_expert_bytes + (b.planned_sketch_bytes or 0) > rec.budget_bytes:
         raise ConfigError(f"{where}: plan key bytes.planned_expert_bytes: {b.planned_expert_bytes} (and "
                           f"{b.planned_sketch_bytes or 0} sketch bytes) exceeds budget_bytes {rec.budget_bytes}")
     if b.planned_pairs != sum(sum(map(len, r.values())) for r in rec.reads.values()):
         raise ConfigError(f"{where}: plan key bytes.planned_pairs: does not count the reads")
-    return rec
 
 
-def _check_joint(plan: dict, method, params, where: str) -> None:
+def _check_sketch_counts(rec: PlanRecord, where: str) -> None:
+    b = rec.bytes
+    sketched = rec.sketch is not None
+    if sketched != (b.planned_sketch_bytes is not None) or sketched != (b.sketch_by_expert is not None):
+        raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: present exactly for a sketch plan")
+    if not sketched:
+        return
+    if sorted(b.sketch_by_expert) != sorted(rec.expert_names):
+        raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: must name exactly the plan's experts")
+    if b.planned_sketch_bytes != sum(b.sketch_by_expert.values()):
+        raise ConfigError(f"{where}: plan key bytes.planned_sketch_bytes: not the sum of sketch_by_expert")
+
+
+def _check_round_trip(plan: dict, rec: PlanRecord, where: str) -> None:
+    """The record dumps to the plan it was read from (plan_json), so what is hashed, stored and
+    put in the manifest is the file's plan: a value of another type (an int weight, 1 for 1.0)
+    would change the plan's hash on the way through."""
+    dumped = plan_json(rec)
+    if dumped != plan:
+        key = _first_difference(plan, dumped)
+        raise ConfigError(f"{where}: plan key {key}: not in the form `mergepipe plan` writes (a number's type "
+                          "differs); make the plan again with `mergepipe plan`")
+
+
+def _first_difference(a: object, b: object, path: str = "") -> str:
+    """The dotted key of the first place `a` and `b` differ (`plan` when at the top)."""
+    if type(a) is not type(b):
+        return path or "plan"
+    if isinstance(a, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b or a[k] != b[k] or type(a[k]) is not type(b[k]):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+    if isinstance(a, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y or type(x) is not type(y):
+                return _first_difference(x, y, f"{path}.{i}" if path else str(i))
+    return path or "plan"
+
+
+def _check_joint(rec: PlanRecord, method, params, where: str) -> None:
     """A joint method's plan names the statistics key its inputs and parameters give; any
     other plan has no `joint` key."""
     from mergepipe.methods.joint import statistics_key
-    joint = plan.get("joint")
     if method.joint is None:
-        if joint is not None:
-            raise ConfigError(f"{where}: plan key joint: method {plan['method']!r} has no joint statistics")
+        if rec.joint is not None:
+            raise ConfigError(f"{where}: plan key joint: method {rec.method!r} has no joint statistics")
         return
-    if joint is None:
-        raise ConfigError(f"{where}: plan key joint: missing; method {plan['method']!r} needs it")
-    want = statistics_key(method.joint, method=plan["method"], params=plan["parameters"],
-                          base_hash=plan["base"]["content_hash"], experts=plan["experts"], seed=plan["seed"],
-                          block_bytes=BlockLayout.of_plan(plan).key) if method.joint.active(params) else None
-    if joint["key"] != want:
+    if rec.joint is None:
+        raise ConfigError(f"{where}: plan key joint: missing; method {rec.method!r} needs it")
+    want = statistics_key(method.joint, method=rec.method, params=rec.parameters,
+                          base_hash=rec.base.content_hash, experts=rec.experts_json(), seed=rec.seed,
+                          block_bytes=rec.layout.key) if method.joint.active(params) else None
+    if rec.joint.key != want:
         raise ConfigError(f"{where}: plan key joint.key: not the statistics key of the plan's inputs and "
                           "parameters; make the plan again with `mergepipe plan`")
 
 
 def _check_strategy(rec: PlanRecord, where: str) -> None:
-    """A registered strategy with valid options; rescale factors only from a rescaling
-    strategy, within its max_scale, for tensors the expert reads."""
+    """A registered strategy with valid options, its calibration and sketch present exactly
+    when it has them, and its rescale factors (_check_scales)."""
     from mergepipe.plan.strategies import get_strategy, normalized_options
     st = rec.strategy
     try:
@@ -417,6 +542,13 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
                           + ("missing" if strategy.sketched else f"strategy {st.name!r} does not sketch"))
     if st.sketch is not None:
         _check_sketch(rec, where)
+    _check_scales(rec, strategy, where)
+
+
+def _check_scales(rec: PlanRecord, strategy, where: str) -> None:
+    """Rescale factors only from a rescaling strategy, within its max_scale, for tensors the
+    expert reads."""
+    st = rec.strategy
     cap = float(st.parameters.get("max_scale", 1.0))
     for expert, per in st.scales.items():
         if not strategy.rescales:
@@ -434,12 +566,12 @@ def _check_strategy(rec: PlanRecord, where: str) -> None:
 
 def _check_sketch(rec: PlanRecord, where: str) -> None:
     """Every expert has one artifact; sketched blocks sorted, distinct and not read in full too."""
-    sk = rec.strategy.sketch
-    names = sorted(e.name for e in rec.experts)
+    sk = rec.sketch
+    names = sorted(rec.expert_names)
     if sorted(sk.artifacts) != names or not set(sk.blocks) <= set(names):
         raise ConfigError(f"{where}: plan key strategy.sketch: must name exactly the plan's experts")
     for expert, per in sk.blocks.items():
-        reads = rec.reads.get(expert, {})
+        reads = rec.reads_of(expert)
         for tensor, blocks in per.items():
             key = f"strategy.sketch.blocks.{expert}.{tensor}"
             if any(b < 0 for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
@@ -448,99 +580,117 @@ def _check_sketch(rec: PlanRecord, where: str) -> None:
                 raise ConfigError(f"{where}: plan key {key}: a block both sketched and read in full")
 
 
-# Branchy: one refusal per way a hand-edited read set can be wrong (issue 23 item 1).
-def check_plan_reads(plan: dict, base_index, expert_indexes: dict, deltas: dict | None,  # noqa: C901
-                     where: str) -> None:
+def check_plan_reads(plan: PlanRecord, base_index, expert_indexes: dict, deltas: dict | None, where: str) -> None:
     """Every planned (tensor, block) lies inside its tensor, every per-tensor entry names a
     tensor of the base, and the planned reads' bytes, recomputed from the index, are the
-    plan's and within its budget."""
-    from mergepipe.checkpoint.blocks import row_bytes
-    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
-    if plan["block_bytes"] != base_index.block_bytes:
-        raise ConfigError(f"{where}: plan key block_bytes: {plan['block_bytes']} but the base was indexed with "
-                          f"{base_index.block_bytes}")
-    if BlockLayout.of_plan(plan) != base_index.layout:
-        raise ConfigError(f"{where}: plan key embedding_block_bytes: {plan.get('embedding_block_bytes')} but the "
-                          f"base was indexed with {base_index.embedding_block_bytes}")
-    for tensor in (plan.get("tensor_parameters") or {}).get("tensors", {}):
+    plan's and within its budget (with the deltas: the budget and a joint plan's all-or-none
+    reads recomputed too)."""
+    _check_index_layout(plan, base_index, where)
+    for tensor in (plan.tensor_parameters or {}).get("tensors", {}):
         if tensor not in base_index.tensors:  # a typo would leave the tensor meant on the top-level values
             raise ConfigError(f"{where}: plan key tensor_parameters.tensors.{tensor}: the base has no such tensor")
-    total = 0
-    for e in plan["experts"]:
-        name = e["name"]
-        idx = expert_indexes[name]
-        delta = deltas.get(name) if deltas else None
-        reads = plan["reads"].get(name, {})
-        # whole columns at once; None (not columnar, or a read to name) takes the loop below
-        nbytes = planned_bytes(reads, idx, base_index, delta)
-        for tensor, blocks in reads.items() if nbytes is None else ():
-            entry = idx.tensors.get(tensor)
-            key = f"reads.{name}.{tensor}"
-            if entry is None or tensor not in base_index.tensors:
-                raise ConfigError(f"{where}: plan key {key}: the model has no tensor {tensor!r}")
-            if entry.dtype not in FLOAT_DTYPES:
-                raise ConfigError(f"{where}: plan key {key}: tensor {tensor!r} is {entry.dtype}, not merged")
-            n = len(entry.ranges)
-            if blocks and blocks[-1] >= n:
-                raise ConfigError(f"{where}: plan key {key}: block {blocks[-1]} is outside tensor {tensor!r} "
-                                  f"({n} blocks)")
-            if delta is not None:
-                same = delta.tensors[tensor].identical
-                bad = next((b for b in blocks if same[b]), None)
-                if bad is not None:
-                    raise ConfigError(f"{where}: plan key {key}: block {bad} of tensor {tensor!r} is identical "
-                                      "to the base; a plan never reads it")
-            row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
-            nbytes = (nbytes or 0) + sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
-        nbytes = nbytes or 0
-        if nbytes != plan["bytes"]["planned_by_expert"][name]:
-            raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
-                              f"are {nbytes} bytes, the plan says {plan['bytes']['planned_by_expert'][name]}")
-        total += nbytes
-    if "planned_sketch_bytes" in plan["bytes"]:  # strategy sketch (plan/sketch_reads.py)
-        from mergepipe.plan.sketch_reads import check_sketch_blocks
-        sketch = check_sketch_blocks(plan, expert_indexes, deltas, where)
-        if sketch != plan["bytes"]["sketch_by_expert"]:
-            raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: the sketched blocks are {sketch} bytes, "
-                              f"the plan says {plan['bytes']['sketch_by_expert']}")
-        total += sum(sketch.values())
-    if total > plan["budget_bytes"]:
+    total = sum(_expert_read_bytes(plan, e.name, base_index, expert_indexes[e.name],
+                                   deltas.get(e.name) if deltas else None, where) for e in plan.experts)
+    if plan.sketch is not None:  # strategy sketch (plan/sketch_reads.py)
+        total += _sketch_read_bytes(plan, expert_indexes, deltas, where)
+    if total > plan.budget_bytes:
         raise ConfigError(f"{where}: plan reads {total} expert bytes, more than its budget_bytes "
-                          f"{plan['budget_bytes']}")
+                          f"{plan.budget_bytes}")
     if deltas:
         _check_budget(plan, expert_indexes, deltas, where)
-        if get_method(plan["method"]).joint is not None:
+        if get_method(plan.method).joint is not None:
             from mergepipe.plan.joint_reads import check_all_or_none
             check_all_or_none(plan, deltas, where)
 
 
-def _check_budget(plan: dict, expert_indexes: dict, deltas: dict, where: str) -> None:
-    """budget_bytes is the plan's budget resolved against the bytes a full merge reads (expert
-    blocks that differ from the base), recomputed here: raising it by hand to fit more reads fails."""
+def _check_index_layout(plan: PlanRecord, base_index, where: str) -> None:
+    """The base was indexed with the plan's block sizes (so its block numbers are the plan's)."""
+    if plan.block_bytes != base_index.block_bytes:
+        raise ConfigError(f"{where}: plan key block_bytes: {plan.block_bytes} but the base was indexed with "
+                          f"{base_index.block_bytes}")
+    if plan.layout != base_index.layout:
+        raise ConfigError(f"{where}: plan key embedding_block_bytes: {plan.embedding_block_bytes} but the "
+                          f"base was indexed with {base_index.embedding_block_bytes}")
+
+
+def _expert_read_bytes(plan: PlanRecord, name: str, base_index, idx, delta, where: str) -> int:
+    """The bytes of the blocks the plan reads of expert `name`, which must be its recorded count."""
+    reads = plan.reads_of(name)
+    # whole columns at once; None (not columnar, or a read to name) takes the tensor-by-tensor check
+    nbytes = planned_bytes(reads, idx, base_index, delta)
+    if nbytes is None:
+        nbytes = sum(_tensor_read_bytes(f"reads.{name}.{tensor}", tensor, blocks, idx, base_index, delta, where)
+                     for tensor, blocks in reads.items())
+    recorded = plan.bytes.planned_by_expert[name]
+    if nbytes != recorded:
+        raise ConfigError(f"{where}: plan key bytes.planned_by_expert.{name}: the reads of expert {name!r} "
+                          f"are {nbytes} bytes, the plan says {recorded}")
+    return nbytes
+
+
+def _tensor_read_bytes(key: str, tensor: str, blocks: list[int], idx, base_index, delta, where: str) -> int:
+    """The bytes of `blocks` of `tensor`, each a block of a float tensor of both models that
+    (with `delta`) differs from the base; a ConfigError naming `key` otherwise."""
     from mergepipe.checkpoint.blocks import row_bytes
     from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
+    entry = idx.tensors.get(tensor)
+    if entry is None or tensor not in base_index.tensors:
+        raise ConfigError(f"{where}: plan key {key}: the model has no tensor {tensor!r}")
+    if entry.dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"{where}: plan key {key}: tensor {tensor!r} is {entry.dtype}, not merged")
+    n = len(entry.ranges)
+    if blocks and blocks[-1] >= n:
+        raise ConfigError(f"{where}: plan key {key}: block {blocks[-1]} is outside tensor {tensor!r} "
+                          f"({n} blocks)")
+    if delta is not None:
+        same = delta.tensors[tensor].identical
+        bad = next((b for b in blocks if same[b]), None)
+        if bad is not None:
+            raise ConfigError(f"{where}: plan key {key}: block {bad} of tensor {tensor!r} is identical "
+                              "to the base; a plan never reads it")
+    row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
+    return sum((entry.ranges[b][1] - entry.ranges[b][0]) * row for b in blocks)
+
+
+def _sketch_read_bytes(plan: PlanRecord, expert_indexes: dict, deltas: dict | None, where: str) -> int:
+    """The sketch bytes of the plan's sketched blocks, which must be its recorded counts."""
+    from mergepipe.plan.sketch_reads import check_sketch_blocks
+    sketch = check_sketch_blocks(plan.sketch.blocks, plan.expert_names, expert_indexes, deltas, where)
+    if sketch != plan.bytes.sketch_by_expert:
+        raise ConfigError(f"{where}: plan key bytes.sketch_by_expert: the sketched blocks are {sketch} bytes, "
+                          f"the plan says {plan.bytes.sketch_by_expert}")
+    return sum(sketch.values())
+
+
+def _check_budget(plan: PlanRecord, expert_indexes: dict, deltas: dict, where: str) -> None:
+    """budget_bytes is the plan's budget resolved against the bytes a full merge reads (expert
+    blocks that differ from the base), recomputed here: raising it by hand to fit more reads fails."""
     from mergepipe.units import UnitError, parse_budget
-    full = 0
-    for e in plan["experts"]:
-        idx, delta = expert_indexes[e["name"]], deltas[e["name"]]
-        columns = full_read_bytes(idx, delta)  # whole columns at once, where both are in one tensor order
-        if columns is not None:
-            full += columns
-            continue
-        for name, entry in idx.tensors.items():
-            if entry.dtype not in FLOAT_DTYPES:
-                continue
-            row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
-            same = delta.tensors[name].identical
-            full += sum((r1 - r0) * row for (r0, r1), s in zip(entry.ranges, same) if not s)
-    if full != plan["bytes"]["full_read_expert_bytes"]:
+    full = sum(_full_read_bytes(expert_indexes[e.name], deltas[e.name]) for e in plan.experts)
+    if full != plan.bytes.full_read_expert_bytes:
         raise ConfigError(f"{where}: plan key bytes.full_read_expert_bytes: the inputs' full read is {full} "
-                          f"bytes, the plan says {plan['bytes']['full_read_expert_bytes']}")
+                          f"bytes, the plan says {plan.bytes.full_read_expert_bytes}")
     try:
-        want = parse_budget(plan["budget"]).resolve(full)
+        want = parse_budget(plan.budget).resolve(full)
     except (UnitError, ValueError) as e:
         raise ConfigError(f"{where}: plan key budget: {e}") from None
-    if want != plan["budget_bytes"]:
-        raise ConfigError(f"{where}: plan key budget_bytes: budget {plan['budget']} of these inputs is {want} "
-                          f"bytes, the plan says {plan['budget_bytes']}")
+    if want != plan.budget_bytes:
+        raise ConfigError(f"{where}: plan key budget_bytes: budget {plan.budget} of these inputs is {want} "
+                          f"bytes, the plan says {plan.budget_bytes}")
 
+
+def _full_read_bytes(idx, delta) -> int:
+    """Bytes of every block of the expert's float tensors that differs from the base."""
+    from mergepipe.checkpoint.blocks import row_bytes
+    from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, ITEMSIZE
+    columns = full_read_bytes(idx, delta)  # whole columns at once, where both are in one tensor order
+    if columns is not None:
+        return columns
+    full = 0
+    for name, entry in idx.tensors.items():
+        if entry.dtype not in FLOAT_DTYPES:
+            continue
+        row = row_bytes(entry.shape, ITEMSIZE[entry.dtype])
+        same = delta.tensors[name].identical
+        full += sum((r1 - r0) * row for (r0, r1), s in zip(entry.ranges, same) if not s)
+    return full

@@ -46,14 +46,14 @@ def residual_score(it: Candidate, r2: float) -> float:
     return it.score * math.sqrt(r2) / it.l2 if it.l2 > 0 else 0.0
 
 
-def check_sketch_blocks(plan: dict, expert_indexes: dict, deltas: dict | None, where: str) -> dict[str, int]:
-    """Sketch bytes per expert, recomputed from the plan's sketched blocks and the indexes;
-    every sketched block inside its tensor and (with the deltas) not identical to the base."""
+def check_sketch_blocks(blocks: dict[str, dict[str, list[int]]], names: list[str], expert_indexes: dict,
+                        deltas: dict | None, where: str) -> dict[str, int]:
+    """Sketch bytes per expert of `names`, recomputed from the plan's sketched blocks (its
+    strategy.sketch.blocks) and the indexes; every sketched block inside its tensor and (with
+    the deltas) not identical to the base."""
     from mergepipe.checkpoint.blocks import row_bytes
-    blocks = ((plan.get("strategy") or {}).get("sketch") or {}).get("blocks", {})
     out = {}
-    for e in plan["experts"]:
-        name = e["name"]
+    for name in names:
         total = 0
         for tensor, bs in blocks.get(name, {}).items():
             entry = expert_indexes[name].tensors.get(tensor)

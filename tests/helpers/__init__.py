@@ -9,7 +9,13 @@ import yaml
 from mergepipe.checkpoint.safetensors import CheckpointReader, as_tensor, open_checkpoint
 from mergepipe.index import binfmt
 from mergepipe.index.records import DeltaIndex, ModelIndex, TensorDelta, TensorEntry
-from mergepipe.plan.planner import PlanInput
+from mergepipe.plan.planner import PlanInput, PlanRequest, make_plan
+from mergepipe.plan.record import plan_json
+
+
+def plan_doc(req: PlanRequest) -> dict:
+    """make_plan's plan as its JSON form (plan_json): what `mergepipe plan` writes."""
+    return plan_json(make_plan(req))
 
 
 def write_config(tmp_path: Path, family: dict, **overrides) -> Path:
