@@ -114,6 +114,7 @@ def _entries(root: Path) -> dict[layout.Kind, list[Path]]:
         layout.JOINT: [c.joint(H64)],
         layout.SKETCH: [c.sketch(H40)],
         layout.GROUPQUANT: [c.groupquant(H40)],
+        layout.CUTS: [c.cuts(H40)],
     }
 
 
@@ -133,7 +134,7 @@ def test_every_kind_names_its_entries_as_gc_recognises_them(tmp_path):
 def test_each_writer_gets_its_path_from_the_layout(tmp_path):
     """The modules that key an entry put it where the layout says, under a name gc recognises."""
     from mergepipe.calibrate.artifact import artifact_path
-    from mergepipe.index import groupquant, sketch, weighted
+    from mergepipe.index import extra_cuts, groupquant, sketch, weighted
     from mergepipe.index.store import DELTA_FORMAT, Store
     c = CacheLayout(tmp_path)
     made = {
@@ -141,6 +142,7 @@ def test_each_writer_gets_its_path_from_the_layout(tmp_path):
         layout.WEIGHTED: weighted.cache_path(tmp_path, H64, "d" * 64, "e" * 64, 16384),
         layout.CALIBRATION: artifact_path(tmp_path, H64, "e" * 64, {"sequences": 4}),
         layout.GROUPQUANT: groupquant.cache_path(tmp_path, H64, "d" * 64, 16384, groupquant.Spec(4, 64)),
+        layout.CUTS: extra_cuts.cache_path(tmp_path, H64, "d" * 64, 16384, {"w": (3, 7)}),
     }
     for kind, p in made.items():
         assert p.parent == c.folder(kind) and kind.entry.fullmatch(p.name), (kind.folder, p)

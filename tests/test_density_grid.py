@@ -1,17 +1,18 @@
-"""Magnitude methods (TIES, Breadcrumbs) cut |delta| at ranks the delta index holds exact
-thresholds for: densities and gammas of two decimals (index/ranks.py GRID). A value between
-them is refused when params.yaml is read (exit 2, naming the key and the grid), not at merge
-time (exit 5); every value the grid accepts has its cut in the index; methods that cut no
-ranks (DARE, DELLA) take any density."""
+"""Magnitude methods (TIES, Breadcrumbs) cut |delta| at exact ranks. The delta index holds
+cuts for densities and gammas of two decimals (index/ranks.py GRID); a value between them is
+accepted as mergekit accepts it, and its cuts are made by an extra scan (commands/cuts.py,
+tests/test_exact_cuts.py), recorded in the plan; a config on the grid plans as it always did, with
+no `cuts` record. Every value the grid accepts has its cut in the index; methods that cut no
+ranks (DARE, DELLA) take any density without extra cuts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from mergepipe.cli import main
 from mergepipe.config.params import load_config
-from mergepipe.errors import ConfigError
 from mergepipe.index.ranks import GRID, breadcrumbs_ranks, magnitude_rank, on_grid, requested_ranks
 from mergepipe.methods import METHODS
 from tests.helpers import write_config
@@ -37,26 +38,31 @@ def _keys(method: str) -> list[str]:
 
 @pytest.mark.parametrize("value", OFF_GRID)
 @pytest.mark.parametrize("method,key", [(m, k) for m in MAGNITUDE for k in _keys(m)])
-def test_an_off_grid_value_is_refused_when_the_config_is_read(tmp_path, tiny_family, method, key, value):
+def test_an_off_grid_value_is_accepted_when_the_config_is_read(tmp_path, tiny_family, method, key, value):
     where, knob = key.split(".")
     params = {"density": 0.3} if knob == "gamma" else {}
     given = {knob: value}
     path = _config(tmp_path, tiny_family, method, params={**params, **given} if where == "parameters" else params,
                    expert=given if where != "parameters" else None)
-    with pytest.raises(ConfigError) as err:
-        load_config(path)
-    message = str(err.value)
-    assert err.value.exit_code == 2 and "\n" not in message
-    assert f"{key}: {value!r}" in message and "two decimals (0.01 steps)" in message and "use 0." in message
+    norm = load_config(path).normalized()
+    assert (norm["parameters"] if where == "parameters" else norm["experts"][0])[knob] == value
 
 
 @pytest.mark.parametrize("method", MAGNITUDE)
-def test_run_refuses_before_reading_anything(tmp_path, tiny_family, capsys, method):
+def test_run_merges_an_off_grid_density_with_its_exact_cuts(tmp_path, tiny_family, method):
     path = _config(tmp_path, tiny_family, method, params={"density": 0.123})
-    assert main(["run", str(path), "-q"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "parameters.density: 0.123" in err and "0.12 or 0.13" in err
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+    assert main(["run", str(path), "-q"]) == 0
+    plan = json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]
+    assert sorted(plan["cuts"]) == sorted(e["name"] for e in plan["experts"])
+    assert len(list((tmp_path / "cache" / "cuts").iterdir())) == len(plan["experts"])
+
+
+@pytest.mark.parametrize("method", MAGNITUDE)
+def test_a_config_on_the_grid_makes_no_extra_cuts(tmp_path, tiny_family, method):
+    path = _config(tmp_path, tiny_family, method, params={"density": 0.12})
+    assert main(["run", str(path), "-q"]) == 0
+    assert "cuts" not in json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]
+    assert not (tmp_path / "cache" / "cuts").exists()
 
 
 @pytest.mark.parametrize("method", MAGNITUDE)
@@ -90,6 +96,19 @@ def test_every_value_the_grid_accepts_has_its_cut_in_the_index(n):
 
 
 def test_an_off_grid_density_asks_for_a_cut_the_index_lacks():
-    """Why it is refused: 0.123 of a 262144-element tensor is rank 32243, between stored cuts."""
+    """Why extra cuts are made: 0.123 of a 262144-element tensor is rank 32243, between stored cuts."""
     assert not on_grid(0.123)
     assert magnitude_rank(0.123, 262144) not in requested_ranks(262144)
+
+
+@pytest.mark.parametrize("n", [2, 100, 4097, 262144])
+def test_each_magnitude_method_names_the_ranks_its_trim_asks(n):
+    """Method.cut_ranks (what the extra cuts are made for) is what the trims ask of the index."""
+    for density in (0.0001, 0.123, 0.5, 0.999, 1.0):
+        k = magnitude_rank(density, n)
+        assert METHODS["ties"].cut_ranks(density, 0.0, n) == (() if k is None or not 0 < k < n else (k,))
+        for gamma in (0.0, 0.017, 0.3):
+            ends = breadcrumbs_ranks(density, gamma, n)
+            want = () if ends is None else tuple(sorted({r for r in ends if 0 < r < n}))
+            for method in ("breadcrumbs", "breadcrumbs_ties"):
+                assert METHODS[method].cut_ranks(density, gamma, n) == want

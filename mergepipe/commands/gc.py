@@ -7,10 +7,11 @@ The kinds of entry, their folders and the names mergepipe gives them are index/c
   merges/*.partial      store entries a dead process left half written
   parts/                part files of split merges (a finished gather no longer needs them), each only
                         beside the part job's sidecar that records its size
-  calibration/ weighted/ joint/ sketch/   the calibrated strategy's importance artifacts and
-                        energies, joint methods' statistics and the sketch strategy's sketches
-                        (rebuilt when a plan or merge needs them again); those a `--keep` output
-                        or plan names (its artifact hash, joint key, sketch header hash) stay
+  calibration/ weighted/ joint/ sketch/ cuts/   the calibrated strategy's importance artifacts and
+                        energies, joint methods' statistics, the sketch strategy's sketches and the
+                        exact cuts off the index's grid (rebuilt when a plan or merge needs them
+                        again); those a `--keep` output or plan names (its artifact hash, joint
+                        key, sketch header hash, cuts' blake3) stay
   models/ deltas/ stat/ indexes, only with `indexes=True` (they are rebuilt by rereading the models)
   .<entry>.<random>.tmp  in any of these, a day old: a writer killed before its rename left it
 An entry is removed only when its name is one mergepipe gives and its content starts as
@@ -29,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import ConfigError, OutputError
-from mergepipe.index.cache import (CALIBRATION, JOINT, KINDS, MERGES, PARTS, SKETCH, WEIGHTED, CacheLayout, Kind,
-                                   joint_key, temp_of)
+from mergepipe.index.cache import (CALIBRATION, CUTS, JOINT, KINDS, MERGES, PARTS, SKETCH, WEIGHTED, CacheLayout,
+                                   Kind, joint_key, temp_of)
 from mergepipe.output.manifest import MANIFEST
 from mergepipe.util.fs import read_json_object_text
 
@@ -49,6 +50,7 @@ class Keep:
     artifacts: set[str] = field(default_factory=set)
     joint: set[str] = field(default_factory=set)
     sketches: set[str] = field(default_factory=set)  # sketch header hashes (sketch/)
+    cuts: set[str] = field(default_factory=set)  # exact cuts' blake3 (cuts/)
 
 
 def plan_of(path: str | Path) -> dict:
@@ -84,6 +86,8 @@ def keep_of(paths: list[str]) -> Keep:
         sk = (plan.get("strategy") or {}).get("sketch") if isinstance(plan.get("strategy"), dict) else None
         if isinstance(sk, dict) and isinstance(sk.get("artifacts"), dict):
             keep.sketches.update(v for v in sk["artifacts"].values() if isinstance(v, str))
+        if isinstance(plan.get("cuts"), dict):
+            keep.cuts.update(v for v in plan["cuts"].values() if isinstance(v, str))
     return keep
 
 
@@ -130,6 +134,11 @@ def _weighted_is_ours(path: Path) -> bool:
     return _head(path, 22).startswith((b'{"artifact":"', b'{"format":1,"tensors":'))  # canonical: sorted keys
 
 
+def _cuts_is_ours(path: Path) -> bool:
+    head = _head(path, 96)  # canonical JSON: {"blake3":"<64 hex>","format":N,...
+    return head.startswith(b'{"blake3":"') and head[75:85] == b'","format"'
+
+
 def _calibration_is_ours(path: Path) -> bool:
     head = _head(path, 1 << 16)
     return b'"format":"mergepipe-importance-' in head.replace(b" ", b"") and len(head) > 8
@@ -139,7 +148,7 @@ def _calibration_is_ours(path: Path) -> bool:
 # writes it (cheap: a few bytes), so a user's look-alike file is kept
 WRITTEN_BY_US: dict[str, Callable[[Path], bool]] = {
     JOINT.folder: _joint_is_ours, SKETCH.folder: _sketch_is_ours, WEIGHTED.folder: _weighted_is_ours,
-    CALIBRATION.folder: _calibration_is_ours}
+    CALIBRATION.folder: _calibration_is_ours, CUTS.folder: _cuts_is_ours}
 
 
 def _part_is_ours(path: Path) -> bool:
@@ -161,6 +170,11 @@ def _weighted_referenced(path: Path, keep: Keep) -> bool:
     return recorded_artifact(path) in keep.artifacts
 
 
+def _cuts_referenced(path: Path, keep: Keep) -> bool:
+    from mergepipe.index.extra_cuts import recorded_digest
+    return bool(keep.cuts) and recorded_digest(path) in keep.cuts
+
+
 def _calibration_referenced(path: Path, keep: Keep) -> bool:
     from mergepipe.util.fs import hash_file
     try:
@@ -173,7 +187,7 @@ def _calibration_referenced(path: Path, keep: Keep) -> bool:
 # header hash, importance artifact hash), so it stays
 REFERENCED: dict[str, Callable[[Path, Keep], bool]] = {
     JOINT.folder: _joint_referenced, SKETCH.folder: _sketch_referenced, WEIGHTED.folder: _weighted_referenced,
-    CALIBRATION.folder: _calibration_referenced}
+    CALIBRATION.folder: _calibration_referenced, CUTS.folder: _cuts_referenced}
 
 
 def collect(cache_dir: str | Path, keep: Keep | set[str], *, indexes: bool = False,

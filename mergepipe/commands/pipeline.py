@@ -16,6 +16,7 @@ from blake3 import blake3
 from mergepipe.commands import uptodate
 from mergepipe.commands.base_files import check_planned_files, copy_base_files, plan_base_files
 from mergepipe.commands.check import preflight
+from mergepipe.commands.cuts import config_cuts, plan_cuts
 from mergepipe.commands.sketches import plan_sketches, sketch_inputs
 from mergepipe.checkpoint.vocab import ModelView, VocabularyViews
 from mergepipe.commands.vocabulary import Recipe as VocabularyRecipe
@@ -80,6 +81,9 @@ def open_inputs(plan: PlanRecord, store: Store, root: Path, *, threads: int = 2,
         deltas[e.name] = store.delta_index(base, base_index, experts[e.name], expert_indexes[e.name],
                                            threads=threads)
     check_plan_reads(plan, base_index, expert_indexes, deltas, where)
+    # the exact cuts off the index's grid the plan was made with, laid into the delta indexes
+    deltas = plan_cuts(plan, store, base, base_index, {n: (experts[n], expert_indexes[n], deltas[n])
+                                                      for n in experts}, where, threads=threads)
     if plan.output.layout is not None:  # one naming other tensors is refused before any weight is read
         plan_layout(plan_json(plan), base.tensors, where=where)  # engine/ takes the plan's JSON form
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
@@ -119,6 +123,14 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2,
                                      expert_indexes[e.name].content_hash,
                                      float(_scalar_or(e.weight, 0.0)), _scalar_or(e_norm.get("density"), None),
                                      _scalar_or(e_norm.get("gamma"), None)))
+    params = cfg.method_params.model_dump(mode="json", by_alias=True)
+    tensor_parameters = resolve_tensor_parameters(cfg, base_index.tensors)
+    # a density or gamma off the index's grid: its exact cuts, made once and recorded (commands/cuts.py)
+    cuts, deltas = config_cuts(
+        {"method": norm["method"], "parameters": params, "tensor_parameters": tensor_parameters,
+         "experts": [{"name": e.name, "density": e.density, "gamma": e.gamma} for e in plan_inputs]},
+        store, base, base_index, {n: (experts[n], expert_indexes[n], deltas[n]) for n in experts},
+        threads=threads, progress=not quiet)
     budget = budget if budget is not None else cfg.budget
     # a params.yaml without `plan:` gets the measured default for its method and budget
     strategy = norm.get("plan") if cfg.plan else default_options(norm["method"], budget)
@@ -137,11 +149,10 @@ def plan_config(cfg, store: Store, *, budget=None, threads: int = 2,
     plan = make_plan(PlanRequest(
         base=PlanInput("base", norm["base"], base_index.content_hash, 0.0, files=base_files), base_index=base_index,
         experts=plan_inputs, expert_indexes=expert_indexes, deltas=deltas, method=norm["method"],
-        params=cfg.method_params.model_dump(mode="json", by_alias=True), seed=norm["seed"],
+        params=params, seed=norm["seed"],
         budget=budget, block_bytes=bb, output=_plan_output(cfg, norm, base, vocabulary, built),
         nonfinite=norm.get("nonfinite", "error"), strategy=strategy,
-        tensor_parameters=resolve_tensor_parameters(cfg, base_index.tensors),
-        calibration=calibration, sketches=sketches))
+        tensor_parameters=tensor_parameters, calibration=calibration, sketches=sketches, cuts=cuts))
     return plan, Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                         tokenizer_dir=cfg.output.tokenizer_dir, sketches=sketches or {})
 

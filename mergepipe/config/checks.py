@@ -13,8 +13,6 @@ from pydantic import BaseModel
 
 from mergepipe.config.fields import check_density, check_gamma
 from mergepipe.config.settings import is_setting
-from mergepipe.index.ranks import GRID_TEXT, grid_neighbours, on_grid
-from mergepipe.methods import METHODS
 
 if TYPE_CHECKING:
     from mergepipe.config.models import ExpertConfig
@@ -88,26 +86,6 @@ def check_expert_overrides(experts: list[ExpertConfig], method: str,
             # blame the key the user has to change
             own = expert.density is not None or expert.gamma is not None
             check_density_gamma(density, gamma, f"experts[{i}]" if own else "parameters")
-    if METHODS[method].magnitude:
-        check_magnitude_grid(experts, method, params)
-
-
-def check_magnitude_grid(experts: list[ExpertConfig], method: str, params: BaseModel) -> None:
-    """TIES and Breadcrumbs cut |delta| at exact ranks the delta index stores for densities and
-    gammas of two decimals only (index/ranks.py GRID); a value between them would fail at merge
-    time, so it is refused here, naming the key that gives it (per-tensor settings are checked
-    where they resolve, config/tensor_params.py)."""
-    for i, expert in enumerate(experts):
-        density = effective(expert, "density", params)
-        if density is None or is_setting(density) or density >= 1:
-            continue  # density 1 keeps the delta whole: gamma is unused too
-        for key, value in (("density", density), ("gamma", effective(expert, "gamma", params))):
-            if value is None or is_setting(value) or on_grid(value):
-                continue
-            where = f"experts[{i}].{key}" if getattr(expert, key) is not None else f"parameters.{key}"
-            raise ValueError(f"{where}: {value!r} is between the values method {method!r} can cut exactly: "
-                             f"a {key} needs {GRID_TEXT}, the ranks the delta index holds exact thresholds for; "
-                             f"use {grid_neighbours(value)}")
 
 
 def check_weight_sum(experts: list[ExpertConfig], method: str, params: BaseModel) -> None:

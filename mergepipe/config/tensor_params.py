@@ -29,7 +29,6 @@ from mergepipe.config.modules import module_placements
 from mergepipe.config.settings import Setting, layer_positions
 from mergepipe.config.slices import placements
 from mergepipe.errors import ConfigError
-from mergepipe.index.ranks import GRID_TEXT, on_grid
 from mergepipe.methods import METHODS
 from mergepipe.util.fs import canonical_json
 
@@ -130,7 +129,7 @@ class _Resolver:
         for knob in KNOBS:
             value = self._knob_value(e, in_slice, knob, name, t, params)
             if value is not None:
-                over[knob] = _knob(float(value), knob, f"{where}: experts[{i}].{knob}", self.method.magnitude)
+                over[knob] = _knob(float(value), knob, f"{where}: experts[{i}].{knob}")
         if "density" in over or "gamma" in over:
             density = over.get("density", self.cfg.expert_density(e))
             gamma = over.get("gamma", self.cfg.expert_gamma(e))
@@ -194,13 +193,9 @@ def _check_filters(cfg: MergeConfig, names: list[str]) -> None:
                                   "its condition would apply nowhere; check the spelling")
 
 
-def _knob(value: float, knob: str, where: str, magnitude: bool) -> float:
+def _knob(value: float, knob: str, where: str) -> float:
     try:
         (check_density if knob == "density" else check_gamma)(value)
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
-    if magnitude and value < 1 and not on_grid(value):
-        raise ConfigError(f"{where}: resolves to {value!r}; magnitude methods (ties, breadcrumbs) need "
-                          f"{GRID_TEXT} per tensor (the index's exact cuts): choose gradient values "
-                          "that land on them or use filters")
     return value

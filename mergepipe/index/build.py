@@ -112,15 +112,33 @@ def build_expert_index(base: Checkpoint, expert: Checkpoint, base_index: ModelIn
                              index.embedding_block_bytes)
 
 
+def build_extra_cuts(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, expert_index: ModelIndex,
+                     wanted: dict[str, tuple[int, ...]], *, threads: int = 2, cache_bytes: int = 256 << 20,
+                     counter: ReadCounter | None = None, progress: bool = False) -> dict[str, TensorDelta]:
+    """The exact rank cuts of `wanted` (tensor -> ascending ranks 0 < r < numel) of `expert`
+    against `base`, in one scan of those tensors only (the index's passes at these ranks: the
+    same values the index would hold for them); every expert block read is checked against
+    `expert_index`. Each TensorDelta's ranks are (0, *wanted[name])."""
+    ranges = {name: e.ranges for name, e in expert_index.tensors.items()}
+    _, delta = _scan(base, expert, base_index, ranges, expert_index.layout, threads, cache_bytes, counter,
+                     {name: e.hashes for name, e in expert_index.tensors.items()}, progress, wanted=wanted)
+    return delta
+
+
 def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: dict, block_bytes: BlockLayout,
           threads: int, cache_bytes: int, counter: ReadCounter | None,
-          expected: dict[str, tuple[str, ...]] | None, progress: bool) -> tuple[dict, dict[str, TensorDelta]]:
-    """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name."""
+          expected: dict[str, tuple[str, ...]] | None, progress: bool,
+          wanted: dict[str, tuple[int, ...]] | None = None) -> tuple[dict, dict[str, TensorDelta]]:
+    """Scan every tensor of `expert` against `base`: (block hashes, TensorDelta) by name;
+    with `wanted`, only its tensors, each cut at its ranks instead of the index's."""
     check_compatible(base, expert)
     keep_freed_memory()
     if base_index.layout != block_bytes:
         raise ValueError(f"base index has blocks {base_index.layout.key}, expert {block_bytes.key}")
-    with Progress(expert.total_bytes, f"indexing {expert.root.name} against {base.root.name}", progress) as prog, \
+    names = list(base.tensors) if wanted is None else [n for n in base.tensors if n in wanted]
+    total = expert.total_bytes if wanted is None else sum(expert.tensors[n].nbytes for n in names)
+    what = "indexing" if wanted is None else "exact cuts of"
+    with Progress(total, f"{what} {expert.root.name} against {base.root.name}", progress) as prog, \
             CheckpointReader(base, counter=counter, random_access=False) as base_all, \
             CheckpointReader(expert, counter=counter, random_access=False) as exp_all:
         def scan(name: str, base_r, exp_r) -> tuple[tuple[str, ...], TensorDelta]:
@@ -134,7 +152,7 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
                 return hashes, TensorDelta(name, t.numel, 0.0, 0.0, 0, (0.0,) * n, (0.0,) * n, (0,) * n,
                                            (True,) * n if same else (False,) * n, (), (), (), (), {})
             scan = DeltaTensorScan(base_r, exp_r, t, list(ranges[name]), expected[name] if expected else None,
-                                    cache_bytes)
+                                    cache_bytes, None if wanted is None else wanted[name])
             scan.progress = prog
             delta = scan.run()
             return tuple(scan.hashes), delta
@@ -143,12 +161,12 @@ def _scan(base: Checkpoint, expert: Checkpoint, base_index: ModelIndex, ranges: 
                 return [scan(n, base_r, exp_r) for n in names]
         # parallel across tensors (the kernels, numpy and blake3 release the GIL), largest
         # first, so that the big embedding does not start last and run alone
-        order = sorted(base.tensors, key=lambda n: -base.tensors[n].numel)
+        order = sorted(names, key=lambda n: -base.tensors[n].numel)
         tasks = _tasks(expert, order, ranges)
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            done = {n: r for names, rs in zip(tasks, pool.map(task, tasks)) for n, r in zip(names, rs)}
-    return ({name: done[name][0] for name in base.tensors},
-            {name: done[name][1] for name in base.tensors})
+            done = {n: r for batch, rs in zip(tasks, pool.map(task, tasks)) for n, r in zip(batch, rs)}
+    return ({name: done[name][0] for name in names},
+            {name: done[name][1] for name in names})
 
 
 SMALL_TENSOR_BYTES = 64 << 10  # one-block tensors up to this size are indexed in batches

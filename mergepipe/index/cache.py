@@ -18,6 +18,7 @@ version that goes into the key); this module turns the key into the path. Under 
   joint/<key64>.stats                joint-method statistics                 engine/stats.py
   sketch/<key40>.sk                  ternary delta sketch                    index/sketch.py
   groupquant/<key40>.gq              k-bit group-quantized deltas            index/groupquant.py
+  cuts/<key40>.cuts                  exact rank cuts off the index's grid    index/extra_cuts.py
 
 `<blocks>` is `BlockLayout.key` with "/" as "-" (`16384` or `16384-emb4096`). A writer's temp
 file is `.<entry name>.<random>.tmp` beside the entry (util/fs.atomic_write_bytes).
@@ -58,8 +59,9 @@ MODELS = Kind("models", re.compile(r"[0-9a-f]{40}\.(?:json\.gz|idx)"), index=Tru
 DELTAS = Kind("deltas", re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}-\d+(?:-emb\d+)?-v\d+\.(?:json\.gz|idx)"), index=True)
 STAT = Kind("stat", re.compile(r"[0-9a-f]{32}\.json"), index=True)
 GROUPQUANT = Kind("groupquant", re.compile(r"[0-9a-f]{40}\.gq"), derived=True, pruned=False)
+CUTS = Kind("cuts", re.compile(r"[0-9a-f]{40}\.cuts"), derived=True)
 
-KINDS = (MERGES, PARTS, CALIBRATION, WEIGHTED, JOINT, SKETCH, MODELS, DELTAS, STAT, GROUPQUANT)  # gc's order
+KINDS = (MERGES, PARTS, CALIBRATION, WEIGHTED, JOINT, SKETCH, MODELS, DELTAS, STAT, GROUPQUANT, CUTS)  # gc's order
 
 STORE_MAC = "store.mac"  # in a stored merge's folder: its MAC (index/store_key.entry_mac)
 JOINT_SUFFIX = ".stats"
@@ -122,3 +124,6 @@ class CacheLayout:
 
     def groupquant(self, key: str) -> Path:
         return self.folder(GROUPQUANT) / f"{key}.gq"
+
+    def cuts(self, key: str) -> Path:
+        return self.folder(CUTS) / f"{key}.cuts"

@@ -40,6 +40,20 @@ def breadcrumbs_ranks(density: float, gamma: float, n: int) -> tuple[int, int] |
     return n - n_bot - target, n - n_bot
 
 
+def trim_ranks(density: float, gamma: float, n: int) -> tuple[int, ...]:
+    """The ranks a TIES trim of a tensor of n elements asks cuts at (0 < r < n; ranks 0 and n
+    need none): k of `magnitude_rank`. `gamma` is unused (one signature for every trim)."""
+    k = magnitude_rank(density, n)
+    return () if k is None or not 0 < k < n else (k,)
+
+
+def band_ranks(density: float, gamma: float, n: int) -> tuple[int, ...]:
+    """The ranks a Breadcrumbs band of a tensor of n elements asks cuts at (0 < r < n): both
+    ends of `breadcrumbs_ranks`, ascending."""
+    ends = breadcrumbs_ranks(density, gamma, n)
+    return () if ends is None else tuple(sorted({r for r in ends if 0 < r < n}))
+
+
 GRID = tuple(i / 100 for i in range(101))  # i/100 is the same float as the literal
 GRID_TEXT = "at most two decimals (0.01 steps)"
 

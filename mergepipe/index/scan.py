@@ -55,8 +55,12 @@ class DeltaTensorScan:
     """The passes for one (expert, base, tensor): stats and histogram, exact cuts, (rarely) split counts."""
 
     def __init__(self, base_r: CheckpointReader, exp_r: CheckpointReader, t: TensorInfo,
-                 ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...] | None, cache_bytes: int) -> None:
+                 ranges: list[tuple[int, int]], exp_hashes: tuple[str, ...] | None, cache_bytes: int,
+                 ranks: tuple[int, ...] | None = None) -> None:
         self.base_r, self.exp_r, self.t, self.ranges = base_r, exp_r, t, ranges
+        # the ranks 0 < r < numel to cut at, ascending: the index's (requested_ranks), or
+        # those a config asks for beyond them (index/extra_cuts.py); the same passes either way
+        self.wanted = requested_ranks(t.numel) if ranks is None else ranks
         self.exp_hashes = exp_hashes  # None: hash the expert's blocks here (its ModelIndex is being built)
         self.hashes: list[str] = []
         self.progress: Progress | None = None
@@ -143,7 +147,7 @@ class DeltaTensorScan:
             self.cache.append(bits if self.keep else None)
         self.identical = identical
 
-        ranks = [0, *requested_ranks(t.numel)]
+        ranks = [0, *self.wanted]
         wanted = np.array(ranks[1:], dtype=np.int64)
         cum_desc = np.cumsum(hist[::-1])
         target_bins = np.unique(HI_BINS - 1 - np.searchsorted(cum_desc, wanted))
@@ -204,7 +208,7 @@ class DeltaTensorScan:
             self.cache.append(bits)
             parts.append(bits)
         self.identical = identical
-        ranks = [0, *requested_ranks(t.numel)]
+        ranks = [0, *self.wanted]
         values_out, count_gt, count_eq, block_eq = [math.inf], [0], [0], {}
         if len(ranks) > 1:
             asc = np.sort(np.concatenate(parts))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from mergepipe.util.lazy import torch
 from pydantic import Field
 
+from mergepipe.index.ranks import band_ranks
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.registry import GTA_SHARED, Mergekit, register
@@ -34,7 +35,7 @@ class BreadcrumbsParams(MagnitudeParams):
           mergekit=Mergekit(aliases=("model_breadcrumbs",),
                             shared=GTA_SHARED,
                             per_input=("weight", "density", "gamma")),
-          params=BreadcrumbsParams, additive=False, magnitude=True,
+          params=BreadcrumbsParams, additive=False, magnitude=True, cut_ranks=band_ranks,
           paper="Davari & Belilovsky 2023, Model Breadcrumbs: Scaling Multi-Task Model Merging "
                 "with Sparse Masks, arXiv:2312.06795")
 def merge(block: BlockInputs, p: BreadcrumbsParams) -> torch.Tensor:

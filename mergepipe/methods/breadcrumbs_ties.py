@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from mergepipe.util.lazy import torch
 
+from mergepipe.index.ranks import band_ranks
 from mergepipe.methods._common import canonical, combine, sparsify_breadcrumbs
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods.breadcrumbs import BreadcrumbsParams
@@ -33,7 +34,7 @@ class BreadcrumbsTiesParams(BreadcrumbsParams):
           mergekit=Mergekit(aliases=("model_breadcrumbs_ties",),
                             shared=GTA_SHARED,
                             per_input=("weight", "density", "gamma")),
-          params=BreadcrumbsTiesParams, additive=False, magnitude=True,
+          params=BreadcrumbsTiesParams, additive=False, magnitude=True, cut_ranks=band_ranks,
           paper="Davari & Belilovsky 2023, Model Breadcrumbs: Scaling Multi-Task Model Merging "
                 "with Sparse Masks, arXiv:2312.06795")
 def merge(block: BlockInputs, p: BreadcrumbsTiesParams) -> torch.Tensor:

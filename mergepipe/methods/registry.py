@@ -74,6 +74,9 @@ class Method:
     # magnitude: needs exact per-tensor |delta| rank cuts (TIES / Breadcrumbs)
     magnitude: bool
     paper: str
+    # (density, gamma, numel) -> the ranks 0 < r < numel a tensor's trim asks cuts at
+    # (index/ranks.py: trim_ranks, band_ranks); set exactly for the magnitude methods
+    cut_ranks: Callable[[float, float, int], tuple[int, ...]] | None = None
     max_experts: int | None = None
     # cosine: needs ExpertBlock.cosine, the whole-tensor angle between base and expert (slerp)
     cosine: bool = False
@@ -137,13 +140,16 @@ METHODS: MutableMapping[str, Method] = _Registry()
 
 
 def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
-             magnitude: bool = False, max_experts: int | None = None, cosine: bool = False,
+             magnitude: bool = False, cut_ranks: Callable[[float, float, int], tuple[int, ...]] | None = None,
+             max_experts: int | None = None, cosine: bool = False,
              effective_weights: EffectiveWeights = scaled_weights,
              delta_coefficients: DeltaCoefficients | None = None,
              compiled: KernelFactory | None = None,
              rewrites_base: Callable[[BaseModel], bool] | None = None,
              joint: JointSpec | None = None, sketchable: bool = False, sketch_by_default: bool = False,
              mergekit: Mergekit = Mergekit()) -> Callable[[MergeFn], MergeFn]:
+    if magnitude != (cut_ranks is not None):
+        raise ValueError(f"merge method {name!r}: a magnitude method names its cut_ranks, and only it")
     if sketch_by_default and not sketchable:
         raise ValueError(f"merge method {name!r}: sketch_by_default needs sketchable")
     if mergekit.no_base not in (None, "first", "member", "self"):
@@ -153,7 +159,7 @@ def register(name: str, *, params: type[BaseModel], additive: bool, paper: str,
         if name in _registered or name not in NAMES:
             raise ValueError(f"merge method {name!r} registered twice, or missing from registry.NAMES")
         _registered[name] = Method(name=name, params=params, fn=fn, additive=additive, magnitude=magnitude,
-                                   paper=paper, max_experts=max_experts, cosine=cosine,
+                                   paper=paper, cut_ranks=cut_ranks, max_experts=max_experts, cosine=cosine,
                                    effective_weights=effective_weights, delta_coefficients=delta_coefficients,
                                    compiled=compiled,
                                    rewrites_base=rewrites_base, joint=joint, sketchable=sketchable,

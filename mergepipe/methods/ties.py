@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from mergepipe.util.lazy import torch
 
+from mergepipe.index.ranks import trim_ranks
 from mergepipe.methods._common import MagnitudeParams, canonical, combine, sparsify_magnitude
 from mergepipe.methods.base import BlockInputs
 from mergepipe.methods._compiled import ties_kernel
@@ -30,7 +31,7 @@ class TiesParams(MagnitudeParams):
 @register("ties",
           mergekit=Mergekit(shared=GTA_SHARED,
                             per_input=("weight", "density")), sketchable=True, sketch_by_default=True,
-          params=TiesParams, additive=False, magnitude=True, compiled=ties_kernel,
+          params=TiesParams, additive=False, magnitude=True, cut_ranks=trim_ranks, compiled=ties_kernel,
           paper="Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
                 "arXiv:2306.01708")
 def merge(block: BlockInputs, p: TiesParams) -> torch.Tensor:

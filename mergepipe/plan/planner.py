@@ -98,6 +98,7 @@ class PlanRequest:
     tensor_parameters: dict | None = None
     calibration: dict | None = None
     sketches: dict | None = None
+    cuts: dict[str, str] | None = None  # expert -> blake3 of its exact cuts off the grid (commands/cuts.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +323,8 @@ def record(req: PlanRequest, m, layout: BlockLayout, experts: list[PlanInput], c
         fields["embedding_block_bytes"] = layout.embedding_block_bytes
     if req.tensor_parameters is not None:
         fields["tensor_parameters"] = req.tensor_parameters
+    if req.cuts:  # only when a density or gamma off the grid needs them: other plans keep their hash
+        fields["cuts"] = dict(sorted(req.cuts.items()))
     if m.joint is not None:
         fields["joint"] = _joint_record(req, m, layout, experts)
     if strategy is not None:

@@ -215,6 +215,8 @@ class PlanRecord(BaseModel):
     strategy: StrategyRecord | None = None
     joint: JointRecord | None = None  # joint methods only (plan/joint_reads.py)
     tensor_parameters: dict[StrictStr, object] | None = None  # checked by plan/tensor_params.py
+    # expert -> blake3 of its exact cuts off the index's grid (commands/cuts.py checks them)
+    cuts: dict[StrictStr, Hash] | None = None
     plan_hash: Hash
 
     @property
