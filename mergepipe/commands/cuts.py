@@ -12,6 +12,7 @@ from mergepipe.index import extra_cuts
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.store import Store, cache_write_error
 from mergepipe.plan.cut_ranks import wanted_cuts
+from mergepipe.plan.record import plan_json
 
 
 def expert_cuts(store: Store, base: Checkpoint, base_index: ModelIndex,
@@ -55,10 +56,8 @@ def config_cuts(plan_like: dict, store: Store, base: Checkpoint, base_index: Mod
 
 
 def _plan_json(plan) -> dict:
-    """A plan's JSON form from either what a planner returns or a validated record."""
-    if isinstance(plan, dict):
-        return plan
-    return plan.model_dump(by_alias=True, exclude_unset=True, exclude={"reads"})
+    """A plan's JSON form (a PlanRecord's, or the form itself)."""
+    return plan if isinstance(plan, dict) else plan_json(plan)
 
 
 def plan_cuts(plan, store: Store, base: Checkpoint, base_index: ModelIndex,
