@@ -27,10 +27,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
+from mergepipe.plan.load import load_plan, recorded_plan
+from mergepipe.plan.record import plan_json
+from mergepipe.util.fs import canonical_json
 from tests.helpers.golden import CASES
 
 pytestmark = pytest.mark.slow
@@ -93,6 +97,9 @@ SETTINGS = {
 }
 
 
+ROOTS: dict[str, Path] = {}  # setting -> the folder its cases were merged in (cases/NAME/out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """Each setting in its own interpreter, all started at once: they share nothing (own folder,
@@ -100,6 +107,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     procs = {}
     for name, (env, args) in SETTINGS.items():
         root, logs = tmp_path_factory.mktemp(f"golden-{name}"), tmp_path_factory.mktemp(f"golden-{name}-logs")
+        ROOTS[name] = root
         argv = [sys.executable, "-m", "tests.helpers.golden", str(root), *args]
         with open(logs / "stdout.json", "wb") as out, open(logs / "stderr.txt", "wb") as err:
             procs[name] = (logs, subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=err,
@@ -139,3 +147,16 @@ def test_manifests_identical_across_settings(runs):
     for setting in rest:
         differ = sorted(c for c in CASES if runs[setting][c]["manifest"] != runs[first][c]["manifest"])
         assert not differ, f"manifests differ between {first} and {setting}: {differ}"
+
+
+def test_golden_plans_load_and_dump_to_their_bytes(runs, tmp_path):
+    """Each golden output's recorded plan, written as a plan file, loads (plan/load.py) to a
+    record whose JSON is the file's bytes, and is the manifest's plan."""
+    manifests = sorted((ROOTS["default"] / "cases").glob("*/out/manifest.json"))
+    assert len(manifests) == len(CASES)
+    for path in manifests:
+        man = json.loads(path.read_text())
+        assert canonical_json(plan_json(recorded_plan(man, f"{path}: plan"))) == canonical_json(man["plan"])
+        plan_file = tmp_path / f"{path.parent.parent.name}.json"
+        plan_file.write_bytes(canonical_json(man["plan"]) + b"\n")
+        assert canonical_json(plan_json(load_plan(plan_file))) + b"\n" == plan_file.read_bytes()

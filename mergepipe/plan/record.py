@@ -480,28 +480,41 @@ def _check_sketch_counts(rec: PlanRecord, where: str) -> None:
 
 
 def _check_round_trip(plan: dict, rec: PlanRecord, where: str) -> None:
-    """The record dumps to the plan it was read from (plan_json), so what is hashed, stored and
-    put in the manifest is the file's plan: a value of another type (an int weight, 1 for 1.0)
-    would change the plan's hash on the way through."""
+    """The record dumps to the plan it was read from (plan_json), value and JSON type alike, so
+    what is hashed, stored and put in the manifest is the file's plan: a value of another type
+    (an int weight, 1 for 1.0) would change the plan's hash on the way through."""
     dumped = plan_json(rec)
-    if dumped != plan:
-        key = _first_difference(plan, dumped)
-        raise ConfigError(f"{where}: plan key {key}: not in the form `mergepipe plan` writes (a number's type "
-                          "differs); make the plan again with `mergepipe plan`")
+    if not _same(plan, dumped):
+        raise ConfigError(f"{where}: plan key {_first_difference(plan, dumped)}: not in the form `mergepipe plan` "
+                          "writes (a number's type differs); make the plan again with `mergepipe plan`")
+
+
+def _same(a: object, b: object) -> bool:
+    """a == b with every value of the same JSON type (1 is not 1.0); the shared reads are one object."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) is list:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 def _first_difference(a: object, b: object, path: str = "") -> str:
-    """The dotted key of the first place `a` and `b` differ (`plan` when at the top)."""
-    if type(a) is not type(b):
-        return path or "plan"
-    if isinstance(a, dict):
-        for k in sorted(set(a) | set(b), key=str):
-            if k not in a or k not in b or a[k] != b[k] or type(a[k]) is not type(b[k]):
-                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
-    if isinstance(a, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y or type(x) is not type(y):
-                return _first_difference(x, y, f"{path}.{i}" if path else str(i))
+    """The dotted key of the first place `a` and `b` differ (_same), `plan` when at the top."""
+    if type(a) is dict and type(b) is dict:
+        k = next((k for k in sorted(set(a) | set(b), key=str) if k not in a or k not in b or not _same(a[k], b[k])),
+                 None)
+        if k is not None and k in a and k in b:
+            return _first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))
+        if k is not None:
+            return f"{path}.{k}" if path else str(k)
+    if type(a) is list and type(b) is list and len(a) == len(b):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)), None)
+        if i is not None:
+            return _first_difference(a[i], b[i], f"{path}.{i}" if path else str(i))
     return path or "plan"
 
 
