@@ -35,8 +35,8 @@ def mark(what: str) -> None:
 
 def stages(work: Path) -> None:
     os.chdir(work)
-    from mergepipe.checkpoint.blocks import BlockLayout
-    from mergepipe.cli import _load_plan
+    from mergepipe.plan.load import load_plan
+    from mergepipe.plan.record import plan_json
     from mergepipe.commands import pipeline as P
     from mergepipe.engine.merge import run_merge
     from mergepipe.index.store import Store
@@ -45,23 +45,23 @@ def stages(work: Path) -> None:
     from mergepipe.util.gcpause import RARE_THRESHOLD
     gc.set_threshold(*RARE_THRESHOLD)  # as cli.main runs a command (util/gcpause.rare_gc)
     mark("imports")
-    plan = _load_plan("plan.json")
+    plan = load_plan("plan.json")
     mark("plan file")
-    store, root, bb = Store(".mergepipe"), Path("."), BlockLayout.of_plan(plan)
-    base, base_index = store.model_index(P.resolve(plan["base"]["path"], root), block_bytes=bb)
+    store, root, bb = Store(".mergepipe"), Path("."), plan.layout
+    base, base_index = store.model_index(P.resolve(plan.base.path, root), block_bytes=bb)
     mark("base checkpoint + index")
     experts, eidx, deltas = {}, {}, {}
-    for e in plan["experts"]:
-        experts[e["name"]], eidx[e["name"]] = store.model_index(P.resolve(e["path"], root), block_bytes=bb)
+    for e in plan.experts:
+        experts[e.name], eidx[e.name] = store.model_index(P.resolve(e.path, root), block_bytes=bb)
     mark("2 experts + indexes")
-    for e in plan["experts"]:
-        deltas[e["name"]] = store.delta_index(base, base_index, experts[e["name"]], eidx[e["name"]])
+    for e in plan.experts:
+        deltas[e.name] = store.delta_index(base, base_index, experts[e.name], eidx[e.name])
     mark("2 delta indexes")
     P.check_plan_inputs(plan, base_index, eidx)
     P.check_plan_reads(plan, base_index, eidx, deltas, "plan.json")
     mark("plan checks")
     (work / "out-stages").mkdir()
-    realized = run_merge(plan, P.Inputs(base, base_index, experts, eidx, deltas, cache_dir=store.root),
+    realized = run_merge(plan_json(plan), P.Inputs(base, base_index, experts, eidx, deltas, cache_dir=store.root),
                          work / "out-stages")
     mark("engine")
     man = build_manifest(plan, realized, {})
