@@ -1,14 +1,16 @@
-"""A plan file read back from disk, checked as untrusted input.
+"""The plan's one description: `PlanRecord`, what `planner.make_plan` builds and every reader
+takes; `plan_json(record)` its canonical JSON form (what `plan -o` writes, `plan_hash`
+covers and a manifest holds); and its checks as untrusted input.
 
 `plan_hash` has no key, so a hand-edited plan with a recomputed hash is as easy to
 make as a typo: `mergepipe merge`, `gather` and `verify --replay` re-validate a
-plan completely before a byte of weights is read.
+plan completely before a byte of weights is read (plan/load.py reads it back).
 
-1. `validate_plan(plan, where)`: the typed record (`PlanRecord`): schema, method
-   and its parameters (through the method registry's params model), per-expert
-   density/gamma, output dtype and shard_bytes, block_bytes (and embedding_block_bytes) range, budget and
-   byte counts, reads keyed by the plan's experts with sorted, distinct block
-   numbers, the bound's numbers finite.
+1. `validate_plan(plan, where)`: the typed record: schema, method and its parameters
+   (through the method registry's params model), per-expert density/gamma, output dtype
+   and shard_bytes, block_bytes (and embedding_block_bytes) range, budget and byte counts,
+   reads keyed by the plan's experts with sorted, distinct block numbers, the bound's
+   numbers finite; and the record dumps back to `plan`, JSON types included.
 2. `check_plan_reads(plan, base_index, expert_indexes, deltas, where)`: against
    the inputs' indexes: every (tensor, block) read lies inside its tensor, is a
    float tensor and differs from the base; the bytes of the planned reads,
