@@ -203,3 +203,13 @@ def test_the_plan_records_cuts_only_off_the_grid(tmp_path, tiny_family):
     assert main(["run", str(write_config(tmp_path, tiny_family, method="ties", parameters={"density": 0.33})),
                  "-q"]) == 0
     assert "cuts" not in _manifest(tmp_path / "out")["plan"]
+
+
+def test_a_budgeted_off_grid_merge_replays(tmp_path, tiny_family):
+    """Under a budget (the default sketch strategy for ties) the read blocks are trimmed with the
+    exact cuts, and `verify --inputs --replay` rebuilds the same output from the plan."""
+    path = _config(tmp_path, tiny_family, "ties", budget="25%")
+    assert main(["run", str(path), "-q"]) == 0
+    plan = _manifest(tmp_path / "out")["plan"]
+    assert plan["cuts"] and plan["bytes"]["planned_expert_bytes"] < plan["bytes"]["full_read_expert_bytes"]
+    assert main(["verify", str(tmp_path / "out"), "-q", "--inputs", "--replay"]) == 0
