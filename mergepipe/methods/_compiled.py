@@ -27,6 +27,10 @@ class CompiledCombine:
         # output element i depends only on element i of the base and experts (no per-tensor
         # cut): the engine may merge a run of small tensors as one block (engine/packs.py)
         self.elementwise = not consensus
+        # task arithmetic: out = bf16(B + Σ_k w_k (E_k − B) [/ divisor] [· λ]), experts in the
+        # order of `weight`: adapters' experts may be summed from their factors in that order
+        # (engine/adapter_sums.py)
+        self.delta_sum = not consensus
         self.normalize = bool(params.normalize)
         self.lambda_ = np.float32(params.lambda_)
         self.apply_lambda = params.lambda_ != 1
