@@ -213,3 +213,15 @@ def test_a_budgeted_off_grid_merge_replays(tmp_path, tiny_family):
     plan = _manifest(tmp_path / "out")["plan"]
     assert plan["cuts"] and plan["bytes"]["planned_expert_bytes"] < plan["bytes"]["full_read_expert_bytes"]
     assert main(["verify", str(tmp_path / "out"), "-q", "--inputs", "--replay"]) == 0
+
+
+def test_check_predicts_the_scan_off_the_grid_only(tmp_path, tiny_family, capsys):
+    """`mergepipe check` counts the extra scan's reads for a density off the grid, not on it."""
+    (tmp_path / "off").mkdir()
+    off = _config(tmp_path / "off", tiny_family, "ties")
+    (tmp_path / "on").mkdir()
+    on = write_config(tmp_path / "on", tiny_family, method="ties", parameters={"density": 0.33})
+    for path, want in ((off, True), (on, False)):
+        capsys.readouterr()
+        main(["check", str(path)])
+        assert ("exact cuts off the grid read at most" in capsys.readouterr().out) == want

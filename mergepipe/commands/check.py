@@ -365,6 +365,18 @@ def _check_output(report: Report, cfg: MergeConfig, config_file: Path | None, fo
     report.ok(f"output {cfg.normalized()['output']['dir']}: {state}")
 
 
+def _cut_scans(cfg: MergeConfig, base: Checkpoint) -> bool:
+    """A magnitude method with a density or gamma off the index's grid (after per-tensor
+    resolution): the merge makes exact cuts by one more scan (commands/cuts.py)."""
+    from mergepipe.plan.cut_ranks import off_grid
+    if get_method(cfg.method).cut_ranks is None:
+        return False
+    experts = [{"name": e.name, **{k: v for k in ("density", "gamma") if isinstance(v := getattr(e, k), int | float)}}
+               for e in cfg.experts]
+    return off_grid({"parameters": cfg.method_params.model_dump(mode="json", by_alias=True), "experts": experts,
+                     "tensor_parameters": resolve_tensor_parameters(cfg, base.tensors.keys())})
+
+
 def _predict(report: Report, cfg: MergeConfig, ctx: _Context, *, threads: int, probe: bool) -> None:
     from mergepipe.index.store import Store
     store = Store(cfg.cache_dir)
@@ -379,7 +391,7 @@ def _predict(report: Report, cfg: MergeConfig, ctx: _Context, *, threads: int, p
         budget_bytes=ctx.budget_bytes, full_read=ctx.full_read, experts=len(ctx.experts),
         new_models=new_experts + (not base_indexed), new_experts=new_experts, base_indexed=base_indexed,
         sketches=ctx.sketched, threads=threads, out_dir=cfg.output.dir, cache_dir=cfg.cache_dir,
-        bandwidth=bandwidth)
+        bandwidth=bandwidth, cut_scans=_cut_scans(cfg, ctx.base))
     if prediction.disk_short is not None:
         report.warn(prediction.disk_short)
     report.lines += [f"  ~   {line}" for line in prediction.lines]

@@ -163,10 +163,11 @@ class Prediction:
 def predict(*, sizes: Sizes, out_bytes: int, out_files: int, out_dtype: str | None, budget_bytes: int,
             full_read: int, experts: int, new_models: int, new_experts: int, base_indexed: bool,
             sketches: bool, threads: int, out_dir: Path, cache_dir: Path,
-            bandwidth: tuple[float, Path, int] | None) -> Prediction:
+            bandwidth: tuple[float, Path, int] | None, cut_scans: bool = False) -> Prediction:
     """The prediction lines. `budget_bytes`: the budget resolved against `full_read` (every
     float block of every expert, the most a full merge reads); `new_models`/`new_experts`:
-    the models (base included) and experts not indexed yet; `sketches`: the sketch strategy."""
+    the models (base included) and experts not indexed yet; `sketches`: the sketch strategy;
+    `cut_scans`: a density or gamma off the index's grid (commands/cuts.py: one more scan)."""
     read_experts = min(budget_bytes, full_read)
     # base rows are read where a block is merged (all of them when the output is cast)
     base_read = sizes.base_bytes if out_dtype else sizes.float_bytes
@@ -176,13 +177,15 @@ def predict(*, sizes: Sizes, out_bytes: int, out_files: int, out_dtype: str | No
     per_expert = sketch_cost(sizes.float_elements) + max(0, sizes.blocks - 1) * sketch_cost(0)
     sketch_bytes = experts * per_expert if sketches else 0
     sketch_reads = experts * 2 * sizes.base_bytes if sketches else 0  # upper bound: sketches may be cached
+    cut_reads = experts * 2 * sizes.base_bytes if cut_scans else 0  # upper bound: the cuts may be cached
     model_index, delta_index = index_bytes(sizes)
     cache_indexes = new_models * model_index + new_experts * delta_index
     lines = [f"read: at most {format_bytes(read_experts)} of {format_bytes(full_read)} expert bytes"
              + (" (sketches included)" if sketches else "") + f" and {format_bytes(base_read)} of the base; "
              + (f"indexing first reads {format_bytes(index_reads)} ({new_models} model(s) not in the cache)"
                 if index_reads else "every model is indexed in the cache")
-             + (f"; sketching reads at most {format_bytes(sketch_reads)}" if sketches else "")]
+             + (f"; sketching reads at most {format_bytes(sketch_reads)}" if sketches else "")
+             + (f"; exact cuts off the grid read at most {format_bytes(cut_reads)}" if cut_scans else "")]
     lines.append(f"write: at most {format_bytes(out_bytes)} in {out_files} weight file(s)"
                  + (f" ({OUT_DTYPES[out_dtype]})" if out_dtype else " (the base's dtypes)"))
     cache_new = cache_indexes + sketch_bytes
@@ -197,7 +200,7 @@ def predict(*, sizes: Sizes, out_bytes: int, out_files: int, out_dtype: str | No
                  f" + the reader window (2 x {max(1, threads)} threads + 1) x {experts + 1} models x "
                  f"{format_bytes(sizes.largest_unit)} = {format_bytes(window)} + fp32 block math "
                  f"{format_bytes(math_bytes)} + indexes {format_bytes(index_memory)}")
-    moved = index_reads + sketch_reads + read_experts + base_read + out_bytes
+    moved = index_reads + sketch_reads + cut_reads + read_experts + base_read + out_bytes
     if bandwidth is None:
         lines.append("time: unknown (no bandwidth measured); it reads and writes about "
                      f"{format_bytes(moved)}")
