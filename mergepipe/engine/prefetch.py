@@ -51,8 +51,12 @@ class UnitReader:
         self.counters = {name: ReadCounter() for name in reads}
         self.base_reader = CheckpointReader(base, counter=self.base_counter, random_access=False)
         self.readers = {name: CheckpointReader(experts[name], counter=self.counters[name]) for name in reads}
+        # tensors whose units are merged here from LoRA adapters' factors (engine/adapter_sums.py)
+        self.sums = None
 
     def load(self, name: str, unit: list[int]) -> tuple[memoryview, Got]:
+        if self.sums is not None and self.sums.covers(name):  # the unit's output bytes, no expert blocks
+            return self.sums.load(name, unit)
         t = self.base.tensors[name]
         entry = self.base_index.tensors[name]
         ranges = entry.ranges
