@@ -118,6 +118,34 @@ def cmd_smollm_train(a) -> int:
     return 0
 
 
+def cmd_smollm_lora_train(a) -> int:
+    from mergepipe_eval.smollm_lora import LoraRecipe, train_adapter
+    info = train_adapter(Path(a.base), Path(a.task_dir), Path(a.out),
+                         LoraRecipe(**json.loads(a.recipe)), seed=a.seed)
+    print(json.dumps(info, sort_keys=True))
+    return 0
+
+
+def cmd_adapter_eval(a) -> int:
+    """LoRA adapters against dense experts: merges, merged adapters, extraction (adapter_protocol.py)."""
+    from mergepipe_eval import adapter_protocol as ap
+    ap.run(dense=Path(a.dense), lora=Path(a.lora), base=Path(a.base), tasks_root=Path(a.tasks_root),
+           out=Path(a.out), tasks=a.tasks.split(","),
+           test_per_class={k: int(v) for k, v in _pairs(a.test_per_class).items()},
+           methods=a.methods.split(","), budgets=a.budgets.split(","), out_method=a.out_method,
+           svd_ranks=[int(r) for r in a.svd_ranks.split(",")],
+           extract_ranks=[int(r) for r in a.extract_ranks.split(",")], seed=a.seed, n_boot=a.boot)
+    return 0
+
+
+def cmd_adapter_report(a) -> int:
+    """Splice the LoRA adapters section into a markdown file from adapter-eval's JSON files."""
+    from mergepipe_eval import adapter_report as ar
+    results = [json.loads(Path(r).read_text()) for r in a.result]
+    ar.splice(Path(a.markdown), ar.render(results, [Path(r).as_posix() for r in a.result]))
+    return 0
+
+
 def cmd_smollm_score(a) -> int:
     """Score one causal LM on every task; add bytes/bound from its manifest if any."""
     from mergepipe_eval.smollm import Scorer
@@ -362,6 +390,33 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     s.add_argument("--recipe", required=True, help="JSON of smollm.Recipe fields")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_smollm_train)
+    s = sub.add_parser("smollm-lora-train", help="train one SmolLM2 LoRA adapter (PEFT)")
+    s.add_argument("--base", required=True)
+    s.add_argument("--task-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--recipe", required=True, help="JSON of smollm_lora.LoraRecipe fields")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_smollm_lora_train)
+    s = sub.add_parser("adapter-eval", help="LoRA adapters against dense experts (merges, adapters out, extraction)")
+    s.add_argument("--dense", required=True, help="dense family folder (experts/<task>/model)")
+    s.add_argument("--lora", required=True, help="adapter family folder (<task>/adapter); work in its eval/")
+    s.add_argument("--base", required=True)
+    s.add_argument("--tasks-root", required=True)
+    s.add_argument("--out", required=True, help="result JSON (rewritten after every model)")
+    s.add_argument("--tasks", default="noun_cat,pos,topic")
+    s.add_argument("--test-per-class", action="append", required=True, help="TASK=N (repeat)")
+    s.add_argument("--methods", default="ta_l1.0,ties")
+    s.add_argument("--budgets", default="full,25%")
+    s.add_argument("--out-method", default="ta_l1.0", help="the merge written as one adapter")
+    s.add_argument("--svd-ranks", default="16,32")
+    s.add_argument("--extract-ranks", default="16,64")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--boot", type=int, default=2000)
+    s.set_defaults(fn=cmd_adapter_eval)
+    s = sub.add_parser("adapter-report", help="EVAL.md section of the LoRA adapter evaluation")
+    s.add_argument("--result", action="append", required=True, help="adapter-eval JSON (repeat per seed)")
+    s.add_argument("--markdown", required=True)
+    s.set_defaults(fn=cmd_adapter_report)
     s = sub.add_parser("smollm-score", help="accuracy of one causal LM on every task")
     s.add_argument("--base", required=True)
     s.add_argument("--model", required=True)

@@ -257,20 +257,19 @@ def _param_groups(model: nn.Module, r: Recipe) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train_expert(base_dir: Path, task_dir: Path, out_dir: Path, recipe: Recipe, *,
-                 seed: int) -> dict:
-    """Full fine-tune on one task's train split; writes out_dir/model/ and out_dir/train.json."""
-    set_threads()
-    torch.manual_seed(seed)
-    tokenizer = load_tokenizer(base_dir)
-    model = load_model(base_dir)
-    data = encode(tokenizer, task_dir, "train", max_text_tokens=recipe.max_text_tokens)
-    # AdamW's parameters are named once (tied lm_head appears only as embed_tokens)
-    opt = torch.optim.AdamW(_param_groups(model, recipe), lr=recipe.lr, betas=(0.9, 0.95))
+def schedule(opt: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first `warmup` share of the steps, then linear decay to 0."""
     warmup = max(1, int(recipe.warmup * recipe.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
+    return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warmup,
                            max(0.0, (recipe.steps - s) / max(1, recipe.steps - warmup))))
+
+
+def fit(model: nn.Module, opt: torch.optim.Optimizer, data: Encoded, recipe: Recipe, *,
+        seed: int, pad_id: int) -> list[float]:
+    """recipe.steps of label-token LM loss; batches are the first steps*batch_size examples of
+    a permutation seeded by `seed` (smollm_screen.unseen_train_indices recomputes it)."""
+    sched = schedule(opt, recipe)
     gen = torch.Generator().manual_seed(seed)
     n = len(data.y)
     order = torch.randperm(n, generator=gen).tolist()
@@ -282,7 +281,7 @@ def train_expert(base_dir: Path, task_dir: Path, out_dir: Path, recipe: Recipe, 
             order += torch.randperm(n, generator=gen).tolist()
         idx = order[step * recipe.batch_size:(step + 1) * recipe.batch_size]
         seqs = [data.prompts[i] + data.labels[data.y[i]] for i in idx]
-        ids, mask = _batch(seqs, tokenizer.pad_token_id)
+        ids, mask = _batch(seqs, pad_id)
         targets = torch.full_like(ids, -100)
         for row, i in enumerate(idx):
             p, lab = len(data.prompts[i]), len(data.labels[data.y[i]])
@@ -299,12 +298,32 @@ def train_expert(base_dir: Path, task_dir: Path, out_dir: Path, recipe: Recipe, 
         if (step + 1) % 10 == 0:
             print(f"step {step + 1}/{recipe.steps} loss {sum(losses[-10:]) / 10:.3f} "
                   f"{time.time() - start:.0f}s", file=sys.stderr, flush=True)
-    save_model(model, base_dir, out_dir / "model")
-    info = {"recipe": asdict(recipe), "seed": seed, "steps": recipe.steps,
-            "examples_seen": recipe.steps * recipe.batch_size, "n_train": n,
-            "train_seconds": round(time.time() - start, 1),
+    return losses
+
+
+def train_info(recipe: Recipe, seed: int, n_train: int, losses: list[float],
+               seconds: float) -> dict:
+    return {"recipe": asdict(recipe), "seed": seed, "steps": recipe.steps,
+            "examples_seen": recipe.steps * recipe.batch_size, "n_train": n_train,
+            "train_seconds": round(seconds, 1),
             "first_loss": sum(losses[:10]) / max(1, len(losses[:10])),
             "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}
+
+
+def train_expert(base_dir: Path, task_dir: Path, out_dir: Path, recipe: Recipe, *,
+                 seed: int) -> dict:
+    """Full fine-tune on one task's train split; writes out_dir/model/ and out_dir/train.json."""
+    set_threads()
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(base_dir)
+    model = load_model(base_dir)
+    data = encode(tokenizer, task_dir, "train", max_text_tokens=recipe.max_text_tokens)
+    # AdamW's parameters are named once (tied lm_head appears only as embed_tokens)
+    opt = torch.optim.AdamW(_param_groups(model, recipe), lr=recipe.lr, betas=(0.9, 0.95))
+    start = time.time()
+    losses = fit(model, opt, data, recipe, seed=seed, pad_id=tokenizer.pad_token_id)
+    save_model(model, base_dir, out_dir / "model")
+    info = train_info(recipe, seed, len(data.y), losses, time.time() - start)
     (out_dir / "train.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     return info
 
