@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
@@ -26,9 +27,11 @@ from mergepipe.checkpoint.json_files import strict_loads
 from mergepipe.errors import IntegrityError
 from mergepipe.output.manifest_json import pretty_json, write_pretty_json
 from mergepipe.output.run_record import published_stat, stat_key
-from mergepipe.plan.record import PlanRecord, plan_json
 from mergepipe.util.canonical import canonical_blake3
 from mergepipe.util.fs import hash_file
+
+if TYPE_CHECKING:  # verify and the no-op run read manifests without pydantic or the plan
+    from mergepipe.plan.record import PlanRecord
 
 MANIFEST_SCHEMA = 2  # 2: weight files and tensors hashed as block trees (checkpoint/treehash.py)
 MANIFEST = "manifest.json"
@@ -46,6 +49,7 @@ def build_manifest(plan: PlanRecord, realized, aux_files: dict[str, str], *, lin
     `lineage`: the links to inputs that are mergepipe outputs (output/lineage.py), recorded only
     when there is one, so a merge of plain models has the manifest it always had. The manifest
     holds the plan's JSON (plan_json), whose hash is plan_hash."""
+    from mergepipe.plan.record import plan_json
     doc = plan_json(plan)
     planned = plan.bytes
     man = {

@@ -15,11 +15,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergepipe.methods import METHODS
 from mergepipe.output.safety import CARD_TITLE
 from mergepipe.plan.bound_text import bound_line
-from mergepipe.plan.record import PlanRecord
+
+if TYPE_CHECKING:
+    from mergepipe.plan.record import PlanRecord
 
 README = "README.md"
 MERGEKIT_CONFIG = "mergekit_config.yml"  # the name mergekit gives the recipe it writes into its output
