@@ -82,11 +82,20 @@ def artifact_hash(path: Path) -> str:
     return hash_file(path)
 
 
-# Branchy: one check per way an artifact can be wrong, each its own one-line IntegrityError.
-def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> Importance:  # noqa: C901
+def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> Importance:
     """The artifact's vectors, checked against the base and, when given, `expect`: metadata
     values it must carry (the base's and text's hashes a file at this key was made from;
     IntegrityError names what is wrong)."""
+    header = _checked_header(path, expect)
+    raw = _vectors(path, header)
+    if vectors_hash(raw) != header.metadata.get("vectors"):  # edited or damaged in place: never used
+        raise IntegrityError(f"{path}: its vectors do not match their recorded blake3 (metadata vectors); "
+                             "damaged or edited; delete it")
+    return _pair_with_base(path, raw, base)
+
+
+def _checked_header(path: Path, expect: dict[str, str] | None):
+    """The artifact's header, its format and the metadata `expect` names checked."""
     try:
         header = parse_header(path)
     except Exception as e:  # noqa: BLE001 - any parse failure is the same verdict
@@ -98,6 +107,11 @@ def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> 
         if header.metadata.get(key) != want:
             raise IntegrityError(f"{path}: metadata {key} is {header.metadata.get(key)!r}, not {want!r}; "
                                  "made from other inputs; delete it")
+    return header
+
+
+def _vectors(path: Path, header) -> dict[str, np.ndarray]:
+    """Every entry as a finite, non-negative F32 vector."""
     raw: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         for t in header.tensors:
@@ -108,9 +122,11 @@ def load(path: Path, base: Checkpoint, expect: dict[str, str] | None = None) -> 
             if v.size != t.shape[0] or not np.all(np.isfinite(v)) or np.any(v < 0):
                 raise IntegrityError(f"{path}: {t.name!r} has non-finite or negative values")
             raw[t.name] = v
-    if vectors_hash(raw) != header.metadata.get("vectors"):  # edited or damaged in place: never used
-        raise IntegrityError(f"{path}: its vectors do not match their recorded blake3 (metadata vectors); "
-                             "damaged or edited; delete it")
+    return raw
+
+
+def _pair_with_base(path: Path, raw: dict[str, np.ndarray], base: Checkpoint) -> Importance:
+    """`name::rows` and `name::cols` paired per float tensor of the base, their lengths its shape's."""
     out: Importance = {}
     for key in raw:
         name, _, suffix = key.rpartition("::")
