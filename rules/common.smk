@@ -82,9 +82,30 @@ def from_root(path: str) -> str:
 
 
 BASE = from_root(config["base"])
-# an expert is a model folder (path:) or a LoRA adapter folder (adapter:)
-EXPERTS = {e["name"]: from_root(e.get("path") or e["adapter"]) for e in config["experts"]}
-ADAPTERS = sorted(from_root(e["adapter"]) for e in config["experts"] if e.get("adapter"))
+
+
+def _expert_folder(i: int, e: dict) -> str:
+    """An expert's folder: `path:`, or `adapter:` as `mergepipe plan` resolves it (config/paths.py):
+    a folder beside params.yaml, else a Hugging Face id's snapshot in the local cache; an id
+    that is neither is refused in one line here (its index job would have no inputs to wait for)."""
+    if e.get("path"):
+        return from_root(e["path"])
+    from mergepipe.config.hf_cache import hub_snapshot, looks_like_hub_id
+    from mergepipe.config.paths import adapter_folder
+
+    _, folder = adapter_folder(Path(ROOT).absolute(), Path(e["adapter"]))
+    if not folder.exists() and looks_like_hub_id(e["adapter"]):
+        try:
+            hub_snapshot(e["adapter"])  # raises, naming the id and the cache folder
+        except MergepipeError as err:
+            raise WorkflowError(f"{PARAMS}: experts[{i}].adapter: {err}") from None
+    return rel(folder)
+
+
+# an expert is a model folder (path:) or a LoRA adapter folder (adapter:, or a Hub id in the local cache)
+EXPERT_FOLDERS = [_expert_folder(i, e) for i, e in enumerate(config["experts"])]
+EXPERTS = {e["name"]: f for e, f in zip(config["experts"], EXPERT_FOLDERS)}
+ADAPTERS = sorted(f for e, f in zip(config["experts"], EXPERT_FOLDERS) if e.get("adapter"))
 # output.adapter: the merge is written as one LoRA adapter by `mergepipe run` (no index, no plan)
 ADAPTER_OUT = bool(OUTPUT.get("adapter"))
 BLOCK_BYTES = parse_block_bytes(config["block_bytes"])
@@ -203,7 +224,7 @@ _check_demo_dir()
 def _check_demo_paths() -> None:
     """A model path under DEMO_DIR must be a folder the demo rule makes: any other (a typo,
     `expert_3` for `expert_2`) is refused, not generated and merged."""
-    models = {"base": BASE, **{f"experts[{i}].{'path' if e.get('path') else 'adapter'}": from_root(e.get("path") or e["adapter"])
+    models = {"base": BASE, **{f"experts[{i}].{'path' if e.get('path') else 'adapter'}": EXPERT_FOLDERS[i]
                                for i, e in enumerate(config["experts"])}}
     for key, path in models.items():
         if in_demo_dir(path) and Path(path).parts[len(Path(DEMO_DIR).parts):] not in [(m,) for m in DEMO_FAMILY]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,35 @@ def test_adapter_experts_of_a_model_output_are_indexed_from_their_files(tmp_path
     stamp = os.stat(ws / "merged" / "manifest.json").st_mtime_ns + 10**9
     os.utime(config, ns=(stamp, stamp))
     assert pending_jobs(ws).get("index_expert") == 1
+
+
+def test_an_adapter_given_by_hub_id_is_read_from_the_local_cache(tmp_path_factory, monkeypatch):
+    """`adapter: org/name` resolves, in the rules as in `mergepipe run`, to its snapshot in the
+    local Hugging Face cache (HF_HUB_CACHE; never the network): indexed, merged, then a no-op;
+    an id that is not in the cache is refused in one line naming it."""
+    ws = make_workspace(tmp_path_factory.mktemp("smk-adapter-hub"))
+    _family(ws / "models")
+    hub = tmp_path_factory.mktemp("hf") / "hub"
+    repo = hub / "models--someone--lora-b"
+    snapshot = repo / "snapshots" / "c0ffee"
+    shutil.copytree(ws / "models" / "b", snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    shutil.rmtree(ws / "models" / "b")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    params = {"base": "models/base", "method": "task_arithmetic", "parameters": {"lambda": 1.0},
+              "experts": [{"name": "a", "adapter": "models/a", "weight": 1.0},
+                          {"name": "b", "adapter": "someone/lora-b", "weight": 0.5}],
+              "seed": 0, "budget": "full", "output": {"dir": "merged"}, "cache_dir": ".mergepipe"}
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert pending_jobs(ws) == {"index_base": 1, "index_expert": 2, "plan": 1, "merge": 1, "verify": 1, "all": 1}
+    smk(ws)
+    plan = json.loads((ws / "merged" / "manifest.json").read_text())["plan"]
+    assert {e["name"]: e["path"] for e in plan["experts"]}["b"] == snapshot.as_posix()
+    assert job_counts(smk(ws)) == {}
+    params["experts"][1]["adapter"] = "someone/missing"
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    proc = smk(ws, "-n", check=False)
+    assert proc.returncode != 0
+    assert ("params.yaml: experts[1].adapter: Hugging Face model 'someone/missing' is neither a local folder nor "
+            "in the local Hugging Face cache") in proc.stdout + proc.stderr

@@ -40,10 +40,11 @@ def _key(i: int, expert) -> str:
     return f"experts[{i}].adapter" if expert.adapter is not None else f"experts[{i}].path"
 
 
-def _adapter_folder(root: Path, adapter: Path) -> tuple[str, Path]:
+def adapter_folder(root: Path, adapter: Path) -> tuple[str, Path]:
     """(as normalized() writes it, absolute folder) of an `adapter:` path: a folder relative to
     params.yaml, else a Hugging Face id whose repository is in the local cache, written as its
-    snapshot folder (so that plans name the folder they read)."""
+    snapshot folder (so that plans name the folder they read). The Snakemake rules resolve
+    `adapter:` with it too (rules/common.smk)."""
     local = _absolute(root, adapter)
     ref = adapter.as_posix()
     if local.exists() or not looks_like_hub_id(ref) or not hub_repo(ref).is_dir():
@@ -58,7 +59,7 @@ def resolve_paths(cfg: MergeConfig, root: Path, source: str) -> MergeConfig:
     experts = []
     for i, expert in enumerate(cfg.experts):
         if expert.adapter is not None:
-            written[f"experts[{i}].adapter"], folder = _adapter_folder(root, expert.adapter)
+            written[f"experts[{i}].adapter"], folder = adapter_folder(root, expert.adapter)
             experts.append(expert.model_copy(update={"path": folder, "adapter": folder}))
             continue
         written[f"experts[{i}].path"] = expert.path.as_posix()
