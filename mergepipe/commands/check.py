@@ -211,72 +211,93 @@ def _check(report: Report, cfg: MergeConfig, budget: Budget | str | None, *, det
 
 
 # Branchy: one finding kind per branch, in the merge's own order, so the report and the merge agree.
-def _check_models(report: Report, cfg: MergeConfig, *, detail: bool  # noqa: C901
+def _check_models(report: Report, cfg: MergeConfig, *, detail: bool
                   ) -> tuple[Checkpoint, dict[str, Checkpoint | None]] | None:
     """The models exist and are what their keys say, their headers parse, and every expert has
     the base's tensor names, shapes and dtypes (index/build.py check_compatible's rule)."""
-    def inputs_exist() -> None:
-        check_models_exist(cfg)
-        for folder in dict.fromkeys([cfg.base, *(e.path for e in cfg.experts)]):
-            check_fresh(folder)
-        check_expert_kinds(cfg)
-    if not report.attempt(inputs_exist)[0]:
+    if not report.attempt(lambda: _inputs_exist(cfg))[0]:
         return None
-    written = cfg.normalized()
     passed, views = report.attempt(lambda: header_views(cfg))  # None: the base's vocabulary
     if not passed:
         return None
-
-    def rows_of(ckpt: Checkpoint) -> int | None:
-        return next((shape[0] for name, shape in zip(ckpt.tensors.names, ckpt.tensors.shapes)
-                     if is_vocabulary_tensor(name, shape)), None)
-
-    def opened(path: Path, name: str) -> Checkpoint:
-        return open_checkpoint(path) if views is None else views[name]
-    passed, base = report.attempt(lambda: opened(cfg.base, "base"))
+    passed, base = report.attempt(lambda: _opened(views, cfg.base, "base"))
     if not passed:
         return None
-    facts = check_models.read_facts(cfg.base) if detail else None
-    if detail:
-        report.ok(f"base {written['base']}: {check_models.describe(base, facts)}")
-        if views is not None:  # every model seen in the output vocabulary (checkpoint/vocab.py)
-            report.ok(f"output vocabulary ({written['output'].get('tokenizer_source', 'base')}): embeddings rebuilt "
-                      f"with {rows_of(base)} rows")
-    rows = None if not detail else next((shape[0] for name, shape in zip(base.tensors.names,
-                                                                          base.tensors.shapes)
-                                         if is_vocabulary_tensor(name, shape)), None)  # embedding rows
+    written = cfg.normalized()
+    facts = _report_base(report, cfg, written, base, views) if detail else None
     tokenizer_from = "the base's" if cfg.output.tokenizer_dir is None else \
         f"{written['output']['tokenizer_source']}'s"
     experts: dict[str, Checkpoint | None] = {}
     for e, e_written in zip(cfg.experts, written["experts"]):
         where = f"expert {e.name!r} ({e_written.get('path', e_written.get('adapter'))})"
         if getattr(e, "adapter", None) is not None:
-            from mergepipe.checkpoint.lora import check_adapter  # its config and header: no factor read
-            if not report.attempt(lambda e=e: check_adapter(e.adapter, base))[0]:
+            if not _check_adapter_expert(report, e, base, where, detail):
                 return None
             experts[e.name] = None
-            if detail:
-                report.ok(f"{where}: a LoRA adapter of the base (its tensors are the base's)")
             continue
-        passed, ckpt = report.attempt(lambda e=e: opened(e.path, e.name))
+        passed, ckpt = report.attempt(lambda e=e: _opened(views, e.path, e.name))
         if not passed:
             return None
         experts[e.name] = ckpt
         differences = [] if facts is None or views is not None else check_models.fact_differences(
-            e.name, facts, check_models.read_facts(e.path), base_rows=rows, tokenizer_from=tokenizer_from)
-        mismatches = check_models.tensor_mismatches(base, ckpt)
-        if mismatches:
-            from mergepipe.index.build import check_compatible  # numpy and the scan kernels: only here
-            try:
-                check_compatible(base, ckpt)
-            except CheckpointError as err:  # the merge's own message is the one raised
-                report.fail(err, [f"{where}: {m}" for m in mismatches] + differences)
-                continue
-        for line in differences:
-            report.warn(line)
-        if detail:
-            report.ok(f"{where}: the base's tensor names, shapes and dtypes")
+            e.name, facts, check_models.read_facts(e.path), base_rows=_vocabulary_rows(base),
+            tokenizer_from=tokenizer_from)
+        _check_expert_tensors(report, base, ckpt, where, differences, detail)
     return (base, experts) if report.error is None else None
+
+
+def _inputs_exist(cfg: MergeConfig) -> None:
+    check_models_exist(cfg)
+    for folder in dict.fromkeys([cfg.base, *(e.path for e in cfg.experts)]):
+        check_fresh(folder)
+    check_expert_kinds(cfg)
+
+
+def _opened(views: dict[str, Checkpoint] | None, path: Path, name: str) -> Checkpoint:
+    """A model as the merge reads it: its own file, or its view in the output vocabulary."""
+    return open_checkpoint(path) if views is None else views[name]
+
+
+def _vocabulary_rows(ckpt: Checkpoint) -> int | None:
+    """The embedding's row count, None where the model has no vocabulary tensor."""
+    return next((shape[0] for name, shape in zip(ckpt.tensors.names, ckpt.tensors.shapes)
+                 if is_vocabulary_tensor(name, shape)), None)
+
+
+def _report_base(report: Report, cfg: MergeConfig, written: dict, base: Checkpoint,
+                 views: dict[str, Checkpoint] | None) -> dict:
+    """The base's line (and the output vocabulary's, where the embeddings are rebuilt); its facts."""
+    facts = check_models.read_facts(cfg.base)
+    report.ok(f"base {written['base']}: {check_models.describe(base, facts)}")
+    if views is not None:  # every model seen in the output vocabulary (checkpoint/vocab.py)
+        report.ok(f"output vocabulary ({written['output'].get('tokenizer_source', 'base')}): embeddings rebuilt "
+                  f"with {_vocabulary_rows(base)} rows")
+    return facts
+
+
+def _check_adapter_expert(report: Report, e, base: Checkpoint, where: str, detail: bool) -> bool:
+    from mergepipe.checkpoint.lora import check_adapter  # its config and header: no factor read
+    if not report.attempt(lambda: check_adapter(e.adapter, base))[0]:
+        return False
+    if detail:
+        report.ok(f"{where}: a LoRA adapter of the base (its tensors are the base's)")
+    return True
+
+
+def _check_expert_tensors(report: Report, base: Checkpoint, ckpt: Checkpoint, where: str,
+                          differences: list[str], detail: bool) -> None:
+    mismatches = check_models.tensor_mismatches(base, ckpt)
+    if mismatches:
+        from mergepipe.index.build import check_compatible  # numpy and the scan kernels: only here
+        try:
+            check_compatible(base, ckpt)
+        except CheckpointError as err:  # the merge's own message is the one raised
+            report.fail(err, [f"{where}: {m}" for m in mismatches] + differences)
+            return
+    for line in differences:
+        report.warn(line)
+    if detail:
+        report.ok(f"{where}: the base's tensor names, shapes and dtypes")
 
 
 def _check_method(report: Report, cfg: MergeConfig, base: Checkpoint, budget: Budget) -> dict | None:
