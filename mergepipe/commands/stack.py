@@ -246,7 +246,7 @@ def _layer_types(slices: list[dict], roots: dict[str, Path], nested: str | None)
     return out
 
 
-def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *,  # noqa: C901
+def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *,
                 rerun: str = "mergepipe import-mergekit CONFIG -o PARAMS --force") -> Path:
     """Write the stacked model folder `target` (see the module docstring); returns it.
 
@@ -265,8 +265,30 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *,  # 
     mapping, n_layers = stack_plan(slices, roots)
     record = {"slices": [{"model": s["model"], "layer_range": list(s["layer_range"])} for s in slices],
               "layers": n_layers, "sources": {o: [m, src] for o, m, src in mapping}}
-    text = json.dumps(record, sort_keys=True, indent=1) + "\n"
     _check_replaceable(target)
+    first_root = roots[slices[0]["model"]]
+    config = _stacked_config(slices, roots, n_layers)
+    # published like a merge (output/publish.py): a lock against a concurrent import of the
+    # same config, an atomic swap of the previous stack, never through a symbolic link
+    publisher = Publisher(target, force=True)  # (a previous stack as written: checked above)
+    with publisher as tmp:
+        _write_weights(tmp / "model.safetensors", slices, roots, mapping)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in COPIED:
+            if (first_root / name).is_file():
+                shutil.copyfile(first_root / name, tmp / name)
+        (tmp / STACK_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
+        # the files' own stat keys survive the folder's rename: check_fresh rehashes only what changed
+        written = sorted(p.name for p in tmp.iterdir())
+        sources = {"sources": stats, "rerun": rerun, "files": {n: hash_file(tmp / n) for n in written},
+                   "stats": {n: _stat_key(tmp / n) for n in written}}
+        (tmp / SOURCES_FILE).write_text(json.dumps(sources, sort_keys=True, indent=1) + "\n")
+        publisher.commit()
+    return target
+
+
+def _stacked_config(slices: list[dict], roots: dict[str, Path], n_layers: int) -> dict:
+    """The first slice's model config with every layer count (and `layer_types`) of the stack."""
     first_root = roots[slices[0]["model"]]
     try:
         config = json.loads((first_root / "config.json").read_text(encoding="utf-8"))
@@ -281,38 +303,26 @@ def build_stack(slices: list[dict], roots: dict[str, Path], target: Path, *,  # 
         node[k] = n_layers
     if isinstance(node.get("layer_types"), list):  # one entry per output layer: its source layer's
         node["layer_types"] = _layer_types(slices, roots, "text_config" if node is not config else None)
-    # published like a merge (output/publish.py): a lock against a concurrent import of the
-    # same config, an atomic swap of the previous stack, never through a symbolic link
-    publisher = Publisher(target, force=True)  # (a previous stack as written: checked above)
-    with publisher as tmp:
-        ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
-        infos = [(o, ckpts[m].tensors[src]) for o, m, src in mapping]
-        writer = SafetensorsWriter(tmp / "model.safetensors", [OutTensor(o, t.dtype, t.shape) for o, t in infos],
-                                   metadata={"format": "pt"})
-        try:
-            fds: dict[Path, int] = {}
-            for o, t in infos:
-                if t.file not in fds:
-                    fds[t.file] = os.open(t.file, os.O_RDONLY)
-                if t.end > t.begin:
-                    writer.copy_rows(o, 0, fds[t.file], t.begin, t.end - t.begin)
-            writer.close()
-        finally:
-            writer.abort()
-            for fd in fds.values():
-                os.close(fd)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name in COPIED:
-            if (first_root / name).is_file():
-                shutil.copyfile(first_root / name, tmp / name)
-        (tmp / STACK_FILE).write_text(text)
-        # the files' own stat keys survive the folder's rename: check_fresh rehashes only what changed
-        written = sorted(p.name for p in tmp.iterdir())
-        record = {"sources": stats, "rerun": rerun, "files": {n: hash_file(tmp / n) for n in written},
-                  "stats": {n: _stat_key(tmp / n) for n in written}}
-        (tmp / SOURCES_FILE).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
-        publisher.commit()
-    return target
+    return config
+
+
+def _write_weights(path: Path, slices: list[dict], roots: dict[str, Path], mapping) -> None:
+    """Every output tensor's bytes copied from its source tensor, in the stack's order."""
+    ckpts = {m: open_checkpoint(roots[m]) for m in {s["model"] for s in slices}}
+    infos = [(o, ckpts[m].tensors[src]) for o, m, src in mapping]
+    writer = SafetensorsWriter(path, [OutTensor(o, t.dtype, t.shape) for o, t in infos], metadata={"format": "pt"})
+    fds: dict[Path, int] = {}
+    try:
+        for o, t in infos:
+            if t.file not in fds:
+                fds[t.file] = os.open(t.file, os.O_RDONLY)
+            if t.end > t.begin:
+                writer.copy_rows(o, 0, fds[t.file], t.begin, t.end - t.begin)
+        writer.close()
+    finally:
+        writer.abort()
+        for fd in fds.values():
+            os.close(fd)
 
 
 def slice_views(config: str, params_file: Path) -> tuple[dict[str, list[dict]], dict[str, Path]] | None:
