@@ -28,6 +28,7 @@ T0 = time.perf_counter()
 import mergepipe.cli  # noqa: E402,F401  (import cost is a phase of its own; torch is imported only if a block needs it)
 from mergepipe.engine import hashing  # noqa: E402
 from mergepipe.engine import merge as engine  # noqa: E402
+from mergepipe.engine import work as engine_work  # noqa: E402
 from mergepipe.output import manifest  # noqa: E402
 from mergepipe.commands import pipeline  # noqa: E402
 from mergepipe.config.params import load_config  # noqa: E402
@@ -84,7 +85,7 @@ def main() -> int:  # noqa: PLR0915
         object.__setattr__(m, "fn", timed("method math", m.fn))
     compiled.CompiledCombine.__call__ = timed("method math", compiled.CompiledCombine.__call__)
     hashing.OutputHasher.finish = timed("wait for output hashing", hashing.OutputHasher.finish)
-    in_unit = [False]  # a write inside _merge_unit (merged blocks) or outside it (copied runs, direct writes)
+    in_unit = [False]  # a write inside merge_unit (merged blocks) or outside it (copied runs, direct writes)
     real_write = SafetensorsWriter.write_rows
 
     def write_rows(*a, **kw):
@@ -95,7 +96,7 @@ def main() -> int:  # noqa: PLR0915
             key = "write merged blocks" if in_unit[0] else "write outside units (packs, copied runs)"
             spent[key] += time.perf_counter() - t
     SafetensorsWriter.write_rows = write_rows
-    real_unit = engine._merge_unit
+    real_unit = engine_work.merge_unit  # as the work items call it
 
     def merge_unit(*a, **kw):
         in_unit[0] = True
@@ -108,7 +109,7 @@ def main() -> int:  # noqa: PLR0915
     engine.hash_weight_file = timed("hash output files", engine.hash_weight_file)
     manifest.hash_file = engine.hash_file
     pipeline.hash_file = engine.hash_file
-    engine._merge_unit = timed("_merge_unit (all)", merge_unit)
+    engine_work.merge_unit = timed("merge_unit (all)", merge_unit)
 
     out = Path(tempfile.mkdtemp(prefix="mergepipe-phases-"))
     try:
@@ -128,9 +129,9 @@ def main() -> int:  # noqa: PLR0915
     finally:
         shutil.rmtree(out, ignore_errors=True)
     spent["hash output files"] = hash_in_merge  # verify's own rehash is in its row
-    spent["convert blocks, deltas, cast"] = (spent["_merge_unit (all)"] - spent["method math"]
+    spent["convert blocks, deltas, cast"] = (spent["merge_unit (all)"] - spent["method math"]
                                              - spent["write merged blocks"])
-    del spent["_merge_unit (all)"]
+    del spent["merge_unit (all)"]
     accounted = sum(v for k, v in spent.items() if k not in ("plan (index from cache)", "verify (rehash output)"))
     spent["merge: other (loop, base-only blocks, manifest)"] = merge_total - accounted
     rows = {"import mergepipe (+ numba kernels, torch if used)": IMPORT_S, **spent}

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from mergepipe.checkpoint.safetensors import SafetensorsWriter
 from mergepipe.cli import main
-from mergepipe.engine import merge as engine
+from mergepipe.engine import work as engine  # the work list (packable)
 
 N_SMALL = 600  # small tensors per shard
 

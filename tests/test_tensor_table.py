@@ -9,7 +9,7 @@ import pytest
 
 from mergepipe.checkpoint.safetensors import TensorInfo
 from mergepipe.checkpoint.tensor_table import TensorTable, concat, subset
-from mergepipe.engine.merge import COPY, MERGE
+from mergepipe.engine.work import COPY, MERGE
 from mergepipe.engine.packs import PACK_BYTES, SMALL_TENSOR_BYTES, PackBuilder, pack_runs, packable
 
 

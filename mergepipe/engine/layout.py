@@ -20,9 +20,12 @@ from itertools import accumulate, repeat
 from math import prod
 from operator import itemgetter, mul, sub
 
+from pydantic import ValidationError
+
 from mergepipe.checkpoint.safetensors import FLOAT_DTYPES, FS_BLOCK, ITEMSIZE, Checkpoint, OutTensor, _header_json
 from mergepipe.checkpoint.tensor_table import TensorTable
 from mergepipe.errors import ConfigError
+from mergepipe.plan.record import OutputRecord, PlanRecord
 
 __all__ = ["OUT_DTYPES", "Layout", "OutTensor", "base_alignment", "canonical_layout", "layout_record",
            "mirror_layout", "one_file_record", "plan_layout", "shard_index_json", "usable_shard_names"]
@@ -177,20 +180,21 @@ def one_file_record(names: list[str]) -> dict:
     return {"files": [{"name": ONE_FILE, "tensors": len(names), "data_start": None}], "order": list(names)}
 
 
-def plan_layout(plan: dict, tensors: TensorTable, *, where: str = "plan") -> tuple[Layout, dict[str, int]]:
+def plan_layout(plan: PlanRecord | dict, tensors: TensorTable, *,
+                where: str = "plan") -> tuple[Layout, dict[str, int]]:
     """The plan's output layout over the base's `tensors` (their dtypes and shapes; the content
     hash fixes them), and each file's data start modulo FS_BLOCK (SafetensorsWriter's
-    `align_like`; absent: none).
+    `align_like`; absent: none). `plan`: the typed record, or its JSON form (a dict).
 
     Raises:
         ConfigError: `output.layout` does not name each of the base's tensors exactly once.
     """
-    output = plan["output"]
-    record = output.get("layout")
+    output = plan.output if isinstance(plan, PlanRecord) else _output_record(plan["output"], where)
+    record = output.layout
     if record is None:
-        return canonical_layout(tensors, dtype=output.get("dtype"), shard_bytes=output.get("shard_bytes"))
-    outs = _out_tensors(tensors, output.get("dtype"))
-    order = record.get("order")
+        return canonical_layout(tensors, dtype=output.dtype, shard_bytes=output.shard_bytes)
+    outs = _out_tensors(tensors, output.dtype)
+    order = record.order
     if order is None:
         outs.sort(key=itemgetter(0))
     else:
@@ -201,14 +205,24 @@ def plan_layout(plan: dict, tensors: TensorTable, *, where: str = "plan") -> tup
             raise ConfigError(f"{where}: output.layout.order does not list each tensor of the base once"
                               + (f" ({odd!r})" if odd is not None else "") + "; make the plan again")
         outs = [outs[row[n]] for n in order]
-    files = record["files"]
-    counts = [f["tensors"] for f in files]
-    if sum(counts) != len(outs) or len({f["name"] for f in files}) != len(files):
+    files = record.files
+    counts = [f.tensors for f in files]
+    if sum(counts) != len(outs) or len({f.name for f in files}) != len(files):
         raise ConfigError(f"{where}: output.layout.files name {len(files)} files of {sum(counts)} tensors in all "
                           f"(each name once; the base has {len(outs)} tensors); make the plan again")
     bounds = list(accumulate(counts, initial=0))
-    layout = {f["name"]: outs[a:b] for f, a, b in zip(files, bounds, bounds[1:])}
-    return layout, {f["name"]: f["data_start"] for f in files if f["data_start"] is not None}
+    layout = {f.name: outs[a:b] for f, a, b in zip(files, bounds, bounds[1:])}
+    return layout, {f.name: f.data_start for f in files if f.data_start is not None}
+
+
+def _output_record(output: dict, where: str) -> OutputRecord:
+    """A plan dict's `output` as its typed record (a ConfigError naming the bad key)."""
+    try:
+        return OutputRecord.model_validate(output)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in ("output", *err["loc"]))
+        raise ConfigError(f"{where}: plan key {key}: {err['msg']}; make the plan again") from None
 
 
 def shard_index_json(layout: Layout) -> bytes:

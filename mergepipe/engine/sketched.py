@@ -21,10 +21,10 @@ Key = tuple[str, str, int]  # (expert, tensor, block)
 class Represented:
     """The plan's represented blocks (`strategy.sketch.blocks`) and their payload store."""
 
-    def __init__(self, plan: dict, stores: dict) -> None:
+    def __init__(self, blocks: dict[str, dict[str, list[int]]], stores: dict) -> None:
         self.stores = stores  # expert -> index.sketch.Sketch
         self.by_tensor: dict[str, dict[str, frozenset[int]]] = {}  # tensor -> expert -> blocks
-        for expert, per in (((plan.get("strategy") or {}).get("sketch") or {}).get("blocks") or {}).items():
+        for expert, per in blocks.items():  # the plan's strategy.sketch.blocks
             for tensor, blocks in per.items():
                 if blocks:
                     self.by_tensor.setdefault(tensor, {})[expert] = frozenset(blocks)

@@ -33,6 +33,7 @@ from mergepipe.index.store import cache_write_error
 from mergepipe.methods.base import expert_knobs
 from mergepipe.methods.joint import JointExpert, JointSpec, TensorContext, as_rows, run_passes, statistics_key
 from mergepipe.methods.registry import Method
+from mergepipe.plan.record import PlanRecord
 from mergepipe.util.fs import atomic_write_bytes
 
 
@@ -44,33 +45,34 @@ class JointStatistics:
     bytes_read: int  # bytes the scan read (base and experts); 0 when loaded from the store
 
 
-def plan_statistics_key(plan: dict, spec: JointSpec) -> str:
+def plan_statistics_key(plan: PlanRecord, spec: JointSpec) -> str:
     """The statistics key a plan's inputs and parameters give (what `plan.joint.key` must be)."""
-    return statistics_key(spec, method=plan["method"], params=plan["parameters"],
-                          base_hash=plan["base"]["content_hash"], experts=plan["experts"], seed=plan["seed"],
-                          block_bytes=BlockLayout.of_plan(plan).key)
+    return statistics_key(spec, method=plan.method, params=plan.parameters, base_hash=plan.base.content_hash,
+                          experts=[e.model_dump() for e in plan.experts], seed=plan.seed,
+                          block_bytes=BlockLayout(plan.block_bytes, plan.embedding_block_bytes).key)
 
 
-def joint_statistics(plan: dict, inputs, method: Method, params, *, threads: int = 2) -> JointStatistics | None:
+def joint_statistics(plan: PlanRecord, inputs, method: Method, params, *,
+                     threads: int = 2) -> JointStatistics | None:
     """The family's statistics for `plan` (engine.merge.Inputs `inputs`): from the store when a
     valid artifact is there, else scanned and stored. None for a method without statistics."""
     spec = method.joint
     if spec is None or not spec.active(params):
         return None
     key = plan_statistics_key(plan, spec)
-    recorded = (plan.get("joint") or {}).get("key")
+    recorded = plan.joint.key if plan.joint is not None else None
     if recorded != key:
-        raise IntegrityError(f"plan {plan.get('plan_hash', '')[:12]}: joint statistics key {recorded!r} is not "
+        raise IntegrityError(f"plan {plan.plan_hash[:12]}: joint statistics key {recorded!r} is not "
                              f"the one its inputs and parameters give ({key[:12]}); make the plan again")
     contexts = _contexts(plan, inputs, params)
     cache_dir = getattr(inputs, "cache_dir", None)
     path = CacheLayout(cache_dir).joint(key) if cache_dir is not None else None
     if path is not None:
-        loaded = _load(path, key, plan["method"], spec, contexts)
+        loaded = _load(path, key, plan.method, spec, contexts)
         if loaded is not None:
             return loaded
     tensors, nbytes = _scan(spec, inputs, contexts, threads)
-    data = artifact.encode(key, plan["method"], {n: a.astype("<f8").tobytes() for n, a in tensors.items()})
+    data = artifact.encode(key, plan.method, {n: a.astype("<f8").tobytes() for n, a in tensors.items()})
     whole = set(contexts) == {n for n, e in inputs.base_index.tensors.items() if e.dtype in FLOAT_DTYPES}
     if path is not None and whole:  # a split merge's part scans its own tensors: not the family's artifact
         try:
@@ -80,10 +82,10 @@ def joint_statistics(plan: dict, inputs, method: Method, params, *, threads: int
     return JointStatistics(key, blake3(data).hexdigest(), tensors, nbytes)
 
 
-def _contexts(plan: dict, inputs, params) -> dict[str, TensorContext]:
-    experts = tuple(JointExpert(e["name"], e["content_hash"], float(e["weight"]), **expert_knobs(params, e))
-                    for e in plan["experts"])  # plan order is canonical (content hash)
-    return {name: TensorContext(name, tuple(t.shape), experts, params, plan["seed"])
+def _contexts(plan: PlanRecord, inputs, params) -> dict[str, TensorContext]:
+    experts = tuple(JointExpert(e.name, e.content_hash, float(e.weight), **expert_knobs(params, e.model_dump()))
+                    for e in plan.experts)  # plan order is canonical (content hash)
+    return {name: TensorContext(name, tuple(t.shape), experts, params, plan.seed)
             for name, t in inputs.base.tensors.items() if t.dtype in FLOAT_DTYPES}
 
 
