@@ -32,6 +32,7 @@ from mergepipe.checkpoint.blocks import BlockLayout
 from mergepipe.checkpoint.safetensors import INDEX_JSON, Checkpoint, CheckpointReader, OutTensor, SafetensorsWriter
 from mergepipe.checkpoint.treehash import hash_weight_file
 from mergepipe.checkpoint.vocab import VocabCheckpoint
+from mergepipe.engine.adapter_sums import AdapterSums, summed_kernel
 from mergepipe.engine.blocks import MergeState, TorchThreads, method_group
 from mergepipe.engine.copies import AppendedCopies, Copier, KernelCopies
 from mergepipe.engine.cuts import CutTable
@@ -135,6 +136,7 @@ def _run_merge(plan: PlanRecord, inputs: Inputs, out_dir: Path, *, threads: int,
         stack.callback(_close_all, inputs.sketches.values())
         reader = stack.enter_context(closing(UnitReader(base, inputs.base_index, inputs.experts,
                                                          inputs.expert_indexes, reads)))
+        reader.sums = AdapterSums.of(reader, out, partial(summed_kernel, state))  # LoRA adapters: one pass
         prog = stack.enter_context(closing(Progress(base.total_bytes, "merging", progress)))
         hasher = OutputHasher(layout, writers, _block_layout(plan))
         stack.push(_on_error(_drain, hasher))
