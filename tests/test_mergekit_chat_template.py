@@ -5,9 +5,10 @@ given templates here: the base one in tokenizer_config.json, `padded` another in
 
 Compared: chat_template.jinja's bytes, tokenizer_config.json (parsed; mergekit's re-saved file also
 holds transformers' loading flags `is_local` and `local_files_only`), and the template transformers
-loads from each output and what it renders. A value mergekit refuses is refused by the import; a
-named template (mergekit's package data) and an `auto` tie (mergekit's pick is set order) are
-refused by the import in one line. Skipped without the mergekit reference venv.
+loads from each output and what it renders. A template named after one in mergekit's package
+(`chatml`) is our own text of that format (config/chat_formats.py): there the rendering is compared,
+not the text. A value mergekit refuses is refused by the import; an `auto` tie (mergekit's pick is
+set order) is refused by the import in one line. Skipped without the mergekit reference venv.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from mergepipe.config.chat_formats import NAMED
 from tests.helpers.equivalence import INSTALL, MERGEKIT_PYTHON
 from tests.helpers.mergekit_tokenizers import run_cases
 
@@ -58,10 +60,10 @@ MATCHED = {
     "auto": _recipe(["base", "padded", "special"], "auto", "base"),
     "base_jinja_copied": _recipe(["base", "padded"], None, base="padded"),  # no chat_template: the base's file
 }
+NAMED_CASES = {f"named[{name}]": _recipe(["base", "padded"], name) for name in ("chatml", "llama3")}
 REFUSED_BY_BOTH = {"invalid": _recipe(["base", "padded"], "no_such_template", "base")}  # without a
 # tokenizer_source mergekit logs the error and writes no tokenizer files; the import refuses it too
 REFUSED_BY_US = {  # mergekit merges these: the key and why, in one line
-    "named": (_recipe(["base", "padded"], "chatml"), "chat_template: 'chatml' names a template inside mergekit"),
     "auto_tie": (_recipe(["base", "padded"], "auto"), "chat_template: 'auto' finds 2 templates"),
 }
 
@@ -76,7 +78,7 @@ def _give_templates(family: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{case: (our output or None, mergekit's output folder, mergekit's error, our stderr)}."""
-    cases = {**MATCHED, **REFUSED_BY_BOTH, **{k: v[0] for k, v in REFUSED_BY_US.items()}}
+    cases = {**MATCHED, **NAMED_CASES, **REFUSED_BY_BOTH, **{k: v[0] for k, v in REFUSED_BY_US.items()}}
     return run_cases(tmp_path_factory.mktemp("mk_chat_template"), cases, prepare=_give_templates)
 
 
@@ -92,11 +94,28 @@ def test_chat_template_matches_mergekit(case, runs):
     assert ours is not None, our_error
     assert (ours / "chat_template.jinja").read_bytes() == (theirs / "chat_template.jinja").read_bytes()
     assert _config(ours) == _config(theirs)
-    proc = subprocess.run([sys.executable, "-c", RENDER, str(ours), str(theirs)], capture_output=True, text=True,
+    rendered = _rendered(ours, theirs)
+    assert rendered[str(ours)] == rendered[str(theirs)]
+
+
+@pytest.mark.parametrize("case", list(NAMED_CASES))
+def test_named_template_renders_as_mergekits(case, runs):
+    ours, theirs, their_error, our_error = runs[case]
+    assert their_error is None, their_error
+    assert ours is not None, our_error
+    name = NAMED_CASES[case]["chat_template"]
+    assert (ours / "chat_template.jinja").read_text(encoding="utf-8") == NAMED[name]
+    assert _config(ours) == _config(theirs)
+    (our_template, our_text), (their_template, their_text) = (_rendered(ours, theirs)[str(f)] for f in (ours, theirs))
+    assert our_template != their_template and our_text == their_text
+
+
+def _rendered(*folders: Path) -> dict[str, list[str]]:
+    """{folder: [the template transformers loads, its rendering of a user and an assistant turn]}."""
+    proc = subprocess.run([sys.executable, "-c", RENDER, *map(str, folders)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rendered = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert rendered[str(ours)] == rendered[str(theirs)]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", list(REFUSED_BY_BOTH))

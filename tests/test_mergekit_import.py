@@ -294,8 +294,8 @@ models:
      "models: [{model: e, parameters: {weight: 1}}]\n", "mk.yml: tokenizer: give tokenizer_source or tokenizer"),
     ("merge_method: ties\nbase_model: b\ntokenizer: {tokens: {x: {source: f}}}\n"
      "models: [{model: e, parameters: {weight: 1}}]\n", "mk.yml: tokenizer.tokens.x.source: 'f' is not a model"),
-    ("merge_method: ties\nbase_model: b\nchat_template: chatml\nmodels: [{model: e, parameters: {weight: 1}}]\n",
-     "mk.yml: chat_template"),
+    ("merge_method: ties\nbase_model: b\nchat_template: chatml2\nmodels: [{model: e, parameters: {weight: 1}}]\n",
+     "mk.yml: chat_template: invalid chat template 'chatml2'"),
     ("merge_method: ties\nbase_model: b\nfoo: 1\nmodels: [{model: e, parameters: {weight: 1}}]\n",
      "mk.yml: foo: unknown mergekit key"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: e}]\n",

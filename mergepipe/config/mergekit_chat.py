@@ -5,12 +5,12 @@ mergekit sets the output tokenizer's chat template, which transformers writes to
 - `auto`: the most common template (stripped) among the models the recipe references, read
   from each model's tokenizer files; none: no template is set;
 - a short name without `{` or a newline that names a template shipped inside mergekit's own
-  package (alpaca, chatml, exaone, llama3, mistral): that file's text;
+  package (alpaca, chatml, exaone, llama3, mistral): that file's text; here our own template of
+  that format (config/chat_formats.py: other text, the same rendering);
 - any other text of at least 20 characters holding `{`: the template itself; shorter or
   without `{`: an error.
 The import resolves the value to the text once, from local files only (no tokenizer code is
 run): the plan then covers the text, and the merge writes it (output/chat_template.py).
-A named template is refused in one line: its text is mergekit's package data, not here.
 """
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mergepipe.config.chat_formats import NAMED
 from mergepipe.errors import ConfigError
 from mergepipe.units import short_repr
 
-# the templates mergekit 0.1.5 ships in mergekit/_data/chat_templates (names only)
-MERGEKIT_NAMED = ("alpaca", "chatml", "exaone", "llama3", "mistral")
 JINJA = "chat_template.jinja"
 
 
@@ -75,8 +74,8 @@ def chat_template_text(data: dict[str, Any], source: str, cwd: Path) -> str | No
     """`output.chat_template` for the recipe's `chat_template` (None: not set, or `auto` finding none).
 
     Raises:
-        ConfigError: a name of mergekit's packaged templates, text mergekit calls invalid, a tie
-            under `auto`, or not a string; one line naming the key.
+        ConfigError: text mergekit calls invalid, a tie under `auto`, or not a string; one line
+            naming the key.
     """
     value = data.get("chat_template")
     if value in (None, ""):
@@ -85,9 +84,8 @@ def chat_template_text(data: dict[str, Any], source: str, cwd: Path) -> str | No
         raise ConfigError(f"{source}: chat_template: expected a string, got {short_repr(value)}")
     if value == "auto":
         return _auto(data, source, cwd)
-    if len(value) < 256 and "\n" not in value and "{" not in value and value in MERGEKIT_NAMED:
-        raise ConfigError(f"{source}: chat_template: {value!r} names a template inside mergekit's package; "
-                          "give the template's text (mergekit/_data/chat_templates/" + value + ".jinja)")
+    if len(value) < 256 and "\n" not in value and "{" not in value and value in NAMED:
+        return NAMED[value]  # the format mergekit's packaged template of that name renders
     if len(value) < 20 or "{" not in value:
         raise ConfigError(f"{source}: chat_template: invalid chat template {short_repr(value)} (as mergekit: "
                           "'auto', a template name, or template text of 20+ characters with '{')")
