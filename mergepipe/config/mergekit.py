@@ -736,7 +736,7 @@ def import_mergekit(path: str | os.PathLike[str], *, params_path: str | os.PathL
     params = mergekit_to_params(data, source=source,
                                 output_dir=recipe_output_dir(params_file) if output_dir is None else output_dir,
                                 paths=ModelPaths(cwd, params_file.parent), stack_dir=stack_dir, recipe=text)
-    template = chat_template_text(data, source, cwd)
+    template = chat_template_text(data, source, cwd, ignored)
     if template is not None:  # the text the output's chat_template.jinja holds (output/chat_template.py)
         params["output"]["chat_template"] = template
     if validate:

@@ -3,7 +3,9 @@
 mergekit sets the output tokenizer's chat template, which transformers writes to
 `chat_template.jinja` (merge.py `_set_chat_template`):
 - `auto`: the most common template (stripped) among the models the recipe references, read
-  from each model's tokenizer files; none: no template is set;
+  from each model's tokenizer files; none: no template is set; a tie: mergekit takes the first in
+  the order of a Python set of models (string hashes: it changes with PYTHONHASHSEED), here the
+  template of the earliest model in the recipe (base_model, models, slices), one of mergekit's picks;
 - a short name without `{` or a newline that names a template shipped inside mergekit's own
   package (alpaca, chatml, exaone, llama3, mistral): that file's text; here our own template of
   that format (config/chat_formats.py: other text, the same rendering);
@@ -53,29 +55,32 @@ def model_template(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _auto(data: dict[str, Any], source: str, cwd: Path) -> str | None:
-    templates = []
+def _auto(data: dict[str, Any], source: str, cwd: Path, warnings: list[str] | None) -> str | None:
+    by_model = {}
     for ref in _referenced(data):
         folder = cwd / ref.split("+", 1)[0]  # a LoRA reference's tokenizer is its model's
         text = model_template(folder) if folder.is_dir() else None
         if text:
-            templates.append(text.strip())
-    if not templates:
+            by_model[ref] = text.strip()
+    if not by_model:
         return None
-    ranked = Counter(templates).most_common()
-    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-        # mergekit takes the first of a tie in the order of a set of models: not reproducible
-        raise ConfigError(f"{source}: chat_template: 'auto' finds {len(ranked)} templates used by equally many "
-                          "models; mergekit's pick among them is arbitrary: give the template's text")
+    ranked = Counter(by_model.values()).most_common()  # equal counts: in recipe order (base first)
+    tied = [t for t, n in ranked if n == ranked[0][1]]
+    if len(tied) > 1 and warnings is not None:
+        # mergekit takes the first of a tie in the order of a set of models (it moves with
+        # PYTHONHASHSEED); here always the one of the earliest model in the recipe
+        first = next(ref for ref, t in by_model.items() if t == ranked[0][0])
+        warnings.append(f"warning: {source}: chat_template: 'auto' finds {len(tied)} templates used by equally many "
+                        f"models; taking {first!r}'s (mergekit's pick among them is arbitrary)")
     return ranked[0][0]
 
 
-def chat_template_text(data: dict[str, Any], source: str, cwd: Path) -> str | None:
+def chat_template_text(data: dict[str, Any], source: str, cwd: Path, warnings: list[str] | None = None) -> str | None:
     """`output.chat_template` for the recipe's `chat_template` (None: not set, or `auto` finding none).
 
     Raises:
-        ConfigError: text mergekit calls invalid, a tie under `auto`, or not a string; one line
-            naming the key.
+        ConfigError: text mergekit calls invalid, or not a string; one line naming the key. A tie
+            under `auto` takes the template of the earliest model in the recipe, one line on `warnings`.
     """
     value = data.get("chat_template")
     if value in (None, ""):
@@ -83,7 +88,7 @@ def chat_template_text(data: dict[str, Any], source: str, cwd: Path) -> str | No
     if not isinstance(value, str):
         raise ConfigError(f"{source}: chat_template: expected a string, got {short_repr(value)}")
     if value == "auto":
-        return _auto(data, source, cwd)
+        return _auto(data, source, cwd, warnings)
     if len(value) < 256 and "\n" not in value and "{" not in value and value in NAMED:
         return NAMED[value]  # the format mergekit's packaged template of that name renders
     if len(value) < 20 or "{" not in value:
