@@ -37,6 +37,9 @@ def check_unique_names(experts: list[ExpertConfig]) -> None:
     seen: dict[str, int] = {}
     for i, expert in enumerate(experts):
         key = expert.name.lower()
+        if key == "base":  # the plan and the manifest name the base "base": an expert's name must differ
+            raise ValueError(f"experts[{i}].name: {expert.name!r} is the name plans and manifests give the "
+                             "base model; name the expert otherwise")
         if key in seen:
             raise ValueError(f"experts[{i}].name: duplicate expert name {expert.name!r} "
                              f"(experts[{seen[key]}] is {experts[seen[key]].name!r}); "

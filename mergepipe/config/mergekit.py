@@ -487,7 +487,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
 
     if facts.unweighted and default_weight is None:
         default_weight = 1.0
-    taken: set[str] = set()
+    taken: set[str] = {"base"}  # the plan's name for the base (config/checks.py check_unique_names)
     experts = []
     for key, path, params in entries:
         expert: dict[str, Any] = {"name": _expert_name(path, taken), "path": path}

@@ -323,7 +323,7 @@ def _all_experts(converted: dict[str, dict[str, Any]], source: str) -> list[dict
     """
     first = next(iter(converted.values()))
     experts = [dict(e) for e in first["experts"]]
-    taken = {e["name"].lower() for e in experts}
+    taken = {"base", *(e["name"].lower() for e in experts)}  # "base": the plan's name for the base
     for params in converted.values():
         for e in params["experts"]:
             if all(_ref(e) != _ref(x) for x in experts):
