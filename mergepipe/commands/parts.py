@@ -134,7 +134,7 @@ def merge_part(plan: PlanRecord, inputs: Inputs, parts_dir: str | Path, i: int, 
             base = inputs.base
             sub = Checkpoint(base.root, base.files, subset(base.tensors, names))
             # one part file of these tensors in base order (the gather writes the plan's layout)
-            doc = plan_json(plan)  # engine/ takes the plan's JSON form
+            doc = plan_json(plan)  # the part's own layout: a new plan, validated at the engine's entry
             sub_plan = {**doc, "output": {**doc["output"], "layout": one_file_record(names)}}
             sub_inputs = Inputs(sub, inputs.base_index, inputs.experts, inputs.expert_indexes, inputs.deltas,
                                 cache_dir=inputs.cache_dir, sketches=inputs.sketches)
@@ -192,7 +192,7 @@ def gather(plan: PlanRecord, inputs: Inputs, parts_dir: str | Path, n: int, out_
                 raise IntegrityError(f"{part_paths(parts_dir, i, n)[1]}: holds other tensors than part {i}/{n} "
                                      "of this base; rerun the part jobs")
         # the files a one-process merge writes (engine/ takes the plan's JSON form)
-        layout, align = plan_layout(plan_json(plan), inputs.base.tensors)
+        layout, align = plan_layout(plan, inputs.base.tensors)
         file_of = {t.name: fname for fname, ts in layout.items() for t in ts}
         writers = {fname: SafetensorsWriter(tmp / fname, ts, metadata={"format": "pt"}, align_like=align.get(fname))
                    for fname, ts in layout.items()}

@@ -85,7 +85,7 @@ def open_inputs(plan: PlanRecord, store: Store, root: Path, *, threads: int = 2,
     deltas = plan_cuts(plan, store, base, base_index, {n: (experts[n], expert_indexes[n], deltas[n])
                                                       for n in experts}, where, threads=threads)
     if plan.output.layout is not None:  # one naming other tensors is refused before any weight is read
-        plan_layout(plan_json(plan), base.tensors, where=where)  # engine/ takes the plan's JSON form
+        plan_layout(plan, base.tensors, where=where)
     return Inputs(base, base_index, experts, expert_indexes, deltas, cache_dir=store.root,
                   tokenizer_dir=tokenizer_dir,
                   sketches=plan_sketches(plan, store, base, base_index, {
@@ -264,7 +264,7 @@ def merge_plan(plan: PlanRecord, inputs: Inputs, out_dir: Path, store: Store, *,
             run_info = {"restored_from": str(cached)}
         else:
             realized = (realize(tmp) if realize is not None
-                        else run_merge(plan_json(plan), inputs, tmp, threads=threads, progress=progress))
+                        else run_merge(plan, inputs, tmp, threads=threads, progress=progress))
             # an input edited in place meanwhile: copied base bytes no longer match their recorded hashes
             store.check_unchanged([h.path for c in (inputs.base, *inputs.experts.values()) for h in c.files])
             aux = {}
