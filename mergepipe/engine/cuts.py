@@ -38,7 +38,8 @@ class TensorCuts:
             j = self.position(rank)
             if j is None:
                 raise MethodError(f"expert {self.expert!r}, tensor {self.td.name!r}: no exact threshold for rank "
-                                  f"{rank} of {self.td.numel}; densities and gammas must have at most 2 decimals")
+                                  f"{rank} of {self.td.numel} in its index or the plan's exact cuts (plan key cuts); "
+                                  "plan it again")
             keep_eq = rank - self.td.count_gt[j]
             if j in self.td.block_eq:  # the cut splits a run of equal values across blocks
                 if j not in self.prefix:
