@@ -313,7 +313,7 @@ def _tokenizer_output(data: dict[str, Any], source: str, paths: ModelPaths | Non
 
 
 # Long: to be split by concern (models, base, parameters, output): issue 23 item 2.
-def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,  # noqa: C901, PLR0915
+def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str | None = None,
                        paths: ModelPaths | None = None, stack_dir: str | None = None,
                        recipe: str | None = None, models_key: str = "models") -> dict[str, Any]:
     """Map a parsed mergekit config to a params dict (not yet validated).
@@ -330,6 +330,43 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
     Raises:
         ConfigError: for anything mergepipe cannot reproduce, naming the key.
     """
+    _check_top_level(data, source, paths)
+    converted, data = _modules_or_slices(data, source, output_dir, paths, stack_dir, recipe)
+    if converted is not None:
+        return converted
+    mk_method, method, facts = _method(data, source)
+    settings, default_weight = _global_settings(data, source)
+    entries, adapters, shared = _model_entries(data, source, paths, models_key, facts.shared_model_keys)
+    for name, (_, value) in shared.items():
+        settings.setdefault(name, value)
+    base = data.get("base_model")
+    if base is not None:
+        base = _model_ref(base, "base_model", source, paths)
+    if base is None and facts.no_base is not None and entries and entries[0][0] in adapters:
+        raise _fail(source, f"{entries[0][0]}.model", "a LoRA reference ('model+lora') cannot play the base "
+                                                      "model; name base_model")
+    parameters: dict[str, Any] = {}
+    base, entries = _place_base(base, entries, parameters, settings, default_weight,
+                                mk_method=mk_method, method=method, no_base=facts.no_base, source=source,
+                                models_key=models_key)
+    if facts.unweighted and default_weight is None:
+        default_weight = 1.0
+    experts = _experts(entries, adapters, base, method, default_weight, source)
+    parameters.update({name: value for name, value in settings.items() if value is not None})
+    dtype_key = "out_dtype" if data.get("out_dtype") is not None else "dtype"
+    dtype = data.get(dtype_key)
+    out: dict[str, Any] = {"base": base, "experts": experts, "method": method, "parameters": parameters,
+                           "seed": 0, "budget": "full"}
+    out["output"] = {"dir": recipe_output_dir(source) if output_dir is None else output_dir,
+                     "dtype": None if dtype is None else _dtype(dtype, dtype_key, source)}
+    out["output"].update(_tokenizer_output(data, source, paths, base, experts))
+    if recipe is not None:
+        out["output"]["mergekit_config"] = recipe
+    return out
+
+
+def _check_top_level(data: Any, source: str, paths: ModelPaths | None) -> None:
+    """A mapping of mergekit's keys; its tokenizer and chat template ones refused before converting."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mergekit config mapping, "
                           f"got {type(data).__name__}")
@@ -338,37 +375,46 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             raise _fail(source, key, f"unknown mergekit key{did_you_mean(key, _TOP_KEYS)}; "
                                      f"supported: {', '.join(sorted(_TOP_KEYS))}")
     _check_tokenizer(data, source)
-    chat_template_text(data, source, Path.cwd() if paths is None else paths.cwd)  # refused before converting
+    chat_template_text(data, source, Path.cwd() if paths is None else paths.cwd)
+
+
+def _modules_or_slices(data: dict, source: str, output_dir: str | None, paths: ModelPaths | None,
+                       stack_dir: str | None, recipe: str | None) -> tuple[dict[str, Any] | None, dict]:
+    """(the params, data) where `modules:` or `slices:` convert the whole recipe; else (None, the
+    recipe with its slices as a `models:` list, or unchanged)."""
+    own_dir = recipe_output_dir(source) if output_dir is None else output_dir
     if data.get("modules") not in (None, {}):  # each module converted as a models: form (config/mergekit_modules.py)
         from mergepipe.config.mergekit_modules import modules_params
-        return modules_params(data, source, paths, recipe=recipe,
-                              output_dir=recipe_output_dir(source) if output_dir is None else output_dir)
-    if data.get("slices") not in (None, []):
-        if data.get("models"):
-            raise _fail(source, "slices", "give either slices or models, not both")
-        if stacking_slices(data, source) is not None:
-            if stack_dir is None:
-                raise _fail(source, "slices", "stacking layers builds a model folder first; "
-                                              "run `mergepipe import-mergekit CONFIG -o params.yaml`")
-            stack_ref = stack_dir if paths is None else paths.mergekit_ref(stack_dir)
-            from mergepipe.config.mergekit_slices import stacked_slice_parameters
-            per_slice = stacked_slice_parameters(data, source)
-            data = {**data, "models": [{"model": stack_ref}]}  # passthrough of the stacked folder
-            if per_slice is not None:  # its layers scaled slice by slice (the top level: slice 0's)
-                params = mergekit_to_params({**data, "slices": None, "parameters": per_slice[0]["parameters"]},
-                                            source=source, output_dir=output_dir, paths=paths, recipe=recipe)
-                return {**params, "slices": per_slice}
-        elif merges_slices(data["slices"], paths):
-            if stack_dir is None:
-                raise _fail(source, "slices", "slices that merge build stacked views first; "
-                                              "run `mergepipe import-mergekit CONFIG -o params.yaml`")
-            from mergepipe.config.mergekit_slices import sliced_params
-            return sliced_params(data, source, paths, stack_dir,
-                                 output_dir=recipe_output_dir(source) if output_dir is None else output_dir,
-                                 recipe=recipe)
-        else:
-            data = {**data, "models": _slices_as_models(data["slices"], source, paths)}
+        return modules_params(data, source, paths, recipe=recipe, output_dir=own_dir), data
+    if data.get("slices") in (None, []):
+        return None, data
+    if data.get("models"):
+        raise _fail(source, "slices", "give either slices or models, not both")
+    if stacking_slices(data, source) is not None:
+        if stack_dir is None:
+            raise _fail(source, "slices", "stacking layers builds a model folder first; "
+                                          "run `mergepipe import-mergekit CONFIG -o params.yaml`")
+        stack_ref = stack_dir if paths is None else paths.mergekit_ref(stack_dir)
+        from mergepipe.config.mergekit_slices import stacked_slice_parameters
+        per_slice = stacked_slice_parameters(data, source)
+        data = {**data, "models": [{"model": stack_ref}]}  # passthrough of the stacked folder
+        if per_slice is None:
+            return None, data
+        # its layers scaled slice by slice (the top level: slice 0's)
+        params = mergekit_to_params({**data, "slices": None, "parameters": per_slice[0]["parameters"]},
+                                    source=source, output_dir=output_dir, paths=paths, recipe=recipe)
+        return {**params, "slices": per_slice}, data
+    if merges_slices(data["slices"], paths):
+        if stack_dir is None:
+            raise _fail(source, "slices", "slices that merge build stacked views first; "
+                                          "run `mergepipe import-mergekit CONFIG -o params.yaml`")
+        from mergepipe.config.mergekit_slices import sliced_params
+        return sliced_params(data, source, paths, stack_dir, output_dir=own_dir, recipe=recipe), data
+    return None, {**data, "models": _slices_as_models(data["slices"], source, paths)}
 
+
+def _method(data: dict, source: str):
+    """(mergekit's method name, ours, its Mergekit facts)."""
     mk_method = data.get("merge_method")
     names = mergekit_names()
     if not isinstance(mk_method, str) or mk_method not in names:
@@ -376,32 +422,31 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                                             f"{did_you_mean(mk_method, names)}; "
                                             f"supported: {', '.join(sorted(names))}")
     method = names[mk_method]
-    facts = get_method(method).mergekit
+    return mk_method, method, get_method(method).mergekit
 
+
+def _global_settings(data: dict, source: str) -> tuple[dict[str, Any], Any]:
+    """The top-level `parameters` as settings, and their `weight` (the models' default) apart."""
     global_params = data.get("parameters") or {}
     if not isinstance(global_params, dict):
         raise _fail(source, "parameters", f"must be a mapping, got {short_repr(global_params)}")
     settings = {k: _setting(v, f"parameters.{k}", source) for k, v in global_params.items()}
-    default_weight = settings.pop("weight", None)
-    shared_keys = facts.shared_model_keys
-    shared: dict[str, tuple[str, Any]] = {}  # per-model keys that are method parameters here
+    return settings, settings.pop("weight", None)
 
+
+def _model_entries(data: dict, source: str, paths: ModelPaths | None, models_key: str, shared_keys
+                   ) -> tuple[list[tuple[str, str, dict]], dict[str, str], dict[str, tuple[str, Any]]]:
+    """([(key, path, per-model settings)], {key: the model its LoRA adapter applies to},
+    {shared key: (where, value)}: per-model keys that are one method parameter here)."""
     models = data.get("models")
     if not isinstance(models, list) or not models:
         raise _fail(source, models_key, "must be a non-empty list of {model, parameters}")
     entries = []
     adapters: dict[str, str] = {}  # models[i] -> the model its LoRA adapter (entry path) applies to
+    shared: dict[str, tuple[str, Any]] = {}
     for i, entry in enumerate(models):
         key = f"{models_key}[{i}]"
-        if isinstance(entry, str):
-            entry = {"model": entry}
-        if not isinstance(entry, dict):
-            raise _fail(source, key, f"must be a mapping with model and parameters, got {short_repr(entry)}")
-        unknown = set(entry) - {"model", "parameters"}
-        if unknown:
-            first = sorted(unknown, key=str)[0]
-            raise _fail(source, f"{key}.{first}", f"unknown key{did_you_mean(first, ('model', 'parameters'))}; "
-                                                  "expected model, parameters")
+        entry = _model_entry(entry, key, source)
         model = entry.get("model")
         if isinstance(model, str) and "+" in model:  # mergekit's `model+lora`: an adapter on that model
             model, adapter = model.split("+", 1)
@@ -409,85 +454,107 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
             path = _model_ref(adapter, f"{key}.model", source, paths)
         else:
             path = _model_ref(model, f"{key}.model", source, paths)
-        own = entry.get("parameters") or {}
-        if not isinstance(own, dict):
-            raise _fail(source, f"{key}.parameters", f"must be a mapping, got {short_repr(own)}")
-        params = {}
-        for name, value in own.items():
-            where = f"{key}.parameters.{name}"
-            if name in shared_keys:
-                value = _setting(value, where, source)
-                if name in shared and shared[name][1] != value:
-                    raise _fail(source, where, f"{short_repr(value)} differs from {shared[name][0]}'s "
-                                               f"{short_repr(shared[name][1])}; "
-                                               f"mergepipe takes one {name} for all models")
-                shared.setdefault(name, (where, value))
-                continue
-            if name not in MODEL_KEYS:
-                raise _fail(source, where, f"per-model {short_repr(name)} cannot be expressed"
-                                           f"{did_you_mean(name, (*MODEL_KEYS, *shared_keys))}; per-model keys: "
-                                           f"{', '.join((*MODEL_KEYS, *shared_keys))}")
-            params[name] = _setting(value, where, source)
-        entries.append((key, path, params))
+        entries.append((key, path, _model_settings(entry, key, source, shared_keys, shared)))
+    return entries, adapters, shared
 
-    for name, (_, value) in shared.items():
-        settings.setdefault(name, value)
-    base = data.get("base_model")
-    if base is not None:
-        base = _model_ref(base, "base_model", source, paths)
-    out: dict[str, Any] = {}
-    parameters: dict[str, Any] = {}
 
-    if base is None and facts.no_base is not None and entries and entries[0][0] in adapters:
-        raise _fail(source, f"{entries[0][0]}.model", "a LoRA reference ('model+lora') cannot play the base "
-                                                      "model; name base_model")
-    if base is None and facts.no_base == "first":
+def _model_entry(entry: Any, key: str, source: str) -> dict:
+    if isinstance(entry, str):
+        entry = {"model": entry}
+    if not isinstance(entry, dict):
+        raise _fail(source, key, f"must be a mapping with model and parameters, got {short_repr(entry)}")
+    unknown = set(entry) - {"model", "parameters"}
+    if unknown:
+        first = sorted(unknown, key=str)[0]
+        raise _fail(source, f"{key}.{first}", f"unknown key{did_you_mean(first, ('model', 'parameters'))}; "
+                                              "expected model, parameters")
+    return entry
+
+
+def _model_settings(entry: dict, key: str, source: str, shared_keys, shared: dict[str, tuple[str, Any]]
+                    ) -> dict[str, Any]:
+    """A model's own settings; a shared key's value goes to `shared` (one value for all models)."""
+    own = entry.get("parameters") or {}
+    if not isinstance(own, dict):
+        raise _fail(source, f"{key}.parameters", f"must be a mapping, got {short_repr(own)}")
+    params = {}
+    for name, value in own.items():
+        where = f"{key}.parameters.{name}"
+        if name in shared_keys:
+            value = _setting(value, where, source)
+            if name in shared and shared[name][1] != value:
+                raise _fail(source, where, f"{short_repr(value)} differs from {shared[name][0]}'s "
+                                           f"{short_repr(shared[name][1])}; "
+                                           f"mergepipe takes one {name} for all models")
+            shared.setdefault(name, (where, value))
+            continue
+        if name not in MODEL_KEYS:
+            raise _fail(source, where, f"per-model {short_repr(name)} cannot be expressed"
+                                       f"{did_you_mean(name, (*MODEL_KEYS, *shared_keys))}; per-model keys: "
+                                       f"{', '.join((*MODEL_KEYS, *shared_keys))}")
+        params[name] = _setting(value, where, source)
+    return params
+
+
+def _place_base(base: str | None, entries: list, parameters: dict[str, Any], settings: dict[str, Any],
+                default_weight, *, mk_method: str, method: str, no_base: str | None, source: str,
+                models_key: str) -> tuple[str, list]:
+    """(the base, the experts' entries): mergekit's rule for a recipe without base_model (its
+    method's `no_base`), linear's listed or unlisted base, or the delta methods' required base.
+    Sets `parameters["base_weight"]` where the base is weighted."""
+    if base is None and no_base in ("first", "member"):
         key, base, first = entries.pop(0)
-        if not entries and method == "linear":  # one model: itself at weight 0 is the expert (adds 0)
+        if no_base == "first" and not entries and method == "linear":  # one model: itself at weight 0 (adds 0)
             entries = [(key, base, {"weight": 0.0})]
         if not entries:
             raise _fail(source, models_key, f"{mk_method} without base_model needs at least two models")
-        parameters["base_weight"] = _weight(first, default_weight, key, source)
-    elif base is None and facts.no_base == "member":
-        key, base, _ = entries.pop(0)
-        if not entries:
-            raise _fail(source, models_key, f"{mk_method} without base_model needs at least two models")
-    elif base is None and facts.no_base == "self":
+        if no_base == "first":
+            parameters["base_weight"] = _weight(first, default_weight, key, source)
+        return base, entries
+    if base is None and no_base == "self":
         if len(entries) != 1:
             raise _fail(source, models_key, f"{mk_method} takes exactly one model, got {len(entries)}")
-        base = entries[0][1]
-    elif method == "linear":
-        listed = [e for e in entries if _same_model(e[1], base)]
+        return entries[0][1], entries
+    if method == "linear":
+        return base, _linear_base(base, entries, parameters, default_weight, source)
+    if base is None:
+        raise _fail(source, "base_model", f"required: {mk_method} merges deltas from a "
+                                          "base model")
+    if no_base != "self":
         entries = [e for e in entries if not _same_model(e[1], base)]
-        if listed:
-            key, _, base_params = listed[0]
-            parameters["base_weight"] = _weight(base_params, default_weight, key, source)
-            if not entries:  # the base alone: itself at weight 0 is the expert (adds 0)
-                entries = [(key, base, {"weight": 0.0})]
-        elif default_weight is not None:
-            # mergekit adds the unlisted base as a source; only the global weight applies
-            parameters["base_weight"] = default_weight
-        else:
-            raise _fail(source, "base_model", "mergekit's linear merge also averages the "
-                                              "base model; list it in models with a weight")
-    else:
-        if base is None:
-            raise _fail(source, "base_model", f"required: {mk_method} merges deltas from a "
-                                              "base model")
-        if facts.no_base != "self":
-            entries = [e for e in entries if not _same_model(e[1], base)]
-        if method == "slerp" and settings.get("t") is None:
-            raise _fail(source, "parameters.t", "required by slerp (0 gives the base, 1 the "
-                                                "other model)")
-        if method == "slerp" and len(entries) != 1:
-            raise _fail(source, models_key, "slerp takes the base model and exactly one other "
-                                          f"model, got {len(entries)} others")
-        if not entries:
-            raise _fail(source, models_key, "lists only the base model; nothing to merge")
+    if method == "slerp" and settings.get("t") is None:
+        raise _fail(source, "parameters.t", "required by slerp (0 gives the base, 1 the "
+                                            "other model)")
+    if method == "slerp" and len(entries) != 1:
+        raise _fail(source, models_key, "slerp takes the base model and exactly one other "
+                                        f"model, got {len(entries)} others")
+    if not entries:
+        raise _fail(source, models_key, "lists only the base model; nothing to merge")
+    return base, entries
 
-    if facts.unweighted and default_weight is None:
-        default_weight = 1.0
-    taken: set[str] = {"base"}  # the plan's name for the base (config/checks.py check_unique_names)
+
+def _linear_base(base: str, entries: list, parameters: dict[str, Any], default_weight, source: str) -> list:
+    """mergekit's linear merge averages the base too: its listed weight, or the global one."""
+    listed = [e for e in entries if _same_model(e[1], base)]
+    entries = [e for e in entries if not _same_model(e[1], base)]
+    if listed:
+        key, _, base_params = listed[0]
+        parameters["base_weight"] = _weight(base_params, default_weight, key, source)
+        if not entries:  # the base alone: itself at weight 0 is the expert (adds 0)
+            entries = [(key, base, {"weight": 0.0})]
+    elif default_weight is not None:
+        # mergekit adds the unlisted base as a source; only the global weight applies
+        parameters["base_weight"] = default_weight
+    else:
+        raise _fail(source, "base_model", "mergekit's linear merge also averages the "
+                                          "base model; list it in models with a weight")
+    return entries
+
+
+def _experts(entries: list, adapters: dict[str, str], base: str, method: str, default_weight,
+             source: str) -> list[dict[str, Any]]:
+    """The params' expert entries, named after their folders (never "base": the plan's name for it)."""
+    taken: set[str] = {"base"}  # config/checks.py check_unique_names
     experts = []
     for key, path, params in entries:
         expert: dict[str, Any] = {"name": _expert_name(path, taken), "path": path}
@@ -506,25 +573,7 @@ def mergekit_to_params(data: Any, *, source: str = "<mergekit>", output_dir: str
                 if params.get(name) is not None:
                     expert[name] = params[name]
         experts.append(expert)
-
-    for name, value in settings.items():
-        if value is not None:
-            parameters[name] = value
-
-    out["base"] = base
-    out["experts"] = experts
-    out["method"] = method
-    out["parameters"] = parameters
-    out["seed"] = 0
-    out["budget"] = "full"
-    dtype_key = "out_dtype" if data.get("out_dtype") is not None else "dtype"
-    dtype = data.get(dtype_key)
-    out["output"] = {"dir": recipe_output_dir(source) if output_dir is None else output_dir,
-                     "dtype": None if dtype is None else _dtype(dtype, dtype_key, source)}
-    out["output"].update(_tokenizer_output(data, source, paths, base, experts))
-    if recipe is not None:
-        out["output"]["mergekit_config"] = recipe
-    return out
+    return experts
 
 
 def _layer_count(folder: Path) -> int | None:
