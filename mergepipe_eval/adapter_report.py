@@ -114,11 +114,6 @@ def render(results: list[dict], names: list[str]) -> str:
 
 
 def splice(markdown: Path, section: str) -> None:
-    """Replace the section between BEGIN and END in markdown (append it when absent)."""
-    text = markdown.read_text() if markdown.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + section
-    markdown.write_text(text)
+    """Replace this section of `markdown` (between BEGIN and END), or append it."""
+    from mergepipe_eval.report import splice_between
+    splice_between(markdown, section, BEGIN, END)

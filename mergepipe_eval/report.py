@@ -413,3 +413,15 @@ def write_report(results_dir: Path, markdown: Path, plot: Path, summary_path: Pa
             sm_summary, notes=sm_notes.read_text() if sm_notes else "",
             plot_name=os.path.relpath(sm_plot, markdown.parent))
     markdown.write_text(text)
+
+
+def splice_between(markdown: Path, section: str, begin: str, end: str) -> None:
+    """Replace the part of `markdown` from `begin` through `end` with `section` (which carries
+    both markers), or append it when either marker is absent."""
+    text = markdown.read_text() if markdown.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section
+    markdown.write_text(text)

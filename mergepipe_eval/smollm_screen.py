@@ -675,10 +675,6 @@ def render_section(result: dict, notes: str = "", plot_name: str | None = None) 
 
 
 def splice(markdown: Path, section: str) -> None:
-    text = markdown.read_text() if markdown.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    markdown.write_text(text)
+    """Replace this section of `markdown` (between BEGIN and END), or append it."""
+    from mergepipe_eval.report import splice_between
+    splice_between(markdown, section, BEGIN, END)

@@ -362,12 +362,6 @@ def render_section(results: list[tuple[str, dict]], notes: str = "", plot_name: 
 
 
 def splice(markdown: Path, section: str) -> None:
-    """Replace the strategy section of `markdown` (between BEGIN and END), or append it."""
-    text = markdown.read_text() if markdown.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    markdown.write_text(text)
+    """Replace this section of `markdown` (between BEGIN and END), or append it."""
+    from mergepipe_eval.report import splice_between
+    splice_between(markdown, section, BEGIN, END)
