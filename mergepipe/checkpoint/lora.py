@@ -70,6 +70,12 @@ class Delta:
     vector: torch.Tensor | None = None
     embedding: bool = False    # the factors are lora_embedding_A/_B
     transposed: bool = False   # left, right = Aᵀ, Bᵀ (fan_in_fan_out, embeddings)
+    right32: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # every row slab multiplies by all of `right`: made fp32 and contiguous once, not per slab
+        if self.right is not None:
+            object.__setattr__(self, "right32", self.right.float().contiguous())
 
     def peft_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) as PEFT stores them: Δ of the module = scale · B·A (transposed: its transpose)."""
@@ -80,11 +86,11 @@ class Delta:
         import torch
         if self.vector is not None:
             return self.vector[r0:r1].float() * self.scale
-        left, right = self.left[r0:r1].float(), self.right.float()
+        left, right = self.left[r0:r1].float(), self.right32
         kernel = _lora_kernel.load()
         if kernel is not None and left.shape[0] > 0:
             out = torch.empty(left.shape[0], right.shape[1])
-            kernel(left.contiguous(), right.contiguous(), self.scale, out)
+            kernel(left.contiguous(), right, self.scale, out)
             return out
         acc = left[:, 0:1] * right[0:1]
         term = torch.empty_like(acc)

@@ -112,7 +112,7 @@ class AdapterSums:
         delta = self.adapters[expert].adapter.deltas.get(name)
         if delta is None:
             return None
-        return delta.left[r0:r1].float().contiguous(), delta.right.float().contiguous(), delta.scale
+        return delta.left[r0:r1].float().contiguous(), delta.right32, delta.scale
 
 
 def summed_kernel(state, name: str) -> object | None:
