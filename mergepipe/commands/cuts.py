@@ -12,7 +12,7 @@ from mergepipe.index import extra_cuts
 from mergepipe.index.records import DeltaIndex, ModelIndex
 from mergepipe.index.store import Store, cache_write_error
 from mergepipe.plan.cut_ranks import wanted_cuts
-from mergepipe.plan.record import plan_json
+from mergepipe.plan.record import PlanRecord, plan_json
 
 
 def expert_cuts(store: Store, base: Checkpoint, base_index: ModelIndex,
@@ -55,18 +55,13 @@ def config_cuts(plan_like: dict, store: Store, base: Checkpoint, base_index: Mod
     return record, deltas
 
 
-def _plan_json(plan) -> dict:
-    """A plan's JSON form (a PlanRecord's, or the form itself)."""
-    return plan if isinstance(plan, dict) else plan_json(plan)
-
-
-def plan_cuts(plan, store: Store, base: Checkpoint, base_index: ModelIndex,
+def plan_cuts(plan: PlanRecord, store: Store, base: Checkpoint, base_index: ModelIndex,
               experts: dict[str, tuple[Checkpoint, ModelIndex, DeltaIndex]], where: str, *,
               threads: int = 2) -> dict[str, DeltaIndex]:
     """Every expert's delta index with the cuts `plan` was made with, found or made again (a
     function of the inputs: a replay's fresh store makes them), each matched against the plan's
     record. Raises IntegrityError where they differ, or the plan records cuts it does not need."""
-    doc = _plan_json(plan)
+    doc = plan_json(plan)
     recorded = doc.get("cuts")
     made, deltas = config_cuts(doc, store, base, base_index, experts, threads=threads)
     if made != recorded:
