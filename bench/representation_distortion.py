@@ -46,6 +46,7 @@ from mergepipe.index import groupquant as gq  # noqa: E402
 from mergepipe.index import sketch  # noqa: E402
 from mergepipe.index.scan import _decode  # noqa: E402
 from mergepipe.index.store import Store  # noqa: E402
+from mergepipe.plan.strategies import quant  # noqa: E402
 from mergepipe.plan.strategies.registry import Candidate, PlanContext  # noqa: E402
 from mergepipe.plan.strategies.sketch import SketchParams  # noqa: E402
 from mergepipe.plan.strategies.sketch import select as sketch_select  # noqa: E402
@@ -54,6 +55,7 @@ from mergepipe.units import parse_bytes  # noqa: E402
 SPECS = [gq.Spec(b, g) for b in gq.BITS for g in gq.GROUPS]
 DENSITY = 0.5
 SKETCH = "sketch"
+QUANT = "quant"  # the per-block allocation over every kind
 UNTRIMMED = {SKETCH}  # kinds TIES leaves untrimmed (--untrimmed: every kind)
 
 
@@ -128,8 +130,9 @@ def candidates(base, base_index, experts, reps) -> tuple[list[Candidate], dict]:
     return cands, residual
 
 
-def selections(cands, residual, budgets: dict[str, int], names: list[str]) -> dict:
-    """(budget, representation) -> {(expert, tensor, block): 'full' | rep}; `energy`: whole blocks."""
+def selections(cands, residual, budgets: dict[str, int], names: list[str], times: dict | None = None) -> dict:
+    """(budget, representation) -> {(expert, tensor, block): 'full' | rep}; `energy`: whole blocks;
+    `quant`: a kind per block (plan/strategies/quant.py), its planning seconds in `times`."""
     out = {}
     for label, nbytes in budgets.items():
         chosen, used = {}, 0
@@ -147,7 +150,26 @@ def selections(cands, residual, budgets: dict[str, int], names: list[str]) -> di
                 if full or sk:
                     got[(c.expert, c.tensor, c.block)] = "full" if full else rep
             out[(label, rep)] = got
+        out[(label, QUANT)], took = _allocated(cands, residual, nbytes)
+        if times is not None:
+            times[label] = took
     return out
+
+
+def _allocated(cands, residual, nbytes: int) -> tuple[dict, float]:
+    """plan/strategies/quant.py's rate-distortion allocation over every kind (weights 1), and
+    its seconds."""
+    options = {(c.expert, c.tensor, c.block): [quant.Option(r, table[(c.expert, c.tensor, c.block)][1],
+                                                            table[(c.expert, c.tensor, c.block)][0])
+                                                for r, table in residual.items()] for c in cands}
+    t0 = time.perf_counter()
+    chosen = quant.allocate(cands, options, nbytes, dict.fromkeys(options, 1.0))
+    took = time.perf_counter() - t0
+    got = {}
+    for c, ch in zip(cands, chosen, strict=True):
+        if ch.kind != quant.NOTHING:
+            got[(c.expert, c.tensor, c.block)] = "full" if ch.kind == quant.EXACT else ch.kind
+    return got, took
 
 
 def _ties(terms: list[np.ndarray]) -> np.ndarray:
@@ -308,7 +330,9 @@ def main() -> int:
         cands, residual = candidates(base, base_index, experts, reps)
         full = sum(c.cost for c in cands)
         budgets = {b: int(full * float(b.rstrip("%")) / 100) for b in args.budgets.split(",")}
-        sels = selections(cands, residual, budgets, list(experts))
+        plan_times: dict = {}
+        sels = selections(cands, residual, budgets, list(experts), plan_times)
+        times["quant_allocation"] = {k: round(v, 4) for k, v in plan_times.items()}
         delta_err, errs = measure(base, base_index, experts, reps, sels)
         out = report(args, base, base_index, experts, cands, residual, sels, delta_err, errs, times)
         for opened in reps.values():

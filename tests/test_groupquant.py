@@ -268,9 +268,10 @@ def test_the_distortion_bench_orders_the_kinds_and_a_full_budget_is_the_plain_me
         chain = [delta_err[gq.Spec(b, g).name] for b in gq.BITS]
         assert chain == sorted(chain, reverse=True) and chain[-1] < 0.01
     assert delta_err["gq2g64"] < delta_err["sketch"]
+    assert len({v for v in sels[("25%", rd.QUANT)].values()}) > 1  # the allocation mixes kinds
     cost = {(c.expert, c.tensor, c.block): c.cost for c in cands}
     for (label, rep), sel in sels.items():
-        spent = sum(cost[k] if v == "full" else residual[rep][k][1] for k, v in sel.items())
+        spent = sum(cost[k] if v == "full" else residual[v][k][1] for k, v in sel.items())  # quant: a kind per block
         assert spent <= budgets[label]
         if label == "100%":
             assert set(sel.values()) == {"full"} and len(sel) == len(cands)
