@@ -28,6 +28,7 @@ sign election by the weighted sum and the disjoint mean, as methods/ties.py. Als
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import platform
 import subprocess
@@ -73,7 +74,7 @@ def build_representations(root: Path, base, base_index, experts) -> tuple[dict, 
     """Every expert's sketch and its 8 group-quantized files (one scan for all 8); the scan times."""
     from mergepipe.methods import _ckernels
     bf16_scan = getattr(_ckernels.load(), "sketch_bf16", None)
-    times = {"sketch": 0.0, "gq4g128_alone": 0.0, "gq_all8_one_scan": 0.0}
+    times = {"sketch": 0.0, "gq4g128_alone": 0.0, "gq_all8_one_scan": 0.0}  # all8: every kind in SPECS
     for s in SPECS:  # load the compiled kernels (numba's cache) before timing: once per process
         gq.quantize(np.ones(8, np.float32), s)
     opened: dict[str, dict] = {}
@@ -300,7 +301,8 @@ def report(args, base, base_index, experts, cands, residual, sels, delta_err, er
         budgets.setdefault(label, {})[rep] = {"predicted_ta_bound": round(bound, 5), "predicted_ta_rms": round(rms, 5),
             "ta_rel_err": round(errs.rel((label, rep), "ta"), 5),
             "ties_rel_err": round(errs.rel((label, rep), "ties"), 5),
-            "blocks_full": n_full, "blocks_as_representation": len(sel) - n_full}
+            "blocks_full": n_full, "blocks_as_representation": len(sel) - n_full,
+            "blocks_by_kind": dict(sorted(Counter(sel.values()).items()))}
     return {"commit": _commit(), "command": " ".join(sys.argv), "machine": platform.platform(),
             "base": str(args.base), "experts": [str(p) for p in args.experts], "block_bytes": args.block_bytes,
             "dtypes": sorted({base.tensors[c.tensor].dtype for c in cands}), "candidates": len(cands),
@@ -319,7 +321,11 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--untrimmed", action="store_true",
                     help="TIES leaves every representation untrimmed (default: only the sketch, as the engine)")
+    ap.add_argument("--kinds", help="group-quantized kinds to make, comma-separated (default: all eight), e.g. "
+                    "gq1g128,gq2g128,gq4g128,gq8g128: the scan then writes only those")
     args = ap.parse_args()
+    if args.kinds:
+        SPECS[:] = [s for s in SPECS if s.name in args.kinds.split(",")]
     if args.untrimmed:
         UNTRIMMED.update(s.name for s in SPECS)
     args.block_bytes = parse_bytes(args.block_bytes)
