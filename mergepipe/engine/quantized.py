@@ -3,11 +3,12 @@ bytes, as the torch path sees them: the same interface as engine/sketched.py's R
 (payloads read on a reader thread with their unit, handed to the block that merges them as an
 fp32 delta, each counted once in `bytes_read`, the block's group-quantized cost).
 
-A decoded block is an ordinary fp32 delta to the method: TIES/DARE/Breadcrumbs trim and elect
-signs on the decoded values (a midrise quantizer has no zero level, so only a group whose
-scale is 0 decodes to zeros; the trims' magnitude order is the decoded magnitudes', ties
-inside a group broken as for any delta). No compiled-kernel entries: such a block is merged
-on the torch path.
+A decoded block is an ordinary fp32 delta to the method: TIES/Breadcrumbs trim it by its
+tensor's magnitude cut of the exact delta (the index's rank cut, as for a full read) applied to
+the decoded values and elect signs on what is left; DARE drops and rescales decoded elements (a
+midrise quantizer has no zero level, so only a group whose scale is 0 decodes to zeros, and a
+decoded block is trimmed like a dense one, unlike a sketch). No compiled-kernel entries: such a
+block is merged on the torch path.
 
 Not yet called by the engine: engine/sketched.py's hook is to hand `delta` to the torch path
 once the plan records the quantized blocks (plan/strategies/quant.py).
