@@ -6,6 +6,7 @@ error of the merged delta is the measured one (one expert: exactly, up to roundi
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from mergepipe.checkpoint.safetensors import ITEMSIZE, CheckpointReader
 from mergepipe.engine.quantized import Quantized
+from mergepipe.errors import ConfigError, IntegrityError
 from mergepipe.index import groupquant as gq
 from mergepipe.index.scan import _decode
 from mergepipe.index.store import Store
@@ -142,10 +144,9 @@ def test_on_real_files_the_prediction_is_the_merged_error_and_the_bytes_are_the_
         assert kinds & {s.name for s in SPECS}, kinds  # the representations are used below full
     else:
         assert kinds == {quant.EXACT}
-    blocks: dict = {}
-    for c, ch in zip(cands, chosen):
-        if ch.kind not in (quant.NOTHING, quant.EXACT):
-            blocks.setdefault("e1", {}).setdefault(c.tensor, {})[c.block] = ch.kind
+    recorded = json.loads(json.dumps(quant.record_blocks(cands, chosen)))  # as a plan file holds it
+    blocks = quant.parse_blocks(recorded, ["e1"], {n: len(e.ranges) for n, e in base_index.tensors.items()}, "p.json")
+    assert sum(map(len, blocks.get("e1", {}).values())) == sum(ch.kind in quant.KINDS for ch in chosen)
     reader = Quantized(blocks, {"e1": files})
     err = 0.0
     for c, ch in zip(cands, chosen):  # task arithmetic with one expert at lambda 1: merged delta error
@@ -160,5 +161,41 @@ def test_on_real_files_the_prediction_is_the_merged_error_and_the_bytes_are_the_
             err += float(np.sum((np.where(np.isfinite(d), d, 0) - got).astype(np.float64) ** 2))
     assert reader.bytes_read == sum(ch.cost for ch in chosen if ch.kind not in (quant.NOTHING, quant.EXACT))
     assert err == pytest.approx(quant.predicted_error_sq(cands, chosen, weight), rel=1e-5, abs=1e-12)
+    for f in files.values():
+        f.close()
+
+
+@pytest.mark.parametrize("raw, says", [
+    ([], "plan key strategy.quant.blocks: expected a mapping"),
+    ({"zz": {}}, "strategy.quant.blocks.zz: not an expert"),
+    ({"a": []}, "strategy.quant.blocks.a: not an expert"),
+    ({"a": {"nope": [[0, "gq4g64"]]}}, "strategy.quant.blocks.a.nope: the base has no such tensor"),
+    ({"a": {"t": []}}, "strategy.quant.blocks.a.t: expected a non-empty list"),
+    ({"a": {"t": [[0, "gq3g64"]]}}, "strategy.quant.blocks.a.t: [0, 'gq3g64'] is not [block, kind]"),
+    ({"a": {"t": [[4, "gq4g64"]]}}, "blocks increasing below 4"),
+    ({"a": {"t": [[-1, "gq4g64"]]}}, "is not [block, kind]"),
+    ({"a": {"t": [[1, "gq4g64"], [1, "gq8g64"]]}}, "[1, 'gq8g64'] is not"),
+    ({"a": {"t": [[True, "gq4g64"]]}}, "[True, 'gq4g64'] is not"),
+    ({"a": {"t": [[0.0, "gq4g64"]]}}, "is not [block, kind]"),
+    ({"a": {"t": [[0, "gq4g64", 1]]}}, "is not [block, kind]"),
+    ({"a": {"t": [[0, "sketch"]]}}, "is not [block, kind]"),  # sketches are strategy.sketch.blocks
+])
+def test_a_hostile_plan_field_is_refused_in_one_line(raw, says):
+    with pytest.raises(ConfigError) as e:
+        quant.parse_blocks(raw, ["a", "b"], {"t": 4}, "plan.json")
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and msg.startswith("plan.json: ")
+    good = quant.parse_blocks({"a": {"t": [[0, "gq4g64"], [3, "gq1g128"]]}}, ["a"], {"t": 4}, "plan.json")
+    assert good == {"a": {"t": {0: "gq4g64", 3: "gq1g128"}}}
+
+
+def test_the_decode_refuses_a_kind_its_files_lack(tiny_family, tmp_path):
+    _, _, files, cands, _ = _real(tiny_family, tmp_path)
+    c = cands[0]
+    held = {"e1": {n: f for n, f in files.items() if n != "gq4g128"}}
+    for expert, block, kind in [("e1", c.block, "gq4g128"), ("e2", c.block, "gq4g64"), ("e1", 999, "gq4g64")]:
+        with pytest.raises(IntegrityError, match=f"expert '{expert}' tensor '{c.tensor}' block {block} as {kind},"):
+            Quantized({expert: {c.tensor: {block: kind}}}, held)
+    assert Quantized({"e1": {c.tensor: {c.block: "gq4g64"}}}, held)
     for f in files.values():
         f.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.checkpoint.safetensors import TensorInfo
+from mergepipe.errors import IntegrityError
 from mergepipe.index.groupquant import block_cost
 
 Key = tuple[str, str, int]  # (expert, tensor, block)
@@ -27,15 +28,16 @@ class Quantized:
     """The plan's group-quantized blocks and their opened files.
 
     `blocks`: expert -> tensor -> block -> kind (a Spec name, e.g. gq4g64); `stores`: expert ->
-    kind -> index.groupquant.GroupQuant. A kind the expert has no file for is a KeyError at
-    construction (the plan and the files disagree)."""
+    kind -> index.groupquant.GroupQuant. A kind the expert has no file for is an IntegrityError
+    at construction, naming expert, tensor, block and kind (the plan and the files disagree)."""
 
     def __init__(self, blocks: dict[str, dict[str, dict[int, str]]], stores: dict[str, dict]) -> None:
         self.by_tensor: dict[str, dict[str, dict[int, object]]] = {}  # tensor -> expert -> block -> file
         for expert, per in blocks.items():
             for tensor, kinds in per.items():
                 if kinds:
-                    self.by_tensor.setdefault(tensor, {})[expert] = {b: stores[expert][k] for b, k in kinds.items()}
+                    self.by_tensor.setdefault(tensor, {})[expert] = {b: _file(stores, expert, tensor, b, k)
+                                                                     for b, k in kinds.items()}
         self.bytes_read = 0
         self._pending: dict[Key, np.ndarray] = {}
 
@@ -69,3 +71,11 @@ class Quantized:
         got = self._pending.pop((expert, tensor, b), None)
         self.bytes_read += block_cost(n, q.spec)
         return got if got is not None else q.delta(tensor, b, n)
+
+
+def _file(stores: dict[str, dict], expert: str, tensor: str, b: int, kind: str):
+    q = stores.get(expert, {}).get(kind)
+    if q is None or not q.has(tensor, b):
+        raise IntegrityError(f"the plan reads expert {expert!r} tensor {tensor!r} block {b} as {kind}, which its "
+                             "group-quantized files do not hold")
+    return q

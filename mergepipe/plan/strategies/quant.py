@@ -25,14 +25,20 @@ Deterministic: a function of the candidates (whose order does not depend on the 
 order), their options, the budget and the weights; budget-sound: the chosen options' costs,
 the bytes the engine reads, never sum past the budget.
 
-Not yet registered: the plan's record of the chosen kinds, its validation, and the engine's
-read of a quantized block (engine/quantized.py decodes one) are still to be wired.
+The plan's compact record of the quantized blocks is `strategy.quant.blocks`: expert -> tensor
+-> [[block, kind], ...] (record_blocks; read back, as untrusted input, by parse_blocks). Not yet
+registered: the planner's and plan/record.py's use of that field and the engine's call of the
+decode (engine/quantized.py) are still to be wired.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from mergepipe.errors import ConfigError
+from mergepipe.index.groupquant import BITS, GROUPS, Spec
 from mergepipe.plan.strategies.registry import Candidate, PlanContext
+
+KINDS = frozenset(Spec(b, g).name for b in BITS for g in GROUPS)  # what a plan may record
 
 EXACT = "exact"
 NOTHING = ""
@@ -145,3 +151,48 @@ def predicted_error_sq(cands: list[Candidate], chosen: list[Choice],
     """The predicted squared error of the merged weights, sum of w e^2 r over the candidates
     (the allocation's objective), in the candidates' order."""
     return sum(weight.get(_key(c), 0.0) * ch.r2 for c, ch in zip(cands, chosen))
+
+
+def record_blocks(cands: list[Candidate], chosen: list[Choice]) -> dict[str, dict[str, list[list]]]:
+    """The plan's compact record of the group-quantized blocks: expert -> tensor -> [[block,
+    kind], ...], sorted by expert, tensor and block (full reads go to `reads`, sketches to
+    `strategy.sketch.blocks`, as for `sketch`)."""
+    out: dict[str, dict[str, list[list]]] = {}
+    for c, ch in zip(cands, chosen):
+        if ch.kind in KINDS:
+            out.setdefault(c.expert, {}).setdefault(c.tensor, []).append([c.block, ch.kind])
+    return {e: {t: sorted(bs) for t, bs in sorted(per.items())} for e, per in sorted(out.items())}
+
+
+def parse_blocks(raw: object, experts: list[str], blocks_of: dict[str, int], where: str
+                 ) -> dict[str, dict[str, dict[int, str]]]:
+    """A plan's `strategy.quant.blocks` (untrusted) as expert -> tensor -> block -> kind: a
+    mapping of known experts to mappings of the base's tensors (`blocks_of`: tensor -> its
+    block count) to [block, kind] pairs, blocks strictly increasing and inside the tensor,
+    kinds one of KINDS. Anything else is a ConfigError naming the key."""
+    key = "strategy.quant.blocks"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: plan key {key}: expected a mapping of expert names")
+    out: dict[str, dict[str, dict[int, str]]] = {}
+    for expert, per in raw.items():
+        if expert not in experts or not isinstance(per, dict):
+            raise ConfigError(f"{where}: plan key {key}.{expert}: not an expert of the plan with a mapping of tensors")
+        out[expert] = {t: _pairs(pairs, blocks_of.get(t), f"{where}: plan key {key}.{expert}.{t}")
+                       for t, pairs in per.items()}
+    return out
+
+
+def _pairs(pairs: object, n_blocks: int | None, at: str) -> dict[int, str]:
+    if n_blocks is None:
+        raise ConfigError(f"{at}: the base has no such tensor")
+    if not isinstance(pairs, list) or not pairs:
+        raise ConfigError(f"{at}: expected a non-empty list of [block, kind]")
+    out: dict[int, str] = {}
+    last = -1
+    for p in pairs:
+        ok = isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], str)
+        if not ok or not last < p[0] < n_blocks or p[1] not in KINDS:
+            raise ConfigError(f"{at}: {p!r} is not [block, kind] with blocks increasing below {n_blocks} and "
+                              f"kind one of {', '.join(sorted(KINDS))}")
+        out[p[0]], last = p[1], p[0]
+    return out
