@@ -98,12 +98,13 @@ def test_calibrated_weights_scale_the_distortion():
 SPECS = [gq.Spec(1, 64), gq.Spec(2, 128), gq.Spec(4, 64), gq.Spec(8, 128)]
 
 
-def _real(tiny_family, tmp_path):
-    """Expert 1 of the tiny family: its candidates, its blocks' fp32 deltas, its opened files."""
+def _real(tiny_family, tmp_path, k: int = 1):
+    """Expert k of the tiny family (named e<k>): its candidates, its blocks' fp32 deltas, its
+    opened files."""
     store = Store(tmp_path / "cache")
     root = tiny_family["root"]
     base, base_index = store.model_index(root / "base", block_bytes=16 << 10)
-    expert, index = store.model_index(root / "expert_1", block_bytes=16 << 10)
+    expert, index = store.model_index(root / f"expert_{k}", block_bytes=16 << 10)
     delta = store.delta_index(base, base_index, expert, index)
     paths = {s: gq.cache_path(tmp_path / "gq", index.content_hash, base_index.content_hash, base_index.layout.key, s)
              for s in SPECS}
@@ -124,7 +125,7 @@ def _real(tiny_family, tmp_path):
                      - _decode(br.read_rows(name, r0, r1), t.dtype, np.empty(n, np.float32)))
                 deltas[(name, b)] = d
                 l2 = float(np.sqrt(np.sum(d.astype(np.float64) ** 2)))
-                cands.append(Candidate(-l2 / (n * ITEMSIZE[t.dtype]), name, r0, index.content_hash, "e1", b,
+                cands.append(Candidate(-l2 / (n * ITEMSIZE[t.dtype]), name, r0, index.content_hash, f"e{k}", b,
                                        n * ITEMSIZE[t.dtype], l2, l2))
     cands.sort()
     return base, base_index, files, cands, deltas
@@ -199,3 +200,44 @@ def test_the_decode_refuses_a_kind_its_files_lack(tiny_family, tmp_path):
     assert Quantized({"e1": {c.tensor: {c.block: "gq4g64"}}}, held)
     for f in files.values():
         f.close()
+
+
+PREDICTION_TOLERANCE = 0.005  # |predicted - measured| relative error, three experts (docs/budgets.md)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.10, 0.25, 0.5])
+def test_the_predicted_relative_error_tracks_the_measured_one_for_three_experts(tiny_family, tmp_path, share):
+    """Task arithmetic (lambda 1) over the tiny family's three experts: the plan's uncorrelated
+    estimate against the merged update's measured relative error."""
+    cands, files, deltas = [], {}, {}
+    for k in range(3):
+        _, _, f, c, d = _real(tiny_family, tmp_path, k)
+        cands += c
+        files[f"e{k}"] = list(f.values())
+        deltas.update({(f"e{k}", *key): v for key, v in d.items()})
+    cands.sort()
+    options = quant.options_of(cands, files)
+    weight = {(c.expert, c.tensor, c.block): 1.0 for c in cands}
+    chosen = quant.allocate(cands, options, int(share * sum(c.cost for c in cands)), weight)
+    decoded = {(c.expert, c.tensor, c.block): ch.kind for c, ch in zip(cands, chosen)}
+    by_kind = {(e, q.spec.name): q for e, qs in files.items() for q in qs}
+    err = ref = 0.0
+    for tensor, block in sorted({(c.tensor, c.block) for c in cands}):
+        exact, got = 0.0, 0.0
+        for e in files:
+            d = deltas.get((e, tensor, block))
+            if d is None:
+                continue
+            d = np.where(np.isfinite(d), d, 0).astype(np.float64)
+            kind = decoded[(e, tensor, block)]
+            exact = exact + d
+            got = got + (d if kind == quant.EXACT else 0.0 if kind == quant.NOTHING
+                         else by_kind[(e, kind)].delta(tensor, block, d.size).astype(np.float64))
+        err += float(np.sum((got - exact) ** 2))
+        ref += float(np.sum(exact ** 2))
+    measured = (err / ref) ** 0.5
+    predicted = quant.predicted_relative_error(cands, chosen, weight)
+    assert 0 < measured < 1 and abs(predicted - measured) <= PREDICTION_TOLERANCE, (predicted, measured)
+    for qs in files.values():
+        for q in qs:
+            q.close()

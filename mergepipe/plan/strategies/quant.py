@@ -153,6 +153,14 @@ def predicted_error_sq(cands: list[Candidate], chosen: list[Choice],
     return sum(weight.get(_key(c), 0.0) * ch.r2 for c, ch in zip(cands, chosen))
 
 
+def predicted_relative_error(cands: list[Candidate], chosen: list[Choice],
+                             weight: dict[tuple[str, str, int], float]) -> float:
+    """The predicted error of the merged weights relative to the merged update, the
+    uncorrelated estimate sqrt(sum w e^2 r / sum w e^2 ||delta||^2) (0 with no update)."""
+    ref = sum(weight.get(_key(c), 0.0) * c.l2 * c.l2 for c in cands)
+    return (predicted_error_sq(cands, chosen, weight) / ref) ** 0.5 if ref > 0 else 0.0
+
+
 def record_blocks(cands: list[Candidate], chosen: list[Choice]) -> dict[str, dict[str, list[list]]]:
     """The plan's compact record of the group-quantized blocks: expert -> tensor -> [[block,
     kind], ...], sorted by expert, tensor and block (full reads go to `reads`, sketches to
